@@ -1,0 +1,178 @@
+"""Page geometry: where each object of a KV page lies in the host pool.
+
+SGLang's ``get_page_buffer_meta`` walks pages in a Python loop on every
+call. Its pointer formula is affine in the page's first token slot::
+
+    ptr(slot, part) = base[part] + slot * token_stride
+
+for every layout we accept, so it is sampled once at registration (first,
+second and last page), checked, and then evaluated with numpy for a whole
+batch. Sampling the pool's own method keeps us right across SGLang releases
+whose formulas differ, instead of re-deriving each one.
+
+Objects larger than SiMM's value limit are cut into equal chunks, which are
+just more parts with their own base offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from sglang_simm.errors import MAX_VALUE_BYTES, UnsupportedPoolError
+
+#: Layouts whose page objects are contiguous and affine in the slot index.
+SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
+
+_LAYOUT_FIX = (
+    "start SGLang with --hicache-mem-layout page_first (or page_first_direct; "
+    "page_head for heterogeneous TP)"
+)
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """How one page of the pool maps onto SiMM objects."""
+
+    page_size: int
+    #: pages the pool holds
+    num_pages: int
+    #: bytes between the starts of two consecutive token slots
+    token_stride: int
+    #: byte address of each object of slot 0, in part order
+    base: np.ndarray
+    #: byte size of each object, in part order
+    sizes: np.ndarray
+    #: chunks each pool object was cut into (1: none)
+    chunks: int
+    #: bytes of one unchunked object, as the pool reports it
+    object_bytes: tuple[int, ...]
+
+    @property
+    def parts(self) -> int:
+        return int(self.base.shape[0])
+
+    @property
+    def page_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def pointers(self, first_slots: np.ndarray) -> np.ndarray:
+        """Object addresses for pages starting at ``first_slots``, page-major."""
+        return (first_slots[:, None] * self.token_stride + self.base[None, :]).ravel()
+
+    def object_ids(self, pages: np.ndarray) -> np.ndarray:
+        """Indices into a per-pool table of objects, page-major."""
+        return (pages[:, None] * self.parts + np.arange(self.parts)[None, :]).ravel()
+
+
+def chunk_count(object_bytes: int, limit: int = MAX_VALUE_BYTES) -> int:
+    return -(-object_bytes // limit)
+
+
+def derive_geometry(
+    meta: Callable[[Any], tuple[list[int], list[int]]],
+    *,
+    page_size: int,
+    pool_tokens: int,
+    buffer_start: int,
+    buffer_bytes: int,
+    make_indices: Callable[[int, int], Any],
+    value_limit: int = MAX_VALUE_BYTES,
+) -> PageGeometry:
+    """Sample ``meta`` (the pool's ``get_page_buffer_meta``) and fit the
+    affine model; raise UnsupportedPoolError when the pool does not follow it.
+
+    ``make_indices(start, stop)`` builds the index tensor ``meta`` expects,
+    so this module needs no torch.
+    """
+    num_pages = pool_tokens // page_size
+    if num_pages < 1:
+        raise UnsupportedPoolError(
+            f"host pool holds {pool_tokens} token slots, fewer than one page of {page_size}"
+        )
+    probes = sorted({0, min(1, num_pages - 1), num_pages - 1})
+    sampled: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for page in probes:
+        start = page * page_size
+        ptrs, sizes = meta(make_indices(start, start + page_size))
+        sampled[page] = (np.asarray(ptrs, dtype=np.int64), np.asarray(sizes, dtype=np.int64))
+    base, sizes = sampled[0]
+    if base.size == 0 or np.any(sizes <= 0):
+        raise UnsupportedPoolError("the host pool reported no objects for a page")
+
+    if num_pages > 1:
+        delta = sampled[1][0] - base
+        token_stride = int(delta[0]) // page_size
+        if np.any(delta != token_stride * page_size):
+            raise UnsupportedPoolError(
+                "the host pool's page objects do not move together from page to page; "
+                + _LAYOUT_FIX
+            )
+    else:
+        token_stride = 0
+    for page, (ptrs, psizes) in sampled.items():
+        expected = base + page * page_size * token_stride
+        if ptrs.shape != base.shape or np.any(ptrs != expected) or np.any(psizes != sizes):
+            raise UnsupportedPoolError(
+                f"page {page} of the host pool does not follow the layout of page 0; "
+                + _LAYOUT_FIX
+            )
+
+    # Every object of the last page inside the buffer: then every page is.
+    last = base + (num_pages - 1) * page_size * token_stride
+    if np.any(base < buffer_start) or np.any(last + sizes > buffer_start + buffer_bytes):
+        raise UnsupportedPoolError(
+            "the host pool's page objects lie outside its kv_buffer "
+            f"(buffer {buffer_bytes} bytes at {buffer_start:#x})"
+        )
+    if num_pages > 1 and token_stride * page_size < int(sizes.max()):
+        raise UnsupportedPoolError(
+            "the host pool's page objects overlap the next page; " + _LAYOUT_FIX
+        )
+
+    object_bytes = tuple(int(s) for s in sizes)
+    chunks = max(chunk_count(s, value_limit) for s in object_bytes)
+    if chunks > 1:
+        base, sizes = _split(base, sizes, chunks)
+    return PageGeometry(
+        page_size=page_size,
+        num_pages=num_pages,
+        token_stride=token_stride,
+        base=base,
+        sizes=sizes,
+        chunks=chunks,
+        object_bytes=object_bytes,
+    )
+
+
+def _split(base: np.ndarray, sizes: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut every object into ``chunks`` adjacent pieces of near-equal size."""
+    new_base, new_sizes = [], []
+    for b, s in zip(base.tolist(), sizes.tolist()):
+        step = -(-s // chunks)
+        for i in range(chunks):
+            lo = i * step
+            hi = min(s, lo + step)
+            new_base.append(b + lo)
+            new_sizes.append(hi - lo)
+    return np.asarray(new_base, dtype=np.int64), np.asarray(new_sizes, dtype=np.int64)
+
+
+def page_starts(host_indices: np.ndarray, page_size: int, num_keys: int) -> np.ndarray | None:
+    """First slot of each page, or None when ``host_indices`` is not
+    ``num_keys`` whole, contiguous, page-aligned pages.
+
+    The check is vectorised; a misaligned batch is a controller bug we
+    refuse to act on rather than read or write the wrong slots.
+    """
+    if host_indices.ndim != 1 or host_indices.shape[0] != num_keys * page_size:
+        return None
+    pages = host_indices.reshape(num_keys, page_size)
+    starts = pages[:, 0]
+    if np.any(starts % page_size):
+        return None
+    if page_size > 1 and np.any(pages != starts[:, None] + np.arange(page_size)[None, :]):
+        return None
+    return starts

@@ -1,0 +1,183 @@
+"""Object keys: which SiMM key holds which part of which KV page.
+
+Pure functions, no I/O. A page's object key is always::
+
+    prefix + page_hash + part_suffix
+
+so a batch of keys is built with one string concatenation per object, and the
+two schemes differ only in how ``prefix`` and the suffixes are made.
+
+``namespaced`` (default): the prefix carries a fingerprint of everything that
+gives a page's bytes their meaning (model, parallel layout, page geometry,
+dtype, memory layout, tag). Any mismatch between two servers sharing a
+cluster is then a miss, never a wrong page.
+
+``legacy``: byte-for-byte the keys of SGLang's in-tree ``HiCacheSiMM``
+(``{tag}_{hash}_{tp_rank}[_{pp_rank}]_k|v``, MLA ``{hash}_[{pp_rank}]_k``), so
+a fleet can move over while sharing one cluster. Those keys carry no model,
+TP size or geometry: two models, or one model at two TP sizes, on one cluster
+read each other's pages. Use it only for a migration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Literal, Sequence
+
+from sglang_simm.errors import MAX_KEY_BYTES
+
+KeyScheme = Literal["namespaced", "legacy"]
+KEY_SCHEMES: tuple[str, ...] = ("namespaced", "legacy")
+
+#: Bumped whenever the meaning of a namespaced key changes, so old objects
+#: become misses instead of being misread.
+NAMESPACE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PageIdentity:
+    """Everything that makes a stored page's bytes mean something."""
+
+    model_name: str
+    is_mla: bool
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    page_size: int
+    dtype: str
+    layout: str
+    #: bytes of each object of one page, in part order
+    object_bytes: tuple[int, ...]
+    extra_backend_tag: str | None = None
+    attn_cp_size: int = 1
+    attn_cp_rank: int = 0
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    #: heterogeneous-TP sharing: heads are stored in ``tp_lcm_size`` groups
+    tp_lcm_size: int | None = None
+    #: what the page holds: "kv", or a hybrid side pool's name
+    pool: str = "kv"
+
+    @property
+    def split_factor(self) -> int:
+        """How many head groups of ``tp_lcm_size`` one rank holds (1: no split)."""
+        if self.tp_lcm_size and not self.is_mla and self.tp_lcm_size > self.tp_size:
+            return self.tp_lcm_size // self.tp_size
+        return 1
+
+
+def fingerprint(identity: PageIdentity) -> str:
+    """16 hex digits over the identity fields that decide a page's bytes.
+
+    Ranks that hold identical bytes must get the same fingerprint, so the
+    fields are normalised first: MLA pages are replicated across TP ranks
+    (no TP in the fingerprint); split-head pages are named by their head
+    group in the suffix instead (no TP rank or size, only ``tp_lcm_size``).
+    """
+    fields = asdict(identity)
+    fields["v"] = NAMESPACE_VERSION
+    if identity.is_mla:
+        fields["tp_size"] = fields["tp_rank"] = None
+        fields["tp_lcm_size"] = None
+    elif identity.split_factor > 1:
+        fields["tp_size"] = fields["tp_rank"] = None
+    else:
+        fields["tp_lcm_size"] = None
+    if identity.pp_size <= 1:
+        fields["pp_rank"] = 0
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest()
+
+
+def namespaced_prefix(identity: PageIdentity) -> str:
+    # The tag leads so an operator can still tell tenants apart by eye.
+    tag = f"{identity.extra_backend_tag}/" if identity.extra_backend_tag else ""
+    return f"{tag}s{NAMESPACE_VERSION}.{fingerprint(identity)}/"
+
+
+def namespaced_suffixes(identity: PageIdentity, chunks: int = 1) -> tuple[str, ...]:
+    """Suffix of every object of one page, in the order the host pool's
+    ``get_page_buffer_meta`` lists them (K then V per head group; MLA one).
+
+    ``chunks`` > 1 when each object is split to fit SiMM's value limit; the
+    chunk index is last because chunks of one object are adjacent in memory.
+    """
+    if identity.is_mla:
+        parts = [".kv"]
+    elif identity.split_factor > 1:
+        first = identity.tp_rank * identity.split_factor
+        parts = []
+        for group in range(first, first + identity.split_factor):
+            head = f".h{group}of{identity.tp_lcm_size}"
+            parts += [f"{head}.k", f"{head}.v"]
+    else:
+        parts = [".k", ".v"]
+    if identity.pool != "kv":
+        parts = [f".{identity.pool}{p}" for p in parts]
+    return _chunked(parts, chunks)
+
+
+def legacy_prefix(identity: PageIdentity) -> str:
+    return f"{identity.extra_backend_tag}_" if identity.extra_backend_tag else ""
+
+
+def legacy_suffixes(identity: PageIdentity, chunks: int = 1) -> tuple[str, ...]:
+    """The in-tree backend's suffixes, reproduced exactly."""
+    if chunks != 1:
+        raise ValueError(
+            "key_scheme 'legacy' cannot split objects over SiMM's value limit: "
+            "the in-tree backend never did; use key_scheme 'namespaced'"
+        )
+    enable_pp = identity.pp_size > 1
+    if identity.is_mla:
+        suffix = f"{identity.pp_rank}" if enable_pp else ""
+        return (f"_{suffix}_k",)
+    suffix = f"{identity.tp_rank}_{identity.pp_rank}" if enable_pp else f"{identity.tp_rank}"
+    return (f"_{suffix}_k", f"_{suffix}_v")
+
+
+def legacy_refusal(identity: PageIdentity) -> str | None:
+    """Why the legacy scheme cannot serve this identity, or None.
+
+    The in-tree backend has no key for these cases; inventing one would
+    not be 'legacy', and reusing its keys would mix different bytes.
+    """
+    if identity.pool != "kv":
+        return f"hybrid side pool {identity.pool!r} has no in-tree key"
+    if identity.split_factor > 1:
+        return "split heads (tp_lcm_size) have no in-tree key"
+    if identity.dcp_size > 1 or identity.attn_cp_size > 1:
+        return "decode/attention context parallelism has no in-tree key"
+    return None
+
+
+def _chunked(parts: Sequence[str], chunks: int) -> tuple[str, ...]:
+    if chunks == 1:
+        return tuple(parts)
+    return tuple(f"{p}.c{i}" for p in parts for i in range(chunks))
+
+
+def object_keys(prefix: str, page_keys: Sequence[str], suffixes: Sequence[str]) -> list[str]:
+    """Flat, page-major list: every suffix of page 0, then page 1, ..."""
+    return [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
+
+
+def max_page_key_bytes(prefix: str, suffixes: Sequence[str]) -> int:
+    """The longest page hash that still gives keys within SiMM's limit."""
+    longest = max(len(s.encode()) for s in suffixes)
+    return MAX_KEY_BYTES - len(prefix.encode()) - longest
+
+
+def key_fits(page_key: object, budget: int) -> bool:
+    """A page hash we can store: a non-empty str whose keys fit the limit.
+
+    ``len`` counts characters; only non-ASCII text needs the byte count.
+    """
+    if not isinstance(page_key, str) or not page_key:
+        return False
+    if len(page_key) > budget:
+        return False
+    return page_key.isascii() or len(page_key.encode()) <= budget

@@ -1,0 +1,88 @@
+"""Geometry fitting and index checks (pure; real pools are in the backend tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sglang_simm.errors import UnsupportedPoolError
+from sglang_simm.geometry import derive_geometry, page_starts
+
+PAGE = 4
+STRIDE = 96  # bytes per token slot of one object
+
+
+def mha_meta(base: int, tokens: int):
+    v_offset = tokens * STRIDE
+
+    def meta(indices):
+        ptrs, sizes = [], []
+        for i in range(0, len(indices), PAGE):
+            k = base + indices[i] * STRIDE
+            ptrs += [k, k + v_offset]
+            sizes += [PAGE * STRIDE] * 2
+        return ptrs, sizes
+
+    return meta
+
+
+def fit(meta, tokens=64, base=4096, limit=1 << 30):
+    return derive_geometry(
+        meta, page_size=PAGE, pool_tokens=tokens, buffer_start=base,
+        buffer_bytes=2 * tokens * STRIDE, make_indices=lambda lo, hi: list(range(lo, hi)),
+        value_limit=limit,
+    )
+
+
+def test_affine_pool_is_fitted_and_evaluated_like_the_pool():
+    meta = mha_meta(4096, 64)
+    g = fit(meta)
+    assert g.parts == 2 and g.chunks == 1 and g.num_pages == 16
+    starts = np.array([0, 12, 60])
+    expected, _ = meta([s + j for s in starts for j in range(PAGE)])
+    assert g.pointers(starts).tolist() == expected
+    assert g.object_ids(starts // PAGE).tolist() == [0, 1, 6, 7, 30, 31]
+
+
+def test_objects_over_the_value_limit_are_chunked_contiguously():
+    g = fit(mha_meta(4096, 64), limit=PAGE * STRIDE // 3 + 1)
+    assert g.chunks == 3
+    assert g.sizes.sum() == 2 * PAGE * STRIDE
+    ptrs = g.pointers(np.array([8]))
+    # chunks of the K object tile it exactly
+    assert ptrs[1] - ptrs[0] == g.sizes[0] and ptrs[2] - ptrs[1] == g.sizes[1]
+
+
+def test_non_affine_pool_is_refused_with_the_flag_to_change():
+    good = mha_meta(4096, 64)
+
+    def skewed(indices):
+        ptrs, sizes = good(indices)
+        if indices[0] >= 60:
+            ptrs = [p + 8 for p in ptrs]
+        return ptrs, sizes
+
+    with pytest.raises(UnsupportedPoolError, match="--hicache-mem-layout"):
+        fit(skewed)
+
+
+def test_objects_outside_the_buffer_are_refused():
+    with pytest.raises(UnsupportedPoolError, match="outside"):
+        fit(mha_meta(4096, 128), tokens=64)  # V offset computed for a bigger pool
+
+
+@pytest.mark.parametrize(
+    "indices, n, ok",
+    [
+        (np.arange(8, 16), 2, [8, 12]),
+        (np.arange(8, 15), 2, None),
+        (np.arange(9, 17), 2, None),
+        (np.array([8, 9, 10, 11, 4, 5, 6, 7]), 2, [8, 4]),
+        (np.array([8, 9, 11, 10]), 1, None),
+        (np.arange(0, 8), 3, None),
+    ],
+    ids=["aligned", "short", "misaligned", "pages-out-of-order", "scrambled-page", "count-mismatch"],
+)
+def test_page_starts_accepts_only_whole_aligned_pages(indices, n, ok):
+    got = page_starts(indices, PAGE, n)
+    assert (got is None) if ok is None else got.tolist() == ok
