@@ -1,0 +1,729 @@
+"""Configuration of the SiMM HiCache backend: one frozen dataclass, three sources.
+
+Sources, highest priority first (``SOURCES``, written once):
+
+1. ``extra_config``: the dict SGLang hands the backend as
+   ``storage_config.extra_config`` (from ``--hicache-storage-backend-extra-config``);
+2. a JSON object in the file named by ``SGLANG_HICACHE_SIMM_CONFIG_PATH``;
+3. the environment: ``SIMM_CLUSTER_MANAGER`` for the manager address and
+   ``SGLANG_SIMM_<FIELD>`` for every field (``SGLANG_SIMM_KEY_SCHEME``, ...).
+
+Each source is a function returning a partial dict; they are merged field by
+field (``client_flags`` flag by flag), the source of every field is kept for
+logs and ``doctor``, and everything is validated once, after merging
+(``_validate``), so every error names the field, the value, what is accepted
+and where the value came from.
+
+Importing this module is cheap: the standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "CONFIG_PATH_ENV",
+    "ENV_PREFIX",
+    "LOG_DIR_ENV",
+    "MANAGER_ENV",
+    "SGLANG_EXTRA_CONFIG_KEYS",
+    "SOURCES",
+    "FlagMap",
+    "ResolvedConfig",
+    "SiMMConfig",
+    "default_log_file",
+    "load_config",
+    "log_resolved",
+    "parse_byte_size",
+]
+
+logger = logging.getLogger("sglang_simm.config")
+
+#: Env var naming a JSON file with the config (the in-tree backend's name, kept).
+CONFIG_PATH_ENV = "SGLANG_HICACHE_SIMM_CONFIG_PATH"
+#: Env var with the manager address (the name SiMM's own docs use).
+MANAGER_ENV = "SIMM_CLUSTER_MANAGER"
+#: Prefix of the per-field env vars: ``SGLANG_SIMM_<FIELD_UPPER>``.
+ENV_PREFIX = "SGLANG_SIMM_"
+#: Env var with the directory for the default per-process client log.
+LOG_DIR_ENV = "SGLANG_SIMM_LOG_DIR"
+
+#: Keys SGLang itself reads from (or puts into) ``extra_config``. They share the
+#: dict with ours, so they are accepted silently, never warned about.
+SGLANG_EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
+    {
+        # mem_cache/storage/backend_factory.py: the dynamic route's required fields
+        "backend_name",
+        "module_path",
+        "class_name",
+        # managers/cache_controller.py: zero-copy page path for "dynamic"
+        "interface_v1",
+        # managers/cache_controller.py _generate_storage_config (popped)
+        "tp_lcm_size",
+        # hiradix_cache.py / hi_mamba_radix_cache.py (0.5.8, 0.5.11) and
+        # hybrid_cache/hybrid_cache_controller.py (0.5.23): popped by the
+        # extra-config parser before the backend sees them
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        # mem_cache/pool_host/common.py get_allocator_type (0.5.23, "dynamic")
+        "allocator",
+        # mem_cache/unified_radix_cache.py (0.5.23): setdefault'ed into every
+        # backend's extra_config when --file-storage-path is set
+        "file_storage_path",
+    }
+)
+
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_HOST_RE = re.compile(r"[A-Za-z0-9._-]+")
+_FLAG_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DEVICE_RE = re.compile(r"[A-Za-z0-9._:-]+")
+_INT_RE = re.compile(r"[+-]?\d+")
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+_KEY_SCHEMES = ("namespaced", "legacy")
+_EMBEDDED_DEFAULT_NAME = "default"
+_LOCAL_PREFIX = "local://"
+GIB = 1024**3
+
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)")
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    # bare and binary suffixes are powers of 1024 (as ``ls -h`` and docker)
+    "k": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tib": 1024**4,
+    # SI suffixes are powers of 1000
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+}
+
+
+class FlagMap(Mapping[str, str]):
+    """A read-only, hashable ``str -> str`` mapping (``client_flags``)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, str] | None = None) -> None:
+        self._items: dict[str, str] = dict(sorted((items or {}).items()))
+
+    def __getitem__(self, key: str) -> str:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._items.items()))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return dict(self._items) == dict(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"FlagMap({self._items!r})"
+
+
+@dataclass(frozen=True)
+class SiMMConfig:
+    """Everything the SiMM backend is configured with.
+
+    Build it with :func:`load_config` (all sources) or
+    :meth:`SiMMConfig.from_mapping` (one dict); direct construction validates
+    and normalises too.
+    """
+
+    manager_address: str
+    """``host:port``, ``[ipv6]:port``, ``local`` (the embedded in-process store)
+    or ``local://NAME`` (a named embedded store)."""
+
+    clnt_threadpool_size: int = 10
+    """Threads of the SiMM client (flag ``clnt_thread_pool_size``), 1..1024."""
+
+    enable_profile: bool = False
+    """Log size, time and throughput of every batch call."""
+
+    extra_backend_tag: str | None = None
+    """A tag put into every key, to keep deployments sharing one cluster apart."""
+
+    rdma_devices: tuple[str, ...] | None = None
+    """RDMA devices to use (``SICL_NET_DEVICES``); None picks them by NUMA node."""
+
+    numa_aware: bool = True
+    """Pick the NICs on this process's NUMA node; off: every ACTIVE NIC."""
+
+    numa_node: int | None = None
+    """Force the NUMA node used to pick NICs; None works it out."""
+
+    request_timeout_ms: int = 1000
+    """Timeout of one synchronous client request (``clnt_sync_req_timeout_ms``)."""
+
+    log_file: str | None = None
+    """The SiMM client's log file; None: :func:`default_log_file`."""
+
+    client_flags: Mapping[str, str] = field(default_factory=FlagMap)
+    """Raw SiMM client flags, passed to ``set_flag`` as given (values as text)."""
+
+    embedded_capacity_bytes: int = 4 * GIB
+    """Capacity of the embedded store (``local``); accepts ``"512MiB"`` etc."""
+
+    key_scheme: Literal["namespaced", "legacy"] = "namespaced"
+    """``namespaced``: keys carry model and layout; ``legacy``: the in-tree keys."""
+
+    warmup: bool = True
+    """Do a put/exists/get round trip at start, so a broken path fails early."""
+
+    def __post_init__(self) -> None:
+        # The same validation as load_config's, so a hand-built config is held
+        # to the same rules; on values load_config already normalised it is a
+        # no-op.
+        raw = {f.name: (getattr(self, f.name), "SiMMConfig()") for f in dataclasses.fields(self)}
+        for name, value in _validate(raw).items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, source: str = "mapping") -> SiMMConfig:
+        """Build from one dict of field values (no file, no environment).
+
+        Unknown keys are warned about (SGLang's own keys silently ignored);
+        every error is a ``ValueError`` naming field, value and ``source``.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"SiMM config from {source} must be a mapping, got {type(data).__name__}")
+        partial = _fields_of(data, source, label=lambda _key: source)
+        return cls(**_validate(partial))
+
+    # -- manager address -------------------------------------------------
+
+    @property
+    def is_embedded(self) -> bool:
+        """True for ``local`` / ``local://NAME``: the in-process store."""
+        return _parse_address(self.manager_address)[0] == "embedded"
+
+    @property
+    def embedded_name(self) -> str | None:
+        """The embedded store's name (``default`` for ``local``); None for a cluster."""
+        kind, name, _port = _parse_address(self.manager_address)
+        return name if kind == "embedded" else None
+
+    @property
+    def host(self) -> str | None:
+        """The manager host (IPv6 without brackets); None when embedded."""
+        kind, host, _port = _parse_address(self.manager_address)
+        return host if kind == "cluster" else None
+
+    @property
+    def port(self) -> int | None:
+        """The manager port; None when embedded."""
+        return _parse_address(self.manager_address)[2]
+
+    @property
+    def effective_log_file(self) -> str:
+        """``log_file``, or this process's default path when it is None."""
+        return self.log_file or default_log_file()
+
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SiMMConfig))
+_DEFAULTS: dict[str, Any] = {
+    f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)  # type: ignore[misc]
+    for f in dataclasses.fields(SiMMConfig)
+    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+}
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A config plus where each of its fields came from."""
+
+    config: SiMMConfig
+    """The validated config."""
+
+    sources: Mapping[str, str]
+    """Field -> ``"extra_config"``, ``"file:/path"``, ``"env:NAME"`` or ``"default"``."""
+
+    def describe(self) -> list[tuple[str, Any, str]]:
+        """``(field, value, source)`` for every field, in declaration order.
+
+        ``log_file`` shows the effective path when it defaults. Values go
+        through :func:`_display` (the place to mask a secret field, should one
+        ever appear; none does today).
+        """
+        rows = []
+        for name in FIELD_NAMES:
+            value = getattr(self.config, name)
+            if name == "log_file" and value is None:
+                value = self.config.effective_log_file
+            rows.append((name, _display(name, value), self.sources.get(name, "default")))
+        return rows
+
+
+def _display(name: str, value: Any) -> Any:
+    """Value as shown in logs and ``doctor``. No field is secret: shown as is."""
+    if isinstance(value, FlagMap):
+        return dict(value)
+    return value
+
+
+# --------------------------------------------------------------------------
+# Sources. Each returns {field: (raw value, source label)}.
+# --------------------------------------------------------------------------
+
+Sourced = dict[str, tuple[Any, str]]
+SourceFn = Callable[[Mapping[str, Any] | None, Mapping[str, str]], Sourced]
+
+
+def _fields_of(data: Mapping[str, Any], where: str, label: Callable[[str], str]) -> Sourced:
+    """Our fields out of ``data``; SGLang's keys skipped, others warned about."""
+    out: Sourced = {}
+    for key, value in data.items():
+        if key in FIELD_NAMES:
+            out[key] = (value, label(key))
+        elif key in SGLANG_EXTRA_CONFIG_KEYS:
+            continue
+        else:
+            close = difflib.get_close_matches(str(key), FIELD_NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            logger.warning(
+                "SiMM config: unknown key %r in %s is ignored%s (valid keys: %s)",
+                key,
+                where,
+                hint,
+                ", ".join(FIELD_NAMES),
+            )
+    return out
+
+
+def _from_extra_config(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
+    if extra_config is None:
+        return {}
+    if not isinstance(extra_config, Mapping):
+        raise ValueError(
+            f"extra_config must be a JSON object (a dict), got {type(extra_config).__name__}: "
+            f"{extra_config!r}; pass --hicache-storage-backend-extra-config '{{\"manager_address\": ...}}'"
+        )
+    return _fields_of(extra_config, "extra_config", label=lambda _key: "extra_config")
+
+
+def _from_json_file(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
+    path = environ.get(CONFIG_PATH_ENV, "").strip()
+    if not path:
+        return {}
+    fix = f"fix the file or unset {CONFIG_PATH_ENV}"
+    try:
+        with open(path, encoding="utf-8") as fin:
+            text = fin.read()
+    except OSError as exc:
+        raise ValueError(
+            f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) cannot be read: {exc}; {fix}"
+        ) from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) is not valid JSON: {exc}; {fix}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) must hold a JSON object, "
+            f"got {type(data).__name__}; {fix}"
+        )
+    where = f"file:{path}"
+    return _fields_of(data, where, label=lambda _key: where)
+
+
+def _from_environ(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
+    out: Sourced = {}
+    # SGLANG_SIMM_MANAGER_ADDRESS comes later, so it wins over SIMM_CLUSTER_MANAGER.
+    for name, var in [("manager_address", MANAGER_ENV)] + [(f, env_var_name(f)) for f in FIELD_NAMES]:
+        value = environ.get(var)
+        if value is None or not value.strip():
+            continue  # unset, or set to "": treated as unset
+        out[name] = (value, f"env:{var}")
+    return out
+
+
+def env_var_name(field_name: str) -> str:
+    """``key_scheme`` -> ``SGLANG_SIMM_KEY_SCHEME``."""
+    return ENV_PREFIX + field_name.upper()
+
+
+#: The sources, highest priority first. The one place precedence is written.
+SOURCES: tuple[tuple[str, SourceFn], ...] = (
+    ("extra_config", _from_extra_config),
+    ("file", _from_json_file),
+    ("env", _from_environ),
+)
+
+
+def _merge(partials: list[Sourced]) -> Sourced:
+    """Merge partial dicts, highest priority first: the first to set a field wins,
+    except ``client_flags``, merged flag by flag (the higher source wins a flag)."""
+    merged: Sourced = {}
+    flag_parts: list[tuple[dict[str, str], str]] = []
+    for partial in partials:
+        for name, (value, source) in partial.items():
+            if name == "client_flags":
+                flag_parts.append((_parse_client_flags(value, source), source))
+            elif name not in merged:
+                merged[name] = (value, source)
+    if flag_parts:
+        flags: dict[str, str] = {}
+        for part, _source in reversed(flag_parts):  # lowest first; higher overwrite
+            flags.update(part)
+        merged["client_flags"] = (FlagMap(flags), ", ".join(s for _p, s in flag_parts))
+    return merged
+
+
+def load_config(
+    extra_config: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ResolvedConfig:
+    """Resolve the config from ``extra_config``, the JSON file and the environment.
+
+    ``environ`` defaults to ``os.environ``. Raises ``ValueError`` (naming the
+    field, the value, what is accepted and the source) on any invalid value.
+    """
+    env = os.environ if environ is None else environ
+    merged = _merge([source(extra_config, env) for _name, source in SOURCES])
+    values = _validate(merged)
+    config = SiMMConfig(**values)
+    sources = {name: merged[name][1] if name in merged else "default" for name in FIELD_NAMES}
+    return ResolvedConfig(config=config, sources=sources)
+
+
+def log_resolved(resolved: ResolvedConfig, log: logging.Logger | None = None) -> None:
+    """Log the resolved config, one line per field with its source."""
+    log = log or logger
+    log.info("SiMM config resolved (%d fields):", len(FIELD_NAMES))
+    for name, value, source in resolved.describe():
+        log.info("  %-24s %r  (%s)", name, value, source)
+
+
+# --------------------------------------------------------------------------
+# Validation: one place. Each parser returns the value or raises _Invalid.
+# --------------------------------------------------------------------------
+
+
+class _Invalid(Exception):
+    """A value a parser refuses: ``problem`` says why, ``accepted`` what would do."""
+
+    def __init__(self, problem: str, accepted: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.accepted = accepted
+
+
+def _parse_int(value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    rng = f"{lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}"
+    accepted = f"an integer in {rng} (a number or a digit string)"
+    if isinstance(value, bool):
+        raise _Invalid("is a bool, not an integer", accepted)
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and _INT_RE.fullmatch(value.strip()):
+        number = int(value.strip())
+    else:
+        raise _Invalid(f"is not an integer ({type(value).__name__})", accepted)
+    if (lo is not None and number < lo) or (hi is not None and number > hi):
+        raise _Invalid("is out of range", accepted)
+    return number
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    # The in-tree backend took truthy JSON numbers ("enable_profile": 1).
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise _Invalid("is not a boolean", "true/false, 1/0, yes/no, on/off (any case), or a JSON bool")
+
+
+def parse_byte_size(value: Any) -> int:
+    """``4294967296``, ``"512MiB"``, ``"4GiB"``, ``"1.5G"`` -> bytes (> 0).
+
+    ``K/M/G/T`` and ``KiB/MiB/GiB/TiB`` are powers of 1024; ``KB/MB/GB/TB``
+    powers of 1000. Raises ``ValueError`` otherwise.
+    """
+    try:
+        return _parse_size(value)
+    except _Invalid as exc:
+        raise ValueError(f"byte size {value!r} {exc.problem}; accepted: {exc.accepted}") from None
+
+
+def _parse_size(value: Any) -> int:
+    accepted = 'a positive byte count: an integer or a string like "512MiB", "4GiB", "1.5G", "8GB"'
+    if isinstance(value, bool):
+        raise _Invalid("is a bool, not a size", accepted)
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        match = _SIZE_RE.fullmatch(value.strip())
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise _Invalid("is not a byte size", accepted)
+        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise _Invalid(f"is not a byte size ({type(value).__name__})", accepted)
+    if size <= 0:
+        raise _Invalid("is not positive", accepted)
+    return size
+
+
+def _parse_optional_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise _Invalid(
+            "is not a valid tag: it goes into every key, and SiMM caps keys at 256 bytes, "
+            "so it must be short and plain",
+            "1 to 64 characters from A-Z a-z 0-9 . _ -, or null for no tag",
+        )
+    return value
+
+
+def _parse_devices(value: Any) -> tuple[str, ...] | None:
+    accepted = 'a list of RDMA device names or a comma string like "mlx5_0,mlx5_1"; null picks by NUMA node'
+    if value is None:
+        return None
+    if isinstance(value, str):
+        items: list[Any] = value.split(",")
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise _Invalid(f"is not a device list ({type(value).__name__})", accepted)
+    names = []
+    for item in items:
+        if not isinstance(item, str):
+            raise _Invalid(f"holds a non-string {item!r}", accepted)
+        name = item.strip()
+        if not name:
+            continue
+        if not _DEVICE_RE.fullmatch(name):
+            raise _Invalid(f"holds a malformed device name {name!r}", accepted)
+        names.append(name)
+    return tuple(dict.fromkeys(names)) or None  # de-duplicated, order kept; empty = unset
+
+
+def _parse_optional_node(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        return _parse_int(value, lo=0)
+    except _Invalid as exc:
+        raise _Invalid(exc.problem, "a NUMA node id >= 0, or null to work it out") from None
+
+
+def _parse_log_file(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise _Invalid(
+            "is not a file path",
+            f"a path the process can write, or null for the default under ${LOG_DIR_ENV} or the temp dir",
+        )
+    return value.strip()
+
+
+def _parse_client_flags(value: Any, source: str) -> dict[str, str]:
+    """A flag dict (or a JSON object string) -> ``{name: text}``; errors name the source."""
+    accepted = 'a JSON object of SiMM client flags, e.g. {"clnt_syncreq_enable_retry": true}'
+
+    def fail(problem: str) -> ValueError:
+        return ValueError(f"SiMM config: client_flags={value!r} (from {source}) {problem}; accepted: {accepted}")
+
+    data = value
+    if isinstance(value, str):
+        try:
+            data = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise fail(f"is not valid JSON ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise fail(f"is not an object ({type(data).__name__})")
+    flags: dict[str, str] = {}
+    for name, flag_value in data.items():
+        if not isinstance(name, str) or not _FLAG_NAME_RE.fullmatch(name):
+            raise fail(f"has a malformed flag name {name!r}")
+        if isinstance(flag_value, bool):
+            flags[name] = "true" if flag_value else "false"
+        elif isinstance(flag_value, (int, float, str)):
+            flags[name] = str(flag_value)
+        else:
+            raise fail(f"has a non-scalar value for {name!r}: {flag_value!r}")
+    return flags
+
+
+def _parse_key_scheme(value: Any) -> str:
+    if isinstance(value, str) and value.strip().lower() in _KEY_SCHEMES:
+        return value.strip().lower()
+    raise _Invalid("is not a key scheme", " or ".join(repr(s) for s in _KEY_SCHEMES))
+
+
+_ADDRESS_FORMS = (
+    '"host:port" (e.g. "10.0.0.1:30001"), "[ipv6]:port" (e.g. "[fd00::1]:30001"), '
+    '"local" (the embedded in-process store) or "local://NAME" (NAME: 1-64 of A-Z a-z 0-9 . _ -)'
+)
+
+
+def _parse_address(value: Any) -> tuple[str, str, int | None]:
+    """``("embedded", name, None)`` or ``("cluster", host, port)``; raises _Invalid."""
+    if not isinstance(value, str):
+        raise _Invalid(f"is not a string ({type(value).__name__})", _ADDRESS_FORMS)
+    text = value.strip()
+    if text == "local":
+        return ("embedded", _EMBEDDED_DEFAULT_NAME, None)
+    if text.startswith(_LOCAL_PREFIX):
+        name = text[len(_LOCAL_PREFIX) :]
+        if not _NAME_RE.fullmatch(name):
+            raise _Invalid(f"has a malformed embedded store name {name!r}", _ADDRESS_FORMS)
+        return ("embedded", name, None)
+    if "://" in text:
+        raise _Invalid("has a URL scheme; give the bare address", _ADDRESS_FORMS)
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise _Invalid("opens '[' without closing ']'", _ADDRESS_FORMS)
+        host, rest = text[1:close], text[close + 1 :]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise _Invalid(f"has {host!r} in brackets, which is not an IPv6 address", _ADDRESS_FORMS) from None
+        if not rest.startswith(":") or not rest[1:]:
+            raise _Invalid("has no port after the bracketed IPv6 address", _ADDRESS_FORMS)
+        port_text = rest[1:]
+    else:
+        if text.count(":") > 1:
+            raise _Invalid("looks like an IPv6 address without brackets", _ADDRESS_FORMS)
+        host, sep, port_text = text.partition(":")
+        if not sep or not port_text:
+            raise _Invalid("has no port (the manager's RPC port is usually 30001)", _ADDRESS_FORMS)
+        if not host:
+            raise _Invalid("has an empty host", _ADDRESS_FORMS)
+        if not _HOST_RE.fullmatch(host):
+            raise _Invalid(f"has a malformed host {host!r}", _ADDRESS_FORMS)
+    if not port_text.isdigit():
+        raise _Invalid(f"has a non-numeric port {port_text!r}", _ADDRESS_FORMS)
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise _Invalid(f"has port {port} out of range 1..65535", _ADDRESS_FORMS)
+    return ("cluster", host, port)
+
+
+def _parse_manager_address(value: Any) -> str:
+    kind, name_or_host, port = _parse_address(value)
+    if kind == "embedded":
+        return "local" if name_or_host == _EMBEDDED_DEFAULT_NAME else _LOCAL_PREFIX + name_or_host
+    host = f"[{name_or_host}]" if ":" in name_or_host else name_or_host
+    return f"{host}:{port}"
+
+
+#: One parser per field. Every field must have one (checked at import).
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "manager_address": _parse_manager_address,
+    "clnt_threadpool_size": lambda v: _parse_int(v, 1, 1024),
+    "enable_profile": _parse_bool,
+    "extra_backend_tag": _parse_optional_name,
+    "rdma_devices": _parse_devices,
+    "numa_aware": _parse_bool,
+    "numa_node": _parse_optional_node,
+    "request_timeout_ms": lambda v: _parse_int(v, 1, 3_600_000),
+    "log_file": _parse_log_file,
+    "client_flags": lambda v: FlagMap(_parse_client_flags(v, "?")),
+    "embedded_capacity_bytes": _parse_size,
+    "key_scheme": _parse_key_scheme,
+    "warmup": _parse_bool,
+}
+assert set(_PARSERS) == set(FIELD_NAMES), "every SiMMConfig field needs a parser"
+
+_MISSING_ADDRESS = (
+    "SiMM config: manager_address is not set. Set it in one of three ways: "
+    '(1) the extra_config key "manager_address", e.g. '
+    '--hicache-storage-backend-extra-config \'{"manager_address": "10.0.0.1:30001"}\'; '
+    f'(2) a JSON file {{"manager_address": ...}} named by the env var {CONFIG_PATH_ENV}; '
+    f"(3) the env var {MANAGER_ENV} (or {env_var_name('manager_address')}). "
+    'Use "local" (or "local://NAME") to run the embedded in-process store instead of a cluster.'
+)
+
+
+def _validate(raw: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
+    """The one validation: ``{field: (value, source)}`` -> normalised field values.
+
+    Fields absent from ``raw`` take their defaults. All problems are gathered
+    into one ``ValueError``.
+    """
+    errors: list[str] = []
+    out: dict[str, Any] = {}
+    for name in FIELD_NAMES:
+        value, source = raw.get(name, (None, "default"))
+        if name == "manager_address" and (value is None or (isinstance(value, str) and not value.strip())):
+            errors.append(_MISSING_ADDRESS)
+            continue
+        if name not in raw:
+            out[name] = _DEFAULTS[name]
+            continue
+        if isinstance(value, FlagMap):
+            out[name] = value  # client_flags, already parsed while merging (with its source)
+            continue
+        try:
+            out[name] = _PARSERS[name](value)
+        except _Invalid as exc:
+            errors.append(f"SiMM config: {name}={value!r} (from {source}) {exc.problem}; accepted: {exc.accepted}")
+        except ValueError as exc:  # client_flags words its own message
+            errors.append(str(exc).replace("(from ?)", f"(from {source})"))
+    if len(errors) == 1:
+        raise ValueError(errors[0])
+    if errors:
+        raise ValueError(f"{len(errors)} problems in the SiMM config:\n- " + "\n- ".join(errors))
+    return out
+
+
+# --------------------------------------------------------------------------
+# The client's log file
+# --------------------------------------------------------------------------
+
+_LOG_STAMP: dict[int, str] = {}
+
+
+def default_log_file(environ: Mapping[str, str] | None = None) -> str:
+    """This process's default SiMM client log path (never under ``/var/log``).
+
+    ``$SGLANG_SIMM_LOG_DIR`` (or ``<tempdir>/sglang-simm``) ``/<YYYYmmdd-HHMMSS>-<pid>/simm_clnt.log``.
+    The stamp is fixed per process (a forked child gets its own). Nothing is
+    created here; the caller makes the directory before handing the path over.
+    """
+    env = os.environ if environ is None else environ
+    pid = os.getpid()
+    stamp = _LOG_STAMP.setdefault(pid, time.strftime("%Y%m%d-%H%M%S"))
+    base = env.get(LOG_DIR_ENV, "").strip() or os.path.join(tempfile.gettempdir(), "sglang-simm")
+    return os.path.join(base, f"{stamp}-{pid}", "simm_clnt.log")
