@@ -1,0 +1,108 @@
+"""An in-process SiMM store with the Python surface of ``simm.kv``.
+
+The real client needs SiCL and RDMA NICs; this one keeps objects in host
+memory of the current process, shared by every ``Store()`` that names the
+same server, so code written for ``simm.kv`` runs unchanged::
+
+    from sglang_simm import embedded as kv          # or: with alias_as_simm_kv(): ...
+    kv.set_flag("cm_primary_node_ip", "my-store")   # the server's name
+    store = kv.Store()
+
+Modules: ``_client`` (the ``simm.kv`` surface: flags, memory regions, views,
+``Store``), ``_server`` (the shared objects, capacity and LRU of one named
+server, and the copies), ``_faults`` (error rate, latency, outage).
+
+Importing this package imports torch (the real ``simm.kv`` does too); the
+package root ``sglang_simm`` stays free of it.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from sglang_simm.embedded._client import (
+    Block,
+    BlockView,
+    MrExt,
+    Store,
+    default_capacity_bytes,
+    deregister_mr,
+    get_flag,
+    get_server,
+    register_mr,
+    set_flag,
+)
+from sglang_simm.embedded._faults import FaultInjector
+from sglang_simm.embedded._server import EmbeddedServer, reset_servers, server_names
+
+__all__ = [
+    "Block",
+    "BlockView",
+    "EmbeddedServer",
+    "FaultInjector",
+    "MrExt",
+    "Store",
+    "alias_as_simm_kv",
+    "default_capacity_bytes",
+    "deregister_mr",
+    "get_flag",
+    "get_server",
+    "register_mr",
+    "reset_servers",
+    "server_names",
+    "set_flag",
+]
+
+#: Lets a loader tell this module from the real client once aliased.
+__simm_embedded__ = True
+
+_ABSENT = object()
+
+
+class _SimmKvAlias:
+    """Installed on creation; undone by calling it or leaving its ``with``."""
+
+    def __init__(self) -> None:
+        this = sys.modules[__name__]
+        package = types.ModuleType("simm", "Stand-in for SiMM's package: simm.kv is sglang_simm.embedded.")
+        package.__path__ = []  # a package, so ``import simm.kv`` is legal
+        package.kv = this
+        package.__simm_embedded__ = True
+        self._saved = {name: sys.modules.get(name, _ABSENT) for name in ("simm", "simm.kv")}
+        self._installed = {"simm": package, "simm.kv": this}
+        sys.modules.update(self._installed)
+        self._done = False
+
+    def __call__(self) -> None:
+        """Restore the previous ``simm`` and ``simm.kv`` entries (once)."""
+        if self._done:
+            return
+        self._done = True
+        for name, previous in self._saved.items():
+            if sys.modules.get(name) is not self._installed[name]:
+                continue  # someone replaced it since: leave theirs alone
+            if previous is _ABSENT:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = previous
+
+    def __enter__(self) -> types.ModuleType:
+        return self._installed["simm.kv"]
+
+    def __exit__(self, *exc_info: object) -> None:
+        self()
+
+
+def alias_as_simm_kv() -> _SimmKvAlias:
+    """Make ``import simm.kv`` (and ``from simm.kv import Store, ...``) load
+    this module, restoring the previous entries afterwards::
+
+        with alias_as_simm_kv():
+            from simm.kv import BlockView, Store, register_mr, set_flag
+
+        undo = alias_as_simm_kv()   # or as a plain call
+        ...
+        undo()
+    """
+    return _SimmKvAlias()

@@ -1,0 +1,665 @@
+"""The ``simm.kv`` surface of the embedded store.
+
+Same names, signatures, return types and codes as SiMM's Python client
+(``python/simm/kv/__init__.py`` over the native ``_kv`` extension,
+``src/client/clnt_kv.cc`` and ``clnt_messenger.cc`` in the SiMM repository).
+Where the real client's code differs from its documentation, the code wins;
+the places that matter to a caller:
+
+* Sync ``get``/``mget`` report every server-side failure (absent key, buffer
+  smaller than the object) as ``GET_OBJECT_FAILED`` (-2101); the async
+  ``get_async`` passes the server's code through (``DS_KEY_NOT_FOUND`` -4003,
+  ``INVALID_ARGUMENT`` -1000).
+* Only the sync ``put`` overwrites (the real client deletes and re-puts on
+  ``DS_DATA_ALREADY_EXISTS``). ``mput`` and ``put_async`` leave an existing
+  object alone and return ``DS_DATA_ALREADY_EXISTS`` (-4005) for it.
+* A failed sync ``put``/``mput`` on the server side (no room) is
+  ``PUT_OBJECT_FAILED`` (-2100); ``put_async`` passes the server's
+  ``DS_CACHE_POOL_ALLOC_FAILED`` (-4006) through.
+* ``delete`` and ``exists`` pass the server's code through.
+* Transport failures (``embedded_down``, injected errors) pass through
+  unchanged on every path.
+* Keys and batches are converted like the native binding converts them: a
+  key that is not a ``str`` raises ``TypeError``. Key length is checked in
+  UTF-8 bytes.
+
+Embedded-only extras, absent from the real client (probe with ``hasattr``):
+``get_flag``, ``Store.server`` and ``Store.delete_prefix``.
+
+Checks done before the network, per the real client: batch-wide key and value
+limits (one bad entry fails the whole batch with ``INVALID_ARGUMENT``), then
+per entry the view's memory region: a view made from a deregistered
+``MrExt`` has no region (``INVALID_ARGUMENT``, as the real client's "no descr
+ptr"); a view outside its live region, or whose region was deregistered after
+it was made, fails with ``REGISTER_MR_FAILED`` (-2203). (On the real client
+that last case is an RDMA access error, not a defined code.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import operator
+import os
+import re
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from sglang_simm.embedded import _server
+from sglang_simm.embedded._server import EmbeddedServer, human_bytes, wrap_memory
+from sglang_simm.errors import (
+    DS_DATA_ALREADY_EXISTS,
+    GET_OBJECT_FAILED,
+    INVALID_ARGUMENT,
+    MAX_KEY_BYTES,
+    MAX_VALUE_BYTES,
+    OK,
+    PUT_OBJECT_FAILED,
+    REGISTER_MR_FAILED,
+    TIMEOUT,
+    code_name,
+)
+
+logger = logging.getLogger("sglang_simm.embedded")
+
+# -- flags ---------------------------------------------------------------------
+#
+# Process-global, set with strings like gflags' SetCommandLineOption: an
+# unknown name or a value that does not parse returns False and changes
+# nothing. The real client's flags (src/client/clnt_flags.cc and the client
+# part of src/common/flags/common_flags.cpp) are accepted and stored; only
+# ``cm_primary_node_ip`` means something here: the name of the embedded server
+# a new ``Store()`` joins. The manager port flag is ``cm_rpc_inter_port``;
+# there is no ``cm_primary_node_port`` in the real client, so it is refused.
+
+_BOOL_TRUE = frozenset({"1", "t", "true", "y", "yes"})
+_BOOL_FALSE = frozenset({"0", "f", "false", "n", "no"})
+_INT_RE = re.compile(r"[+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)\Z")
+
+
+def _parse_bool(value: str) -> str | None:
+    lowered = value.lower()
+    if lowered in _BOOL_TRUE:
+        return "true"
+    if lowered in _BOOL_FALSE:
+        return "false"
+    return None
+
+
+def _parse_int(value: str, lo: int, hi: int) -> str | None:
+    if not _INT_RE.match(value):
+        return None
+    number = int(value, 0) if "x" in value.lower() else int(value, 10)
+    return str(number) if lo <= number <= hi else None
+
+
+def _int32(value: str) -> str | None:
+    return _parse_int(value, -(2**31), 2**31 - 1)
+
+
+def _uint32(value: str) -> str | None:
+    return None if value.startswith("-") else _parse_int(value, 0, 2**32 - 1)
+
+
+def _string(value: str) -> str | None:
+    return value
+
+
+def _capacity(value: str) -> str | None:
+    return "" if value == "" else _parse_int(value, 1, 2**63 - 1)
+
+
+def _rate(value: str) -> str | None:
+    try:
+        rate = float(value)
+    except ValueError:
+        return None
+    return repr(rate) if 0.0 <= rate <= 1.0 else None
+
+
+def _error_code(value: str) -> str | None:
+    return _parse_int(value, -32768, -1)
+
+
+def _latency(value: str) -> str | None:
+    try:
+        latency = float(value)
+    except ValueError:
+        return None
+    return repr(latency) if latency >= 0.0 else None  # NaN fails too
+
+
+def _seed(value: str) -> str | None:
+    return "" if value == "" else _parse_int(value, -(2**63), 2**63 - 1)
+
+
+# name -> (parser returning the canonical string or None, default)
+_FLAG_SPECS: dict[str, tuple] = {
+    # the real client's
+    "cm_primary_node_ip": (_string, ""),
+    "cm_rpc_inter_port": (_int32, "30001"),
+    "cm_namespace": (_string, "default"),
+    "cm_svc_name": (_string, "simm-clustermanager-svc"),
+    "cm_port_name": (_string, "simm-clustermanager-port"),
+    "clnt_use_k8s": (_parse_bool, "true"),
+    "clnt_thread_pool_size": (_uint32, "10"),
+    "clnt_sync_req_timeout_ms": (_int32, "1000"),
+    "clnt_async_req_timeout_ms": (_int32, "3000"),
+    "clnt_syncreq_enable_retry": (_parse_bool, "false"),
+    "clnt_syncreq_retry_count": (_uint32, "2"),
+    "clnt_cm_addr_check_interval_inSecs": (_uint32, "10"),
+    "clnt_deferred_reshard_wait_inSecs": (_uint32, "30"),
+    "clnt_log_file": (_string, "/var/log/simm/simm_clnt.log"),
+    # embedded only: settings of the server named by cm_primary_node_ip
+    "embedded_capacity_bytes": (_capacity, ""),  # "" = 4 GiB capped at RAM/4
+    "embedded_error_rate": (_rate, "0.0"),
+    "embedded_error_code": (_error_code, str(TIMEOUT)),
+    "embedded_latency_us": (_latency, "0.0"),
+    "embedded_down": (_parse_bool, "false"),
+    "embedded_seed": (_seed, ""),  # "" = unseeded
+}
+
+_FAULT_FLAGS = {
+    "embedded_error_rate": "error_rate",
+    "embedded_error_code": "error_code",
+    "embedded_latency_us": "latency_us",
+    "embedded_down": "down",
+    "embedded_seed": "seed",
+}
+
+_flags: dict[str, str] = {name: default for name, (_, default) in _FLAG_SPECS.items()}
+_flags_lock = threading.Lock()
+
+DEFAULT_SERVER_NAME = "default"
+DEFAULT_CAPACITY_BYTES = 4 << 30
+
+
+def set_flag(name: str, value: str) -> bool:
+    """Set a process-global client flag; True if it was accepted.
+
+    Embedded fault flags (``embedded_error_rate``, ``embedded_error_code``,
+    ``embedded_latency_us``, ``embedded_down``, ``embedded_seed``) also apply
+    at once to the server named by ``cm_primary_node_ip`` if it exists; every
+    ``embedded_*`` flag applies to a server when it is created.
+    """
+    if not isinstance(name, str) or not isinstance(value, str):
+        raise TypeError(
+            f"set_flag(): incompatible function arguments: expected (str, str), "
+            f"got ({type(name).__name__}, {type(value).__name__})"
+        )
+    spec = _FLAG_SPECS.get(name)
+    if spec is None:
+        logger.debug("set_flag(%r): no such flag", name)
+        return False
+    canonical = spec[0](value)
+    if canonical is None:
+        logger.debug("set_flag(%r, %r): invalid value", name, value)
+        return False
+    with _flags_lock:
+        _flags[name] = canonical
+        server_name = _flags["cm_primary_node_ip"] or DEFAULT_SERVER_NAME
+    if name in _FAULT_FLAGS:
+        server = _server._SERVERS.get(server_name)
+        if server is not None:
+            server.faults.configure(**{_FAULT_FLAGS[name]: _fault_value(name, canonical)})
+    return True
+
+
+def get_flag(name: str) -> str | None:
+    """A flag's current value as a string, or None for an unknown name.
+    (Embedded only: the real client has no getter.)"""
+    with _flags_lock:
+        return _flags.get(name)
+
+
+def _fault_value(name: str, canonical: str) -> object:
+    if name == "embedded_down":
+        return canonical == "true"
+    if name in ("embedded_error_rate", "embedded_latency_us"):
+        return float(canonical)
+    if name == "embedded_seed":
+        return int(canonical) if canonical else None
+    return int(canonical)
+
+
+def physical_memory_bytes() -> int | None:
+    """Physical RAM, or the cgroup memory limit when lower; None if unknown."""
+    sizes = []
+    try:
+        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            sizes.append(int(text))
+    sizes = [s for s in sizes if s > 0]
+    return min(sizes) if sizes else None
+
+
+def default_capacity_bytes() -> int:
+    """4 GiB, capped at a quarter of physical memory."""
+    ram = physical_memory_bytes()
+    return min(DEFAULT_CAPACITY_BYTES, ram // 4) if ram else DEFAULT_CAPACITY_BYTES
+
+
+def _make_server(name: str) -> EmbeddedServer:
+    with _flags_lock:
+        flags = dict(_flags)
+    capacity = (
+        int(flags["embedded_capacity_bytes"])
+        if flags["embedded_capacity_bytes"]
+        else default_capacity_bytes()
+    )
+    server = EmbeddedServer(name, capacity)
+    server.faults.configure(**{attr: _fault_value(flag, flags[flag]) for flag, attr in _FAULT_FLAGS.items()})
+    return server
+
+
+def get_server(name: str) -> EmbeddedServer:
+    """The embedded server called ``name``, created on first use with the
+    current ``embedded_*`` flags."""
+    if not isinstance(name, str):
+        raise TypeError(f"server name must be a str, got {name!r}")
+    return _server.get_or_create(name or DEFAULT_SERVER_NAME, _make_server)
+
+
+def current_server_name() -> str:
+    """The server a new ``Store()`` joins: ``cm_primary_node_ip`` or "default"."""
+    return get_flag("cm_primary_node_ip") or DEFAULT_SERVER_NAME
+
+
+# -- memory regions ---------------------------------------------------------------
+
+
+class _Region:
+    """A registered host region. Holds its tensor, so the memory stays valid
+    while the region is registered (as RDMA registration pins it)."""
+
+    __slots__ = ("end", "owner", "start")
+
+    def __init__(self, start: int, size: int, owner: object) -> None:
+        self.start = start
+        self.end = start + size
+        self.owner = owner
+
+
+_regions: dict[int, _Region] = {}  # descriptor -> region; reads rely on dict atomicity
+_region_ids = itertools.count(1)
+
+
+class MrExt:
+    """Handle of a registered memory region (returned by ``register_mr``)."""
+
+    __slots__ = ("_desc",)
+
+    def __init__(self) -> None:
+        self._desc: int | None = None  # like the native default: no descriptor
+
+    @classmethod
+    def _of(cls, desc: int) -> MrExt:
+        mr = cls()
+        mr._desc = desc
+        return mr
+
+    def __repr__(self) -> str:
+        region = _regions.get(self._desc) if self._desc is not None else None
+        if region is None:
+            return "<MrExt unregistered>"
+        return f"<MrExt 0x{region.start:x}+{human_bytes(region.end - region.start)}>"
+
+
+def register_mr(tensor: torch.Tensor) -> MrExt | None:
+    """Register a host tensor's memory (``data_ptr``, ``numel * element_size``).
+
+    Raises TypeError for anything but a CPU tensor; returns None when the
+    region cannot be registered (an empty tensor), as the native call does.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"register_mr() expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise TypeError(f"register_mr() needs a host (CPU) tensor, got one on {tensor.device}")
+    size = tensor.numel() * tensor.element_size()
+    if size == 0:
+        logger.warning("register_mr(): cannot register an empty tensor")
+        return None
+    desc = next(_region_ids)
+    _regions[desc] = _Region(tensor.data_ptr(), size, tensor)
+    return MrExt._of(desc)
+
+
+def deregister_mr(mr_ext: MrExt) -> bool:
+    """Undo ``register_mr``; False if ``mr_ext`` is not registered (any more)."""
+    if not isinstance(mr_ext, MrExt):
+        raise TypeError(f"deregister_mr() expects an MrExt, got {type(mr_ext).__name__}")
+    desc = mr_ext._desc
+    if desc is None or _regions.pop(desc, None) is None:
+        return False
+    mr_ext._desc = None
+    return True
+
+
+class BlockView:
+    """``size`` bytes at ``ptr`` inside a registered region. Cheap: nothing is
+    checked here but types; a call using the view checks its region."""
+
+    __slots__ = ("_desc", "_owner", "_ptr", "_size")
+
+    def __init__(self, ptr: int, size: int, desc: int | None, owner: object = None) -> None:
+        self._ptr = ptr
+        self._size = size
+        self._desc = desc  # copied from the MrExt when made, like the native view
+        self._owner = owner
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, mr_ext: MrExt) -> BlockView:
+        return cls.from_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size(), mr_ext)
+
+    @classmethod
+    def from_buffer(cls, buf_ptr: int, buf_size: int, mr_ext: MrExt) -> BlockView:
+        ptr = operator.index(buf_ptr)
+        size = operator.index(buf_size)
+        if ptr < 0 or size < 0 or not isinstance(mr_ext, MrExt):
+            raise TypeError(
+                "BlockView.from_buffer(): expected (ptr: int >= 0, size: int >= 0, mr_ext: MrExt), "
+                f"got ({buf_ptr!r}, {buf_size!r}, {type(mr_ext).__name__})"
+            )
+        return cls(ptr, size, mr_ext._desc)
+
+    def as_ref(self) -> torch.Tensor:
+        """A uint8 tensor over the view's memory (no copy)."""
+        tensor = wrap_memory(self._ptr, self._size)
+        if self._owner is not None:
+            tensor._simm_owner = self._owner  # keep a Block alive while its memory is referenced
+        return tensor
+
+    def __repr__(self) -> str:
+        return f"<BlockView 0x{self._ptr:x}+{self._size}>"
+
+
+class Block:
+    """A client-owned buffer from ``Store.allocate``, registered implicitly."""
+
+    __slots__ = ("__weakref__", "_desc", "_tensor")
+
+    def __init__(self, size: int) -> None:
+        self._tensor = torch.empty(size, dtype=torch.uint8)
+        self._desc = next(_region_ids)
+        # Held by the table only while the Block lives.
+        _regions[self._desc] = _Region(self._tensor.data_ptr(), size, None)
+
+    def __del__(self) -> None:
+        desc = getattr(self, "_desc", None)  # absent if allocation failed
+        if desc is not None:
+            _regions.pop(desc, None)
+
+    def as_ref(self) -> torch.Tensor:
+        return self._tensor
+
+    def view(self) -> BlockView:
+        return BlockView(self._tensor.data_ptr(), self._tensor.numel(), self._desc, self)
+
+    def __repr__(self) -> str:
+        return f"<Block {human_bytes(self._tensor.numel())}>"
+
+
+# -- checks before the network -----------------------------------------------------
+
+
+def _key_ok(key: str) -> bool:
+    size = len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
+    return 0 < size <= MAX_KEY_BYTES
+
+
+def _as_key(key: object) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a str, got {type(key).__name__}")
+    return key
+
+
+def _as_keys(keys: object) -> list[str]:
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys must be a list of str, got {type(keys).__name__}")
+    out = list(keys)
+    for key in out:
+        if not isinstance(key, str):
+            raise TypeError(f"keys must be a list of str, found {type(key).__name__}")
+    return out
+
+
+def _as_view(view: object) -> BlockView:
+    if not isinstance(view, BlockView):
+        raise TypeError(f"expected a BlockView, got {type(view).__name__}")
+    return view
+
+
+def _as_views(views: object) -> list[BlockView]:
+    if not isinstance(views, Sequence) or isinstance(views, (str, bytes)):
+        raise TypeError(f"views must be a list of BlockView, got {type(views).__name__}")
+    out = list(views)
+    for view in out:
+        if not isinstance(view, BlockView):
+            raise TypeError(f"views must be a list of BlockView, found {type(view).__name__}")
+    return out
+
+
+def _region_code(view: BlockView, pins: list) -> int:
+    """OK (the region appended to ``pins`` to keep it alive for the call) or
+    the view's failure code."""
+    desc = view._desc
+    if desc is None:
+        return INVALID_ARGUMENT
+    region = _regions.get(desc)
+    if region is None or view._ptr < region.start or view._ptr + view._size > region.end:
+        return REGISTER_MR_FAILED
+    pins.append(region)
+    return OK
+
+
+# -- the store ------------------------------------------------------------------------
+
+
+class Store:
+    """A client of the embedded server named by the ``cm_primary_node_ip``
+    flag when it is made (created on first use). Stores of one name share
+    their objects, like clients of one cluster."""
+
+    __slots__ = ("_server",)
+
+    def __init__(self) -> None:
+        server = get_server(current_server_name())
+        if server.faults.down:
+            raise RuntimeError(
+                f"Init client messenger failed: {code_name(TIMEOUT)} "
+                f"(embedded SiMM server {server.name!r} is down)"
+            )
+        self._server = server
+
+    @property
+    def server(self) -> EmbeddedServer:
+        """The embedded server behind this client (embedded only)."""
+        return self._server
+
+    def allocate(self, block_size: int) -> Block:
+        size = operator.index(block_size)
+        if size < 0:
+            raise TypeError(f"allocate(): block_size must be >= 0, got {block_size!r}")
+        if size > MAX_VALUE_BYTES:
+            logger.warning("allocating a block of %d B, above the max value size %d B", size, MAX_VALUE_BYTES)
+        return Block(size)
+
+    # -- sync ------------------------------------------------------------
+
+    def put(self, key: str, block: BlockView) -> int:
+        return self._put([_as_key(key)], [_as_view(block)], overwrite=True, passthrough=False)[0]
+
+    def get(self, key: str, block: BlockView) -> int:
+        return self._get([_as_key(key)], [_as_view(block)], passthrough=False)[0]
+
+    def exists(self, key: str) -> bool:
+        return self._lookup([_as_key(key)])[0] == OK
+
+    def delete(self, key: str) -> int:
+        key = _as_key(key)
+        if not _key_ok(key):
+            return INVALID_ARGUMENT
+        faults = self._server.faults
+        if faults.outage(1):
+            return TIMEOUT
+        faults.delay()
+        injected = faults.draw(1)
+        if injected is not None:
+            return injected[0]
+        return self._server.delete(key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object whose key starts with ``prefix`` (non-empty);
+        returns how many. Embedded only: SiMM's client cannot list keys.
+        Nothing is deleted (0) while the server is down."""
+        prefix = _as_key(prefix)
+        if not prefix:
+            raise ValueError("delete_prefix() needs a non-empty prefix")
+        faults = self._server.faults
+        if faults.outage(1):
+            return 0
+        faults.delay()
+        return self._server.delete_prefix(prefix)
+
+    def mput(self, keys: list[str], blocks: list[BlockView]) -> list[int]:
+        return self._put(_as_keys(keys), _as_views(blocks), overwrite=False, passthrough=False)
+
+    def mget(self, keys: list[str], blocks: list[BlockView]) -> list[int]:
+        return self._get(_as_keys(keys), _as_views(blocks), passthrough=False)
+
+    def mexists(self, keys: list[str]) -> list[bool]:
+        return [code == OK for code in self._lookup(_as_keys(keys))]
+
+    # -- async (the sync op in the loop's default executor) ---------------
+
+    async def exists_async(self, key: str) -> bool:
+        return await _in_executor(self.exists, key)
+
+    async def get_async(self, key: str, block: BlockView) -> int:
+        return await _in_executor(self._get_passthrough, key, block)
+
+    async def put_async(self, key: str, block: BlockView) -> int:
+        return await _in_executor(self._put_passthrough, key, block)
+
+    async def delete_async(self, key: str) -> int:
+        return await _in_executor(self.delete, key)
+
+    def _get_passthrough(self, key: str, block: BlockView) -> int:
+        return self._get([_as_key(key)], [_as_view(block)], passthrough=True)[0]
+
+    def _put_passthrough(self, key: str, block: BlockView) -> int:
+        return self._put([_as_key(key)], [_as_view(block)], overwrite=False, passthrough=True)[0]
+
+    # -- the pipeline: checks, network, server ------------------------------
+
+    def _network(self, results: list[int], live: list[int]) -> list[int]:
+        """Apply the fault injector to the entries ``live`` (indexes into
+        ``results``); returns those that reach the server."""
+        faults = self._server.faults
+        if faults.outage(len(live)):
+            for i in live:
+                results[i] = TIMEOUT
+            return []
+        faults.delay()
+        injected = faults.draw(len(live))
+        if injected is None:
+            return live
+        reach = []
+        for i, code in zip(live, injected):
+            if code:
+                results[i] = code
+            else:
+                reach.append(i)
+        return reach
+
+    def _put(
+        self, keys: list[str], views: list[BlockView], *, overwrite: bool, passthrough: bool
+    ) -> list[int]:
+        n = len(keys)
+        if n != len(views):
+            return [INVALID_ARGUMENT] * n
+        for key, view in zip(keys, views):
+            if not _key_ok(key) or not 0 < view._size <= MAX_VALUE_BYTES:
+                return [INVALID_ARGUMENT] * n
+        results = [OK] * n
+        pins: list[_Region] = []
+        live = []
+        for i, view in enumerate(views):
+            code = _region_code(view, pins)
+            if code:
+                results[i] = code
+            else:
+                live.append(i)
+        if not live:
+            return results
+        live = self._network(results, live)
+        if not live:
+            return results
+        codes = self._server.put_from([(keys[i], views[i]._ptr, views[i]._size) for i in live], overwrite)
+        for i, code in zip(live, codes):
+            # the sync client reports any server refusal but "already exists"
+            # as PutObjectFailed (clnt_messenger.cc, ClientMessenger::Put)
+            if code < 0 and not passthrough and code != DS_DATA_ALREADY_EXISTS:
+                code = PUT_OBJECT_FAILED
+            results[i] = code
+        return results
+
+    def _get(self, keys: list[str], views: list[BlockView], *, passthrough: bool) -> list[int]:
+        n = len(keys)
+        if n != len(views):
+            return [INVALID_ARGUMENT] * n
+        for key in keys:
+            if not _key_ok(key):
+                return [INVALID_ARGUMENT] * n
+        results = [OK] * n
+        pins: list[_Region] = []
+        live = []
+        for i, view in enumerate(views):
+            code = _region_code(view, pins)
+            if code:
+                results[i] = code
+            else:
+                live.append(i)
+        if not live:
+            return results
+        live = self._network(results, live)
+        if not live:
+            return results
+        codes = self._server.get_into([(keys[i], views[i]._ptr, views[i]._size) for i in live])
+        for i, code in zip(live, codes):
+            # the sync client reports every server-side get failure as
+            # GetObjectFailed (clnt_messenger.cc, ClientMessenger::Get)
+            results[i] = GET_OBJECT_FAILED if code < 0 and not passthrough else code
+        return results
+
+    def _lookup(self, keys: list[str]) -> list[int]:
+        n = len(keys)
+        for key in keys:
+            if not _key_ok(key):
+                return [INVALID_ARGUMENT] * n
+        results = [OK] * n
+        live = self._network(results, list(range(n)))
+        if live:
+            codes = self._server.lookup([keys[i] for i in live])
+            for i, code in zip(live, codes):
+                results[i] = code
+        return results
+
+    def __repr__(self) -> str:
+        return f"<Store embedded server={self._server.name!r}>"
+
+
+async def _in_executor(fn, *args):
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, fn, *args)

@@ -1,0 +1,179 @@
+"""Fault injection on the embedded server: error rate, latency, outage.
+
+Injected failures stand for transport failures, which the real client
+returns unchanged on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from sglang_simm.errors import OK, TARGET_UNAVAILABLE, TIMEOUT
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def stored(store, mem, key, rand):
+    """Three objects written before any fault: ``(keys, datas)``."""
+    keys = [key(str(i)) for i in range(3)]
+    datas = [rand(2048, seed=i) for i in range(3)]
+    assert store.mput(keys, [mem.holding(d)[0] for d in datas]) == [OK] * 3
+    return keys, datas
+
+
+def every_call(store, mem, keys, code):
+    """Assert that every data call on ``keys`` fails with ``code``."""
+    views = [mem.view(2048)[0] for _ in keys]
+    fresh = [k + "-new" for k in keys]
+    assert store.put(fresh[0], views[0]) == code
+    assert store.get(keys[0], views[0]) == code
+    assert store.delete(keys[0]) == code
+    assert store.mput(fresh, views) == [code] * len(keys)
+    assert store.mget(keys, views) == [code] * len(keys)
+    assert store.exists(keys[0]) is False
+    assert store.mexists(keys) == [False] * len(keys)
+    assert run(store.put_async(fresh[0], views[0])) == code
+    assert run(store.get_async(keys[0], views[0])) == code
+    assert run(store.delete_async(keys[0])) == code
+    assert run(store.exists_async(keys[0])) is False
+
+
+def all_readable(store, mem, keys, datas):
+    for k, data in zip(keys, datas):
+        view, out = mem.view(data.numel())
+        assert store.get(k, view) == data.numel()
+        assert torch.equal(out, data)
+
+
+@pytest.mark.parametrize("code", [TIMEOUT, TARGET_UNAVAILABLE], ids=["timeout", "target-unavailable"])
+def test_error_rate_one_fails_every_entry(store, mem, faults, stored, code):
+    keys, datas = stored
+    faults.configure(error_rate=1.0, error_code=code)
+    every_call(store, mem, keys, code)
+    faults.configure(error_rate=0.0)
+    all_readable(store, mem, keys, datas)  # nothing was lost or changed
+
+
+def test_error_rate_zero_fails_nothing(store, mem, faults, key, rand):
+    faults.configure(error_rate=0.0)
+    keys = [key(str(i)) for i in range(50)]
+    datas = [rand(100, seed=i) for i in range(50)]
+    assert store.mput(keys, [mem.holding(d)[0] for d in datas]) == [OK] * 50
+    all_readable(store, mem, keys, datas)
+    assert faults.injected == 0
+
+
+def test_seeded_partial_rate_is_deterministic(kv, mem, key, rand):
+    def pattern(server_name: str) -> list[int]:
+        assert kv.set_flag("cm_primary_node_ip", server_name)
+        server = kv.get_server(server_name)
+        server.faults.configure(error_rate=0.5, seed=1234)
+        store = kv.Store()
+        keys = [key(f"{server_name}-{i}") for i in range(200)]
+        views = [mem.view(16, fill=i % 256)[0] for i in range(200)]
+        return store.mput(keys, views)
+
+    first, second = pattern("seeded-a"), pattern("seeded-b")
+    assert first == second
+    failed = first.count(TIMEOUT)
+    assert failed + first.count(OK) == 200
+    assert 60 < failed < 140, f"rate 0.5 failed {failed} of 200"
+    assert kv.get_server("seeded-a").stats()["injected_errors"] == failed
+
+
+def test_injected_put_failure_stores_nothing(store, mem, faults, key, rand):
+    faults.configure(error_rate=0.5, seed=7)
+    keys = [key(str(i)) for i in range(40)]
+    codes = store.mput(keys, [mem.view(32, fill=1)[0] for _ in keys])
+    faults.configure(error_rate=0.0)
+    assert store.mexists(keys) == [c == OK for c in codes]
+
+
+def test_latency_adds_time(store, mem, faults, stored):
+    keys, _ = stored
+    view = mem.view(2048)[0]
+    faults.configure(latency_us=20_000)
+    started = time.perf_counter()
+    for _ in range(5):
+        store.get(keys[0], view)
+    store.mget(keys, [mem.view(2048)[0] for _ in keys])  # one batch call: one delay
+    elapsed = time.perf_counter() - started
+    assert elapsed >= 6 * 0.020 * 0.9  # generous lower bound only
+
+
+def test_down_fails_calls_and_store_creation(kv, store, mem, faults, stored):
+    keys, datas = stored
+    faults.configure(down=True)
+    with pytest.raises(RuntimeError):
+        kv.Store()
+    every_call(store, mem, keys, TIMEOUT)
+    assert faults.injected > 0
+
+    faults.configure(down=False)
+    all_readable(store, mem, keys, datas)  # back up, data intact
+    assert isinstance(kv.Store(), kv.Store)
+    view = mem.holding(torch.ones(64, dtype=torch.uint8))[0]
+    assert store.put(keys[0] + "-after", view) == OK
+
+
+def test_fault_flags_apply_to_the_current_server(kv, store, mem, server, stored):
+    keys, datas = stored
+    assert kv.set_flag("embedded_down", "true")
+    assert server.faults.down is True
+    with pytest.raises(RuntimeError):
+        kv.Store()
+    assert store.get(keys[0], mem.view(2048)[0]) == TIMEOUT
+    assert kv.set_flag("embedded_down", "false")
+
+    assert kv.set_flag("embedded_error_code", "-1901")
+    assert kv.set_flag("embedded_error_rate", "1")
+    assert store.get(keys[0], mem.view(2048)[0]) == TARGET_UNAVAILABLE
+    assert kv.set_flag("embedded_error_rate", "0")
+    all_readable(store, mem, keys, datas)
+
+    assert kv.set_flag("embedded_latency_us", "1500")
+    assert server.faults.latency_us == 1500.0
+    assert kv.set_flag("embedded_seed", "9")
+    assert server.faults.seed == 9
+
+
+def test_fault_flags_apply_to_a_server_created_later(kv):
+    assert kv.set_flag("embedded_down", "true")
+    assert kv.set_flag("cm_primary_node_ip", "created-down")
+    with pytest.raises(RuntimeError):
+        kv.Store()
+    assert kv.get_server("created-down").faults.down is True
+    assert kv.set_flag("embedded_down", "false")
+    assert kv.get_server("created-down").faults.down is False
+    kv.Store()
+
+
+def test_faults_are_per_server(kv, store, mem, faults, stored):
+    keys, _ = stored
+    faults.configure(down=True)
+    assert kv.set_flag("cm_primary_node_ip", "healthy-neighbour")
+    other = kv.Store()
+    view = mem.holding(torch.ones(16, dtype=torch.uint8))[0]
+    assert other.put(keys[0], view) == OK
+    assert store.put(keys[0], view) == TIMEOUT
+
+
+def test_fault_settings_are_validated(faults):
+    with pytest.raises(ValueError):
+        faults.configure(error_rate=1.5)
+    with pytest.raises(ValueError):
+        faults.configure(error_code=0)
+    with pytest.raises(ValueError):
+        faults.configure(latency_us=-1)
+    with pytest.raises(TypeError):
+        faults.configure(down="yes")
+    with pytest.raises(TypeError):
+        faults.configure(flakiness=0.1)
+    assert faults.error_rate == 0.0 and faults.down is False
