@@ -1,0 +1,586 @@
+"""``HiCacheSiMM``: SGLang's L3 storage backend on SiMM.
+
+Attach-time work (config, connection, warm-up, memory registration, page
+geometry, per-pool object tables) may raise: a wrong setup must stop the
+server with a message. Data-path methods never raise: SGLang's prefetch and
+backup threads die on an exception, while a False is only a miss. Faults
+there are counted by code and logged rate-limited.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from sglang_simm import errors, keys as keyspace
+from sglang_simm.client import KVClient, connect
+from sglang_simm.config import SiMMConfig, load_config, log_resolved
+from sglang_simm.errors import UnsupportedPoolError
+from sglang_simm.geometry import SUPPORTED_LAYOUTS, PageGeometry, derive_geometry, page_starts
+from sglang_simm.metrics import BackendCounters, RateLimitedLog
+
+logger = logging.getLogger(__name__)
+
+#: Above this many objects per pool, views are built per call instead of
+#: once for the pool's lifetime (memory over speed).
+VIEW_TABLE_LIMIT = 1 << 21
+
+#: Codes that mean "not there": the synchronous client folds every server
+#: answer of a get, a plain miss included, into GetObjectFailed.
+_MISS_CODES = (errors.DS_KEY_NOT_FOUND, errors.GET_OBJECT_FAILED)
+#: A concurrent writer stored the object first (same key, same bytes).
+_ALREADY_EXISTS = errors.DS_DATA_ALREADY_EXISTS
+
+
+@dataclass
+class _Plan:
+    """One batch resolved to SiMM objects."""
+
+    #: indices (into the caller's keys) of the pages the objects belong to
+    pages: np.ndarray
+    keys: list[str]
+    views: list[Any]
+
+
+class PoolBinding:
+    """One host pool bound to SiMM: its memory region, geometry and keys.
+
+    Everything per pool that does not change per call is computed here once.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: KVClient,
+        pool: Any,
+        identity: keyspace.PageIdentity,
+        scheme: str,
+        meta: Callable[[Any], tuple[list[int], list[int]]],
+    ):
+        self.pool = pool
+        self.page_size = int(pool.page_size)
+        buffer = pool.kv_buffer
+        if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
+            raise UnsupportedPoolError(
+                f"{type(pool).__name__}.kv_buffer is not one host tensor; "
+                "this backend registers the host pool as one memory region"
+            )
+        self.buffer = buffer
+        try:
+            self.geometry: PageGeometry = derive_geometry(
+                meta,
+                page_size=self.page_size,
+                pool_tokens=int(pool.size),
+                buffer_start=buffer.data_ptr(),
+                buffer_bytes=buffer.numel() * buffer.element_size(),
+                make_indices=lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64),
+            )
+        except UnsupportedPoolError:
+            raise
+        except Exception as exc:
+            raise UnsupportedPoolError(
+                f"cannot read the page geometry of {type(pool).__name__} "
+                f"(layout {getattr(pool, 'layout', '?')!r}): {type(exc).__name__}: {exc}"
+            ) from exc
+        self.identity = identity = _with_object_bytes(identity, self.geometry.object_bytes)
+        if scheme == "legacy":
+            refusal = keyspace.legacy_refusal(identity)
+            if refusal:
+                raise UnsupportedPoolError(
+                    f"key_scheme 'legacy' cannot be used here: {refusal}; use key_scheme 'namespaced'"
+                )
+            self.prefix = keyspace.legacy_prefix(identity)
+            self.suffixes = keyspace.legacy_suffixes(identity, self.geometry.chunks)
+        else:
+            self.prefix = keyspace.namespaced_prefix(identity)
+            self.suffixes = keyspace.namespaced_suffixes(identity, self.geometry.chunks)
+        if len(self.suffixes) != self.geometry.parts:
+            raise UnsupportedPoolError(
+                f"{type(pool).__name__} reports {self.geometry.parts // self.geometry.chunks} "
+                f"objects per page, expected {len(self.suffixes) // self.geometry.chunks} "
+                f"for {'MLA' if identity.is_mla else 'MHA'}"
+            )
+        self.key_budget = keyspace.max_page_key_bytes(self.prefix, self.suffixes)
+        self.parts = self.geometry.parts
+        self.sizes = self.geometry.sizes
+        self.sizes_list = self.sizes.tolist()
+        self.page_bytes = self.geometry.page_bytes
+        self.client = client
+        self.mr = client.register(buffer)
+        self._view = client.view
+        self._table: list[Any] | None = None
+        total = self.geometry.num_pages * self.parts
+        if total <= VIEW_TABLE_LIMIT:
+            ptrs = self.geometry.pointers(
+                np.arange(self.geometry.num_pages, dtype=np.int64) * self.page_size
+            ).tolist()
+            sizes = self.sizes_list * self.geometry.num_pages
+            self._table = [self._view(p, s, self.mr) for p, s in zip(ptrs, sizes)]
+
+    def plan(self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog) -> _Plan | None:
+        """Resolve a batch; None (all misses) when the indices are unusable."""
+        n = len(page_keys)
+        indices = _as_numpy(host_indices)
+        starts = page_starts(indices, self.page_size, n) if indices is not None else None
+        if starts is None:
+            log(
+                "bad_indices",
+                "SiMM: host_indices do not hold %d whole, page-aligned pages of %d slots "
+                "(got %s); treating the batch as misses",
+                n, self.page_size, None if indices is None else indices.shape,
+            )
+            return None
+        if np.any(starts + self.page_size > self.geometry.num_pages * self.page_size) or np.any(starts < 0):
+            log("bad_indices", "SiMM: host_indices outside the host pool; treating the batch as misses")
+            return None
+        budget = self.key_budget
+        fits = [keyspace.key_fits(k, budget) for k in page_keys]
+        if all(fits):
+            pages = np.arange(n)
+            valid_keys = page_keys
+        else:
+            log("bad_key", "SiMM: %d page keys are not strings within %d bytes; those pages miss",
+                fits.count(False), budget)
+            pages = np.flatnonzero(fits)
+            valid_keys = [page_keys[i] for i in pages.tolist()]
+            starts = starts[pages]
+        obj_keys = keyspace.object_keys(self.prefix, valid_keys, self.suffixes)
+        if self._table is not None:
+            ids = self.geometry.object_ids(starts // self.page_size).tolist()
+            views = list(operator.itemgetter(*ids)(self._table)) if len(ids) > 1 else [self._table[i] for i in ids]
+        else:
+            ptrs = self.geometry.pointers(starts).tolist()
+            sizes = self.sizes_list * len(valid_keys)
+            view, mr = self._view, self.mr
+            views = [view(p, s, mr) for p, s in zip(ptrs, sizes)]
+        return _Plan(pages=pages, keys=obj_keys, views=views)
+
+    def page_object_keys(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+        fits = [keyspace.key_fits(k, self.key_budget) for k in page_keys]
+        pages = np.flatnonzero(fits) if not all(fits) else np.arange(len(page_keys))
+        valid = page_keys if len(pages) == len(page_keys) else [page_keys[i] for i in pages.tolist()]
+        return pages, keyspace.object_keys(self.prefix, valid, self.suffixes)
+
+    def close(self) -> None:
+        self._table = None
+        mr, self.mr = self.mr, None
+        if mr is not None:
+            self.client.deregister(mr)
+
+
+def _with_object_bytes(identity: keyspace.PageIdentity, object_bytes: tuple[int, ...]) -> keyspace.PageIdentity:
+    from dataclasses import replace
+
+    return replace(identity, object_bytes=object_bytes)
+
+
+def _as_numpy(host_indices: Any) -> np.ndarray | None:
+    if isinstance(host_indices, torch.Tensor):
+        if host_indices.device.type != "cpu":
+            host_indices = host_indices.cpu()
+        return host_indices.numpy()
+    if isinstance(host_indices, np.ndarray):
+        return host_indices
+    try:
+        return np.asarray(host_indices, dtype=np.int64)
+    except (TypeError, ValueError):
+        return None
+
+
+class HiCacheSiMM(HiCacheStorage):
+    """SiMM as SGLang's HiCache L3 tier (v1 zero-copy page interface).
+
+    Routes: ``simm`` (the plugin's registration: ``(storage_config,
+    host_pool)``) and ``dynamic`` (``(storage_config, {})``; the pool comes
+    through ``register_mem_pool_host``). ``client=`` injects a connected
+    ``KVClient``; by default one is built from the configuration.
+    """
+
+    def __init__(
+        self,
+        storage_config: Any = None,
+        mem_pool_host: Any = None,
+        *,
+        client: KVClient | None = None,
+        config: SiMMConfig | None = None,
+    ):
+        self.storage_config = storage_config
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        if config is None:
+            resolved = load_config(extra)
+            log_resolved(resolved, logger)
+            config = resolved.config
+        self.config = config
+        self.counters = BackendCounters()
+        self._log = RateLimitedLog(logger)
+        self._profile = bool(config.enable_profile)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.mem_pool_host = None
+        self._kv: PoolBinding | None = None
+
+        if isinstance(mem_pool_host, dict) and not extra.get("interface_v1"):
+            # The dynamic route without interface_v1: SGLang silently takes its
+            # copying path (a Python copy per page). Say so, loudly, with the fix.
+            logger.warning(
+                "sglang-simm: 'interface_v1' is not set in --hicache-storage-backend-extra-config, "
+                "so SGLang will use its slow copying path instead of zero-copy pages. "
+                "Add \"interface_v1\": 1 to the extra config (or use --hicache-storage-backend simm)."
+            )
+        tp_rank = int(getattr(storage_config, "tp_rank", 0) or 0)
+        self.client = client if client is not None else connect(config, local_rank=tp_rank)
+        if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
+            self.register_mem_pool_host(mem_pool_host)
+
+    # ------------------------------------------------------------------ attach
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Bind the KV host pool: check it, register its memory once, build
+        its object table. Raises (failing the attach) on a pool we refuse."""
+        # SGLang 0.5.10-0.5.18 hand hybrid models' pools over as a HostPoolGroup
+        # proxy without head or layer attributes; the KV pool is its anchor.
+        anchor = getattr(mem_pool_host, "anchor_entry", None)
+        if anchor is not None and getattr(anchor, "host_pool", None) is not None:
+            mem_pool_host = anchor.host_pool
+        if getattr(mem_pool_host, "kv_buffer", None) is None:
+            raise UnsupportedPoolError(
+                f"{type(mem_pool_host).__name__} has no kv_buffer (a logical KV pool, as DeepSeek V4 "
+                "uses); sglang-simm stores MHA and MLA KV pools only"
+            )
+        with self._lock:
+            if self._kv is not None and self._kv.pool is mem_pool_host:
+                return
+            layout = getattr(mem_pool_host, "layout", None)
+            if layout not in SUPPORTED_LAYOUTS:
+                raise UnsupportedPoolError(
+                    f"sglang-simm supports the host pool layouts {', '.join(SUPPORTED_LAYOUTS)}, "
+                    f"not {layout!r}: start SGLang with --hicache-mem-layout page_first "
+                    "(page_head for heterogeneous TP with tp_lcm_size)"
+                )
+            identity = self.page_identity(mem_pool_host, "kv")
+            meta = mem_pool_host.get_page_buffer_meta
+            if identity.split_factor > 1:
+                split = identity.split_factor
+                meta = lambda idx: mem_pool_host.get_split_heads_page_buffer_meta(idx, split)  # noqa: E731
+            binding = PoolBinding(
+                client=self.client, pool=mem_pool_host, identity=identity,
+                scheme=self.config.key_scheme, meta=meta,
+            )
+            old, self._kv = self._kv, binding
+            self.mem_pool_host = mem_pool_host
+        if old is not None:
+            old.close()
+        g = binding.geometry
+        logger.info(
+            "sglang-simm: bound %s (%s, %d pages of %d tokens, %d objects of %s bytes per page%s) "
+            "to %s, key prefix %r",
+            type(mem_pool_host).__name__, layout, g.num_pages, g.page_size, g.parts,
+            "/".join(str(s) for s in sorted(set(binding.sizes_list))),
+            f", split in {g.chunks} chunks" if g.chunks > 1 else "",
+            self.client.description, binding.prefix,
+        )
+
+    def page_identity(self, pool: Any, pool_name: str = "kv") -> keyspace.PageIdentity:
+        sc = self.storage_config
+        g = lambda name, default: getattr(sc, name, default) if sc is not None else default  # noqa: E731
+        return keyspace.PageIdentity(
+            model_name=str(g("model_name", "") or ""),
+            is_mla=bool(g("is_mla_model", False)),
+            tp_size=int(g("tp_size", 1) or 1),
+            tp_rank=int(g("tp_rank", 0) or 0),
+            pp_size=int(g("pp_size", 1) or 1),
+            pp_rank=int(g("pp_rank", 0) or 0),
+            page_size=int(pool.page_size),
+            dtype=str(getattr(pool, "dtype", "")),
+            layout=str(getattr(pool, "layout", "")),
+            object_bytes=(),
+            extra_backend_tag=self.config.extra_backend_tag,
+            attn_cp_size=int(g("attn_cp_size", 1) or 1),
+            attn_cp_rank=int(g("attn_cp_rank", 0) or 0),
+            dcp_size=int(g("dcp_size", 1) or 1),
+            dcp_rank=int(g("dcp_rank", 0) or 0),
+            tp_lcm_size=(g("tp_lcm_size", None) if g("should_split_heads", False) else None),
+            pool=pool_name,
+        )
+
+    # ----------------------------------------------------------- v1 data path
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """Number of leading pages whose every object exists."""
+        n = len(keys) if keys is not None else 0
+        if n == 0:
+            return 0
+        try:
+            b = self._kv
+            if b is None:
+                self._log("unbound", "SiMM: batch_exists before a host pool was registered")
+                return 0
+            pages, obj_keys = b.page_object_keys(keys)
+            self.counters.record_exists()
+            found = np.asarray(self.client.mexists(obj_keys), dtype=bool)
+            if found.size != len(obj_keys):
+                raise RuntimeError(f"mexists answered {found.size} results for {len(obj_keys)} keys")
+            page_ok = np.zeros(n, dtype=bool)
+            page_ok[pages] = found.reshape(-1, b.parts).all(axis=1)
+            return n if page_ok.all() else int(np.argmin(page_ok))
+        except Exception as exc:
+            self._fault("batch_exists", exc)
+            return 0
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Read pages into the host pool; True only where every object of the
+        page read back exactly its expected size."""
+        n = len(keys) if keys is not None else 0
+        if n == 0:
+            return []
+        try:
+            b = self._kv
+            if b is None:
+                self._log("unbound", "SiMM: batch_get_v1 before a host pool was registered")
+                return [False] * n
+            plan = b.plan(keys, host_indices, self._log)
+            if plan is None:
+                self.counters.record_error("bad_indices")
+                return [False] * n
+            t0 = time.perf_counter()
+            codes = self.client.mget(plan.keys, plan.views)
+            dt = time.perf_counter() - t0
+            got = np.asarray(codes, dtype=np.int64)
+            if got.size != len(plan.keys):
+                raise RuntimeError(f"mget answered {got.size} results for {len(plan.keys)} objects")
+            got = got.reshape(-1, b.parts)
+            ok = (got == b.sizes[None, :]).all(axis=1)
+            result = np.zeros(n, dtype=bool)
+            result[plan.pages] = ok
+            hits = int(ok.sum())
+            if hits != ok.size:
+                self._count_codes(got[~ok], b.sizes)
+            self.counters.record_get(hits, n - hits, hits * b.page_bytes, dt, b.page_bytes)
+            if self._profile:
+                logger.info("SiMM batch_get_v1: %d pages, %d hits, %.1f us, %.2f GiB/s",
+                            n, hits, dt * 1e6, hits * b.page_bytes / (1 << 30) / dt if dt else 0.0)
+            return result.tolist()
+        except Exception as exc:
+            self._fault("batch_get_v1", exc)
+            return [False] * n
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Write pages not yet stored (one mexists, one mput of the rest)."""
+        n = len(keys) if keys is not None else 0
+        if n == 0:
+            return []
+        try:
+            b = self._kv
+            if b is None:
+                self._log("unbound", "SiMM: batch_set_v1 before a host pool was registered")
+                return [False] * n
+            plan = b.plan(keys, host_indices, self._log)
+            if plan is None:
+                self.counters.record_error("bad_indices")
+                return [False] * n
+            t0 = time.perf_counter()
+            present = np.asarray(self.client.mexists(plan.keys), dtype=bool)
+            if present.size != len(plan.keys):
+                raise RuntimeError(f"mexists answered {present.size} results for {len(plan.keys)} keys")
+            skipped = int(present.reshape(-1, b.parts).all(axis=1).sum())
+            missing = np.flatnonzero(~present)
+            written_bytes = 0
+            if missing.size:
+                idx = missing.tolist()
+                put_keys = [plan.keys[i] for i in idx]
+                put_views = [plan.views[i] for i in idx]
+                codes = np.asarray(self.client.mput(put_keys, put_views), dtype=np.int64)
+                if codes.size != len(idx):
+                    raise RuntimeError(f"mput answered {codes.size} results for {len(idx)} objects")
+                stored = (codes == 0) | (codes == _ALREADY_EXISTS)
+                present[missing] = stored
+                written_bytes = int(b.sizes[missing % b.parts][stored].sum())
+                if not stored.all():
+                    self._count_failed_puts(codes[~stored])
+            dt = time.perf_counter() - t0
+            ok = present.reshape(-1, b.parts).all(axis=1)
+            result = np.zeros(n, dtype=bool)
+            result[plan.pages] = ok
+            good = int(ok.sum())
+            self.counters.record_set(good - skipped, skipped, n - good, written_bytes, dt)
+            if self._profile:
+                logger.info("SiMM batch_set_v1: %d pages, %d already stored, %d written, %.1f us",
+                            n, skipped, good - skipped, dt * 1e6)
+            return result.tolist()
+        except Exception as exc:
+            self._fault("batch_set_v1", exc)
+            return [False] * n
+
+    # ------------------------------------------------- legacy (copying) path
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self.batch_get([key], [target_location])[0]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
+        """SGLang's copying path: fill each flat page tensor, or None on a miss.
+
+        The flat page SGLang hands over is the page's objects back to back,
+        so the same objects serve both paths.
+        """
+        n = len(keys) if keys is not None else 0
+        targets = list(target_locations) if target_locations is not None else []
+        try:
+            b = self._kv
+            if b is None or len(targets) != n:
+                self._log("legacy_args", "SiMM: batch_get needs a registered pool and one target tensor per key")
+                return [None] * n
+            out: list[Any] = [None] * n
+            pages, obj_keys = b.page_object_keys(keys)
+            blocks = [self.client.allocate(s) for s in b.sizes_list * len(pages)]
+            codes = np.asarray(self.client.mget(obj_keys, [blk.view() for blk in blocks]), dtype=np.int64)
+            ok = (codes.reshape(-1, b.parts) == b.sizes[None, :]).all(axis=1)
+            for row, page in enumerate(pages.tolist()):
+                target = targets[page]
+                if not ok[row] or not _fits_flat(target, b.page_bytes):
+                    continue
+                flat = target.view(torch.uint8) if target.dtype != torch.uint8 else target
+                parts = [blk.as_ref() for blk in blocks[row * b.parts:(row + 1) * b.parts]]
+                flat.copy_(torch.cat(parts))
+                out[page] = target
+            hits = sum(x is not None for x in out)
+            self.counters.record_get(hits, n - hits, hits * b.page_bytes, 0.0, b.page_bytes)
+            return out
+        except Exception as exc:
+            self._fault("batch_get", exc)
+            return [None] * n
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        """SGLang's copying path: store flat page tensors; True if all stored."""
+        n = len(keys) if keys is not None else 0
+        vals = list(values) if values is not None else []
+        if n == 0:
+            return False
+        try:
+            b = self._kv
+            if b is None or len(vals) != n:
+                self._log("legacy_args", "SiMM: batch_set needs a registered pool and one value per key")
+                return False
+            pages, obj_keys = b.page_object_keys(keys)
+            if len(pages) != n or not all(_fits_flat(v, b.page_bytes) for v in vals):
+                return False
+            present = np.asarray(self.client.mexists(obj_keys), dtype=bool)
+            missing = np.flatnonzero(~present).tolist()
+            if missing:
+                offsets = np.concatenate([[0], np.cumsum(b.sizes)[:-1]]).tolist()
+                put_keys, put_views = [], []
+                for i in missing:
+                    page, part = divmod(i, b.parts)
+                    src = vals[page].contiguous().view(torch.uint8).reshape(-1)
+                    size = b.sizes_list[part]
+                    blk = self.client.allocate(size)
+                    blk.as_ref().copy_(src[offsets[part]:offsets[part] + size])
+                    put_keys.append(obj_keys[i])
+                    put_views.append(blk.view())
+                codes = np.asarray(self.client.mput(put_keys, put_views), dtype=np.int64)
+                stored = (codes == 0) | (codes == _ALREADY_EXISTS)
+                if not stored.all():
+                    self._count_failed_puts(codes[~stored])
+                present[missing] = stored
+            ok = present.reshape(-1, b.parts).all(axis=1)
+            self.counters.record_set(int(ok.sum()), 0, int((~ok).sum()), 0, 0.0)
+            return bool(ok.all())
+        except Exception as exc:
+            self._fault("batch_set", exc)
+            return False
+
+    # ---------------------------------------------------- lifecycle and stats
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics since the previous call (drained)."""
+        try:
+            return self.counters.drain_storage_metrics()
+        except Exception as exc:
+            self._fault("get_stats", exc)
+            return None
+
+    def stats(self) -> dict[str, Any]:
+        """Our own counters: hits, misses, bytes, errors by code."""
+        return self.counters.snapshot()
+
+    def clear(self) -> None:
+        """Remove this backend's namespace where the client can list keys.
+
+        SiMM's client has no key listing, so on a cluster nothing can be
+        removed; the embedded store deletes by prefix.
+        """
+        b = self._kv
+        if b is None:
+            return
+        if not b.prefix:
+            logger.warning("SiMM clear(): key_scheme 'legacy' without extra_backend_tag has no "
+                           "namespace of its own; nothing removed")
+            return
+        if not self.client.supports_delete_prefix:
+            logger.warning("SiMM clear(): the SiMM client cannot list keys, so pages under %r stay "
+                           "until the cluster evicts them", b.prefix)
+            return
+        removed = self.client.delete_prefix(b.prefix)
+        logger.info("SiMM clear(): removed %d objects under %r", removed, b.prefix)
+
+    def close(self) -> None:
+        """Deregister host memory and release the client. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            binding, self._kv = self._kv, None
+        try:
+            if binding is not None:
+                binding.close()
+            self.client.close()
+        except Exception as exc:
+            logger.warning("SiMM close(): %s: %s", type(exc).__name__, exc)
+
+    # ---------------------------------------------------------------- faults
+
+    def _fault(self, where: str, exc: BaseException) -> None:
+        self.counters.record_error(f"exception:{type(exc).__name__}")
+        self._log(f"exc:{where}", "SiMM %s failed (%s: %s); answering misses",
+                  where, type(exc).__name__, exc, exc_info=True)
+
+    def _count_codes(self, got: np.ndarray, sizes: np.ndarray) -> None:
+        negative = got[(got < 0) & ~np.isin(got, _MISS_CODES)]
+        if negative.size:
+            codes = Counter(negative.tolist())
+            self.counters.record_codes(codes)
+            self._log("codes", "SiMM read errors: %s",
+                      ", ".join(f"{errors.code_name(c)} x{k}" for c, k in codes.items()))
+        wrong = int(((got > 0) & (got != np.broadcast_to(sizes, got.shape))).sum())
+        if wrong:
+            self.counters.record_error("size_mismatch", wrong)
+            self._log("size", "SiMM: %d objects read back with an unexpected size; those pages miss", wrong)
+
+    def _count_failed_puts(self, codes: np.ndarray) -> None:
+        counts = Counter(codes.tolist())
+        self.counters.record_codes(counts)
+        self._log("put", "SiMM write errors: %s",
+                  ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counts.items()))
+
+
+def _fits_flat(t: Any, nbytes: int) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.numel() * t.element_size() == nbytes
+    )

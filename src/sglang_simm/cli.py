@@ -1,0 +1,118 @@
+"""``sglang-simm`` (also ``python -m sglang_simm``): doctor, demo, bench.
+
+The only module that imports rich, and only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def parse_extra_config(text: str | None) -> dict[str, Any]:
+    """Like SGLang's ``--hicache-storage-backend-extra-config``: JSON, or
+    ``@path`` to a JSON, YAML or TOML file."""
+    if not text:
+        return {}
+    if text.startswith("@"):
+        path = text[1:]
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        if path.endswith(".toml"):
+            import tomllib
+
+            data = tomllib.loads(raw.decode())
+        elif path.endswith((".yaml", ".yml")):
+            import yaml  # SGLang depends on PyYAML
+
+            data = yaml.safe_load(raw)
+        else:
+            data = json.loads(raw)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"the extra config must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--extra-config",
+        metavar="JSON|@FILE",
+        help="the same value you pass to --hicache-storage-backend-extra-config",
+    )
+    p.add_argument("--manager", metavar="ADDR", help="shortcut for manager_address (host:port, local, local://NAME)")
+
+
+def _extra_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    extra = parse_extra_config(args.extra_config)
+    if args.manager:
+        extra["manager_address"] = args.manager
+    return extra
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sglang_simm import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="sglang-simm",
+        description="SiMM as SGLang's HiCache L3 tier: check a setup, run the demo, measure.",
+    )
+    parser.add_argument("--version", action="version", version=f"sglang-simm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    doctor = sub.add_parser("doctor", help="check configuration, client, RDMA devices and SGLang")
+    _add_config_args(doctor)
+    doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
+
+    demo = sub.add_parser("demo", help="run HiCache's write-back and restore on the embedded store")
+    _add_config_args(demo)
+    demo.add_argument("--model", default="llama3-8b", help="page geometry preset (see --list-models)")
+    demo.add_argument("--list-models", action="store_true", help="list the geometry presets and exit")
+    demo.add_argument("--pages", type=int, default=512, help="pages in the first request's prefix")
+    demo.add_argument("--page-size", type=int, default=None, help="tokens per page (default: the preset's)")
+    demo.add_argument("--layout", default="page_first", choices=["page_first", "page_first_direct", "page_head"])
+    demo.add_argument("--direct", action="store_true", help="call the backend directly, not SGLang's controller")
+    demo.add_argument("--json", metavar="PATH", help="write the results as JSON")
+
+    bench = sub.add_parser("bench", help="measure our backend against SGLang's in-tree one")
+    bench.add_argument("--pages", default="1,8,32,128,1024", help="batch sizes (pages per call)")
+    bench.add_argument("--repeat", type=int, default=30, help="timed repetitions per point (median)")
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
+    bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="draw a PNG chart (needs matplotlib)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = _console()
+    try:
+        if args.command == "doctor":
+            from sglang_simm.doctor import run_doctor
+
+            return run_doctor(console, _extra_from_args(args), sysfs_root=args.sysfs_root)
+        if args.command == "demo":
+            from sglang_simm.demo import run_demo
+
+            return run_demo(console, args, _extra_from_args(args))
+        if args.command == "bench":
+            from sglang_simm.bench import run_bench
+
+            return run_bench(console, args)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""``sglang-simm doctor``: everything that decides whether a start will work.
+
+Reads the same sources the backend reads, so what it prints is what the
+backend would do. Each check adds rows; a check that would block a start
+adds a problem, and any problem makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+PLUGIN_SINCE = (0, 5, 11)
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _grid(title: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", title_style="bold", show_header=True, header_style="dim")
+    return table
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    out = []
+    for piece in text.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def sglang_status() -> dict[str, Any]:
+    """SGLang's version and which of our routes it offers; imports no SGLang."""
+    from importlib.metadata import PackageNotFoundError, entry_points, version
+
+    try:
+        sglang_version = version("sglang")
+    except PackageNotFoundError:
+        sglang_version = None
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "simm"]
+    ours = [ep for ep in eps if ep.value.startswith("sglang_simm")]
+    plugin_ok = bool(sglang_version) and _version_tuple(sglang_version) >= PLUGIN_SINCE
+    return {
+        "version": sglang_version,
+        "entry_point": ours[0].value if ours else None,
+        "other_simm_entry_points": [ep.value for ep in eps if ep not in ours],
+        "plugin_route": plugin_ok and bool(ours),
+        "dynamic_route": bool(sglang_version),
+    }
+
+
+def launch_lines(extra: dict[str, Any]) -> dict[str, str]:
+    """Ready-to-paste launch commands for both routes."""
+    base = {k: v for k, v in extra.items() if k not in ("backend_name", "module_path", "class_name", "interface_v1")}
+    if "manager_address" not in base:
+        base["manager_address"] = "HOST:PORT"
+    dynamic = {
+        "backend_name": "simm",
+        "module_path": "sglang_simm",
+        "class_name": "HiCacheSiMM",
+        "interface_v1": 1,
+        **base,
+    }
+    common = "python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache --hicache-mem-layout page_first"
+    return {
+        "plugin (SGLang >= 0.5.11)": f"{common} --hicache-storage-backend simm "
+        f"--hicache-storage-backend-extra-config '{json.dumps(base)}'",
+        "dynamic (any SGLang)": f"{common} --hicache-storage-backend dynamic "
+        f"--hicache-storage-backend-extra-config '{json.dumps(dynamic)}'",
+    }
+
+
+def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys") -> int:
+    from sglang_simm import __version__
+    from sglang_simm.config import load_config
+    from sglang_simm.numa import list_rdma_devices, select_nics
+
+    report = Report()
+    console.print(f"[bold]sglang-simm {__version__} doctor[/bold]")
+
+    # 1. configuration
+    config = None
+    try:
+        resolved = load_config(extra)
+        config = resolved.config
+        table = _grid("Configuration")
+        table.add_column("field")
+        table.add_column("value")
+        table.add_column("source", style="dim")
+        for name, value, source in resolved.describe():
+            table.add_row(name, str(value), source)
+        console.print(table)
+    except ValueError as exc:
+        report.problems.append(f"configuration: {exc}")
+
+    # 2. the client
+    table = _grid("SiMM client")
+    table.add_column("check")
+    table.add_column("result")
+    if config is not None and config.is_embedded:
+        table.add_row("client", f"embedded store {config.embedded_name!r} (in-process, no cluster)")
+    else:
+        from sglang_simm.client import import_real_client
+        from sglang_simm.errors import ClientNotInstalledError
+
+        try:
+            kv = import_real_client()
+            table.add_row("simm.kv", f"SiMM client at {getattr(kv, '__file__', '?')}")
+        except ClientNotInstalledError as exc:
+            table.add_row("simm.kv", "[red]not usable[/red]")
+            if config is not None:
+                report.problems.append(str(exc))
+            else:
+                report.notes.append(str(exc))
+    console.print(table)
+
+    # 3. RDMA devices
+    devices = list_rdma_devices(sysfs_root)
+    table = _grid("RDMA devices")
+    table.add_column("device")
+    table.add_column("NUMA node", justify="right")
+    table.add_column("ports")
+    table.add_column("active")
+    for dev in devices:
+        ports = ", ".join(f"{n}: {s}" for n, s in sorted(dev.port_states.items())) or "-"
+        table.add_row(dev.name, str(dev.numa_node), ports, "yes" if dev.active else "[yellow]no[/yellow]")
+    if not devices:
+        table.add_row("(none)", "-", "-", "-")
+    console.print(table)
+    if config is not None and not config.is_embedded:
+        choice = select_nics(config, sysfs_root=sysfs_root)
+        if choice.devices:
+            console.print(f"NICs this process would use: [bold]{','.join(choice.devices)}[/bold] ({choice.reason})")
+        else:
+            report.problems.append(
+                f"no usable RDMA device ({choice.reason}). SiMM's client moves data over RDMA: "
+                "load the RDMA drivers (check /sys/class/infiniband), name devices with "
+                "rdma_devices, or set manager_address to 'local' to run on the embedded store"
+            )
+
+    # 4. SGLang
+    status = sglang_status()
+    table = _grid("SGLang")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_row("installed", status["version"] or "[red]no[/red]")
+    table.add_row("entry point 'simm'", status["entry_point"] or "[yellow]not registered[/yellow]")
+    table.add_row("--hicache-storage-backend simm", "yes" if status["plugin_route"] else "no (needs 0.5.11+)")
+    table.add_row("--hicache-storage-backend dynamic", "yes" if status["dynamic_route"] else "no")
+    for other in status["other_simm_entry_points"]:
+        table.add_row("[yellow]another 'simm' plugin[/yellow]", other)
+    console.print(table)
+    if not status["version"]:
+        report.notes.append("SGLang is not installed here: pip install 'sglang-simm[sglang]'")
+
+    console.print("[bold]Launch lines[/bold]")
+    for route, line in launch_lines(extra).items():
+        console.print(f"[dim]# {route}[/dim]")
+        console.print(line, soft_wrap=True)
+
+    # 5. a round trip
+    if config is not None and not report.problems:
+        _round_trip(console, config, report)
+
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    for problem in report.problems:
+        console.print(f"[red]problem:[/red] {problem}")
+    if report.problems:
+        console.print(f"[red]{len(report.problems)} problem(s) block a start.[/red]")
+        return 1
+    console.print("[green]No problem found.[/green]")
+    return 0
+
+
+def _round_trip(console: Any, config: Any, report: Report, *, size: int = 1 << 20, rounds: int = 5) -> None:
+    """Put, exists, get and delete a 1 MiB object a few times; median latency."""
+    import statistics
+    import uuid
+
+    from sglang_simm.client import connect
+
+    try:
+        client = connect(config)
+    except Exception as exc:
+        report.problems.append(f"connect: {exc}")
+        return
+    timings: dict[str, list[float]] = {"put": [], "exists": [], "get": []}
+    try:
+        src, dst = client.allocate(size), client.allocate(size)
+        src.as_ref().copy_(_pattern(size))
+        for _ in range(rounds):
+            key = f"sglang_simm_doctor_{uuid.uuid4().hex}"
+            t0 = time.perf_counter()
+            code = client.put(key, src.view())
+            t1 = time.perf_counter()
+            found = client.exists(key)
+            t2 = time.perf_counter()
+            got = client.get(key, dst.view())
+            t3 = time.perf_counter()
+            client.delete(key)
+            if code != 0 or not found or got != size or not bool((dst.as_ref() == src.as_ref()).all()):
+                report.problems.append(
+                    f"round trip to {client.description} failed: put={code}, exists={found}, get={got}"
+                )
+                return
+            timings["put"].append(t1 - t0)
+            timings["exists"].append(t2 - t1)
+            timings["get"].append(t3 - t2)
+    finally:
+        client.close()
+    table = _grid(f"Round trip to {client.description} ({size >> 20} MiB, median of {rounds})")
+    table.add_column("call")
+    table.add_column("latency", justify="right")
+    for call, values in timings.items():
+        table.add_row(call, f"{statistics.median(values) * 1e6:,.0f} us")
+    console.print(table)
+
+
+def _pattern(size: int) -> Any:
+    import torch
+
+    return torch.arange(size, dtype=torch.int64).remainder(251).to(torch.uint8)

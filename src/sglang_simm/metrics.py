@@ -1,0 +1,150 @@
+"""Counters, SGLang's StorageMetrics, and rate-limited fault logging.
+
+The data path never raises into SGLang, so faults must be visible some other
+way: every one is counted (by SiMM code or exception type) and logged at
+most once per interval per kind.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_simm.errors import code_name
+
+
+def storage_metrics_class() -> type | None:
+    """SGLang's ``StorageMetrics``: moved from ``sglang.srt.metrics.collector``
+    to ``sglang.srt.observability.metrics_collector`` in 0.5.x."""
+    for module in (
+        "sglang.srt.observability.metrics_collector",
+        "sglang.srt.metrics.collector",
+    ):
+        try:
+            mod = __import__(module, fromlist=["StorageMetrics"])
+            return mod.StorageMetrics
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+@dataclass
+class _Pending:
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
+
+
+class BackendCounters:
+    """What the backend did since it started; ``snapshot()`` reads it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.pages_read = 0
+        self.pages_missed = 0
+        self.pages_written = 0
+        self.pages_skipped = 0
+        self.pages_write_failed = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.exists_queries = 0
+        self.errors: Counter[str] = Counter()
+        self._pending = _Pending()
+
+    def record_get(self, hits: int, misses: int, nbytes: int, seconds: float, page_bytes: int) -> None:
+        with self._lock:
+            self.pages_read += hits
+            self.pages_missed += misses
+            self.bytes_read += nbytes
+            if hits:
+                self._pending.prefetch_pgs.append(hits)
+                self._pending.prefetch_bandwidth.append(_gib_per_s(hits * page_bytes, seconds))
+
+    def record_set(self, written: int, skipped: int, failed: int, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.pages_written += written
+            self.pages_skipped += skipped
+            self.pages_write_failed += failed
+            self.bytes_written += nbytes
+            if written:
+                self._pending.backup_pgs.append(written)
+                self._pending.backup_bandwidth.append(_gib_per_s(nbytes, seconds))
+
+    def record_exists(self) -> None:
+        with self._lock:
+            self.exists_queries += 1
+
+    def record_codes(self, codes: Counter[int]) -> None:
+        with self._lock:
+            for code, n in codes.items():
+                self.errors[code_name(code)] += n
+
+    def record_error(self, kind: str, n: int = 1) -> None:
+        with self._lock:
+            self.errors[kind] += n
+
+    def drain_storage_metrics(self) -> Any:
+        """SGLang's StorageMetrics of what happened since the last call."""
+        with self._lock:
+            pending, self._pending = self._pending, _Pending()
+        cls = storage_metrics_class()
+        if cls is None:
+            return None
+        metrics = cls()
+        metrics.prefetch_pgs.extend(pending.prefetch_pgs)
+        metrics.backup_pgs.extend(pending.backup_pgs)
+        metrics.prefetch_bandwidth.extend(pending.prefetch_bandwidth)
+        metrics.backup_bandwidth.extend(pending.backup_bandwidth)
+        return metrics
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            total = self.pages_read + self.pages_missed
+            return {
+                "pages_read": self.pages_read,
+                "pages_missed": self.pages_missed,
+                "hit_rate": self.pages_read / total if total else 0.0,
+                "pages_written": self.pages_written,
+                "pages_skipped_existing": self.pages_skipped,
+                "pages_write_failed": self.pages_write_failed,
+                "bytes_read": self.bytes_read,
+                "bytes_written": self.bytes_written,
+                "exists_queries": self.exists_queries,
+                "errors": dict(self.errors),
+            }
+
+
+def _gib_per_s(nbytes: int, seconds: float) -> float:
+    return nbytes / (1 << 30) / seconds if seconds > 0 else 0.0
+
+
+class RateLimitedLog:
+    """Log each kind of fault at most once per ``interval`` seconds, saying
+    how many were suppressed in between."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
+        self._logger = logger
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def __call__(self, kind: str, msg: str, *args: Any, exc_info: bool = False) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self._interval:
+                self._suppressed[kind] += 1
+                return False
+            self._last[kind] = now
+            suppressed = self._suppressed.pop(kind, 0)
+        if suppressed:
+            msg += " (%d more like this suppressed)"
+            args = (*args, suppressed)
+        self._logger.warning(msg, *args, exc_info=exc_info)
+        return True
