@@ -102,7 +102,7 @@ def test_legacy_keys_are_the_in_tree_backends(identity, expected):
 
 def test_legacy_refuses_what_the_in_tree_backend_cannot_name():
     assert keys.legacy_refusal(BASE) is None
-    assert "split heads" in keys.legacy_refusal(
+    assert "head groups" in keys.legacy_refusal(
         dataclasses.replace(BASE, layout="page_head", tp_lcm_size=4)
     )
     assert "hybrid" in keys.legacy_refusal(dataclasses.replace(BASE, pool="mamba"))

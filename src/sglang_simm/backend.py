@@ -308,7 +308,13 @@ class HiCacheSiMM(HiCacheStorage):
             attn_cp_rank=int(g("attn_cp_rank", 0) or 0),
             dcp_size=int(g("dcp_size", 1) or 1),
             dcp_rank=int(g("dcp_rank", 0) or 0),
-            tp_lcm_size=(g("tp_lcm_size", None) if g("should_split_heads", False) else None),
+            # SGLang sets should_split_heads only where tp_lcm_size > tp_size;
+            # ranks at tp_lcm_size must name their heads the same way to share.
+            tp_lcm_size=(
+                int(g("tp_lcm_size", 0) or 0) or None
+                if getattr(pool, "layout", None) == "page_head" and not g("is_mla_model", False)
+                else None
+            ),
             pool=pool_name,
         )
 

@@ -62,9 +62,15 @@ class PageIdentity:
     pool: str = "kv"
 
     @property
+    def head_grouped(self) -> bool:
+        """Pages named by head group of ``tp_lcm_size`` instead of by TP rank,
+        so ranks of different TP sizes share them (``page_head`` only)."""
+        return bool(self.tp_lcm_size) and not self.is_mla
+
+    @property
     def split_factor(self) -> int:
-        """How many head groups of ``tp_lcm_size`` one rank holds (1: no split)."""
-        if self.tp_lcm_size and not self.is_mla and self.tp_lcm_size > self.tp_size:
+        """How many head groups one rank holds (1: its page is one group)."""
+        if self.head_grouped and self.tp_lcm_size > self.tp_size:
             return self.tp_lcm_size // self.tp_size
         return 1
 
@@ -82,8 +88,10 @@ def fingerprint(identity: PageIdentity) -> str:
     if identity.is_mla:
         fields["tp_size"] = fields["tp_rank"] = None
         fields["tp_lcm_size"] = None
-    elif identity.split_factor > 1:
+    elif identity.head_grouped:
+        # A rank's page is split_factor (K, V) groups; name the group's bytes.
         fields["tp_size"] = fields["tp_rank"] = None
+        fields["object_bytes"] = list(identity.object_bytes[:2])
     else:
         fields["tp_lcm_size"] = None
     if identity.pp_size <= 1:
@@ -107,7 +115,7 @@ def namespaced_suffixes(identity: PageIdentity, chunks: int = 1) -> tuple[str, .
     """
     if identity.is_mla:
         parts = [".kv"]
-    elif identity.split_factor > 1:
+    elif identity.head_grouped:
         first = identity.tp_rank * identity.split_factor
         parts = []
         for group in range(first, first + identity.split_factor):
@@ -147,8 +155,8 @@ def legacy_refusal(identity: PageIdentity) -> str | None:
     """
     if identity.pool != "kv":
         return f"hybrid side pool {identity.pool!r} has no in-tree key"
-    if identity.split_factor > 1:
-        return "split heads (tp_lcm_size) have no in-tree key"
+    if identity.head_grouped:
+        return "head groups (tp_lcm_size with page_head) have no in-tree key"
     if identity.dcp_size > 1 or identity.attn_cp_size > 1:
         return "decode/attention context parallelism has no in-tree key"
     return None

@@ -1,0 +1,422 @@
+"""The v1 zero-copy data path over real SGLang host pools and the embedded store."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import tiny, tiny_mla
+from sglang_simm import errors
+from sglang_simm.embedded import get_server
+
+
+def hashes(n: int, salt: str = "") -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def fill_random(host, seed: int) -> None:
+    buf = host.kv_buffer.view(-1).view(torch.uint8)
+    gen = torch.Generator().manual_seed(seed)
+    buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+
+
+def page(host, p: int) -> torch.Tensor:
+    """Page ``p``'s bytes through SGLang's own accessor (layout-independent)."""
+    return host.get_data_page(p * host.page_size, flat=True).contiguous().view(torch.uint8).clone()
+
+
+def slots(host, first_page: int, n: int) -> torch.Tensor:
+    ps = host.page_size
+    return torch.arange(first_page * ps, (first_page + n) * ps, dtype=torch.int64)
+
+
+def raw(host) -> torch.Tensor:
+    return host.kv_buffer.view(-1).view(torch.uint8).clone()
+
+
+CASES = [
+    pytest.param(tiny(), "page_first", id="mha-page_first-bf16"),
+    pytest.param(tiny(), "page_first_direct", id="mha-page_first_direct-bf16"),
+    pytest.param(tiny(), "page_head", id="mha-page_head-bf16"),
+    pytest.param(tiny(dtype=torch.float16, page_size=1), "page_first", id="mha-page1-fp16"),
+    pytest.param(tiny(dtype=torch.float32, page_size=16, head_num=1), "page_first_direct", id="mha-page16-fp32"),
+    pytest.param(tiny(dtype=torch.float8_e4m3fn), "page_first", id="mha-fp8"),
+    pytest.param(tiny_mla(), "page_first", id="mla-page_first-bf16"),
+    pytest.param(tiny_mla(page_size=8, dtype=torch.float16), "page_first_direct", id="mla-page_first_direct-fp16"),
+]
+
+
+@pytest.mark.parametrize("geom, layout", CASES)
+@pytest.mark.parametrize("route", ["simm", "dynamic"])
+def test_pages_round_trip_byte_for_byte_into_fresh_slots(attach, geom, layout, route):
+    backend, host = attach(geom, layout=layout, route=route)
+    fill_random(host, seed=1)
+    keys = hashes(4)
+    written = [page(host, p) for p in range(1, 5)]
+    assert backend.batch_set_v1(keys, slots(host, 1, 4)) == [True] * 4
+    assert backend.batch_exists(keys) == 4
+
+    fill_random(host, seed=2)  # the host pool forgets everything
+    before = raw(host)
+    assert backend.batch_get_v1(keys, slots(host, 8, 4)) == [True] * 4
+    for i in range(4):
+        assert torch.equal(page(host, 8 + i), written[i]), f"page {i} differs"
+    # nothing outside pages 8..11 changed
+    after = raw(host)
+    changed = torch.nonzero(after != before).flatten()
+    lo, hi = _page_byte_span(host, 8, 4)
+    assert changed.numel() > 0 and all(any(a <= int(c) < b for a, b in zip(lo, hi)) for c in changed[:: max(1, changed.numel() // 200)])
+    assert backend.stats()["pages_read"] == 4 and backend.stats()["errors"] == {}
+
+
+def _page_byte_span(host, first_page: int, n: int):
+    """Byte ranges of the pool buffer that pages [first, first+n) occupy."""
+    ptrs, sizes = host.get_page_buffer_meta(slots(host, first_page, n))
+    base = host.kv_buffer.data_ptr()
+    return [p - base for p in ptrs], [p - base + s for p, s in zip(ptrs, sizes)]
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1, 3])
+def test_each_tp_rank_round_trips_its_own_pages(attach, tp_rank):
+    backend, host = attach(tiny(), tp_rank=tp_rank, tp_size=4)
+    fill_random(host, seed=tp_rank)
+    keys = hashes(3)
+    want = [page(host, p) for p in range(3)]
+    assert all(backend.batch_set_v1(keys, slots(host, 0, 3)))
+    fill_random(host, seed=99)
+    assert all(backend.batch_get_v1(keys, slots(host, 0, 3)))
+    assert all(torch.equal(page(host, p), want[p]) for p in range(3))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_name": "another-model"},
+        {"tp_size": 2},
+        {"tp_rank": 1},
+        {"extra": {"extra_backend_tag": "other-tenant"}},
+    ],
+    ids=["model", "tp-size", "tp-rank", "tag"],
+)
+def test_backends_differing_in_identity_never_see_each_others_pages(attach, change):
+    writer, whost = attach(tiny())
+    fill_random(whost, 3)
+    keys = hashes(4)
+    assert all(writer.batch_set_v1(keys, slots(whost, 0, 4)))
+    fields = dict(change)
+    reader, rhost = attach(tiny(), **fields)
+    before = raw(rhost)
+    assert reader.batch_exists(keys) == 0
+    assert reader.batch_get_v1(keys, slots(rhost, 0, 4)) == [False] * 4
+    assert torch.equal(raw(rhost), before)
+
+
+@pytest.mark.parametrize(
+    "geom",
+    [tiny(page_size=8), tiny(dtype=torch.float16), tiny(head_dim=8)],
+    ids=["page-size", "dtype", "head-dim"],
+)
+def test_geometry_or_dtype_mismatch_is_a_miss(attach, geom):
+    writer, whost = attach(tiny())
+    fill_random(whost, 4)
+    keys = hashes(2)
+    assert all(writer.batch_set_v1(keys, slots(whost, 0, 2)))
+    reader, rhost = attach(geom)
+    assert reader.batch_exists(keys) == 0
+    assert reader.batch_get_v1(keys, slots(rhost, 0, 2)) == [False, False]
+
+
+def test_layouts_with_different_byte_orders_do_not_share_pages(attach):
+    writer, whost = attach(tiny(), layout="page_first")
+    fill_random(whost, 5)
+    keys = hashes(2)
+    assert all(writer.batch_set_v1(keys, slots(whost, 0, 2)))
+    reader, _ = attach(tiny(), layout="page_first_direct")
+    assert reader.batch_exists(keys) == 0
+
+
+def test_mla_pages_are_shared_across_tp_ranks(attach):
+    writer, whost = attach(tiny_mla(), tp_rank=0, tp_size=2)
+    fill_random(whost, 6)
+    keys = hashes(3)
+    want = [page(whost, p) for p in range(3)]
+    assert all(writer.batch_set_v1(keys, slots(whost, 0, 3)))
+    reader, rhost = attach(tiny_mla(), tp_rank=1, tp_size=2)
+    assert reader.batch_exists(keys) == 3
+    assert all(reader.batch_get_v1(keys, slots(rhost, 4, 3)))
+    assert all(torch.equal(page(rhost, 4 + i), want[i]) for i in range(3))
+
+
+def test_set_skips_pages_already_stored(attach, store_name):
+    backend, host = attach(tiny())
+    fill_random(host, 7)
+    keys = hashes(4)
+    assert all(backend.batch_set_v1(keys[:2], slots(host, 0, 2)))
+    puts_before = get_server(store_name).stats()["puts"]
+    assert all(backend.batch_set_v1(keys, slots(host, 0, 4)))
+    assert get_server(store_name).stats()["puts"] - puts_before == 2 * 2  # K and V of 2 new pages
+    assert backend.stats()["pages_skipped_existing"] == 2
+
+
+def test_exists_counts_only_the_leading_complete_pages(attach, store_name):
+    backend, host = attach(tiny())
+    fill_random(host, 8)
+    keys = hashes(5)
+    assert all(backend.batch_set_v1(keys, slots(host, 0, 5)))
+    server = get_server(store_name)
+    v_key = next(k for k in server.keys() if keys[2] in k and k.endswith(".v"))
+    server.delete(v_key)  # page 2 loses its V half
+    assert backend.batch_exists(keys) == 2
+    fill_random(host, 9)
+    got = backend.batch_get_v1(keys, slots(host, 0, 5))
+    assert got == [True, True, False, True, True]  # a half page never counts as read
+
+
+def test_object_of_the_wrong_size_is_a_miss(attach, store_name):
+    backend, host = attach(tiny())
+    fill_random(host, 10)
+    keys = hashes(2)
+    assert all(backend.batch_set_v1(keys, slots(host, 0, 2)))
+    server = get_server(store_name)
+    k_key = next(k for k in server.keys() if keys[1] in k and k.endswith(".k"))
+    from sglang_simm.embedded import Store, set_flag
+
+    set_flag("cm_primary_node_ip", store_name)
+    store = Store()
+    short = store.allocate(16)
+    assert store.put(k_key, short.view()) == 0  # sync put overwrites
+    assert backend.batch_get_v1(keys, slots(host, 4, 2)) == [True, False]
+    assert backend.stats()["errors"].get("size_mismatch") == 1
+
+
+def test_eviction_between_exists_and_get_gives_a_correct_prefix(attach, store_name):
+    backend, host = attach(tiny())
+    fill_random(host, 11)
+    keys = hashes(6)
+    assert all(backend.batch_set_v1(keys, slots(host, 0, 6)))
+    assert backend.batch_exists(keys) == 6
+    server = get_server(store_name)
+    for k in [k for k in server.keys() if keys[3] in k]:
+        server.delete(k)
+    got = backend.batch_get_v1(keys, slots(host, 8, 6))
+    assert got[:3] == [True] * 3 and got[3] is False
+
+
+@pytest.mark.parametrize(
+    "faults, expect_codes",
+    [
+        ({"error_rate": 1.0}, True),
+        ({"down": True}, True),
+        ({"latency_us": 2000}, False),
+    ],
+    ids=["errors", "down", "latency"],
+)
+def test_faults_become_misses_never_exceptions(attach, store_name, faults, expect_codes):
+    backend, host = attach(tiny())
+    fill_random(host, 12)
+    keys = hashes(4)
+    assert all(backend.batch_set_v1(keys[:2], slots(host, 0, 2)))
+    server = get_server(store_name)
+    server.faults.configure(**faults)
+    try:
+        got_set = backend.batch_set_v1(keys, slots(host, 0, 4))
+        got_exists = backend.batch_exists(keys)
+        got_get = backend.batch_get_v1(keys, slots(host, 8, 4))
+    finally:
+        server.faults.configure(error_rate=0.0, down=False, latency_us=0)
+    if expect_codes:
+        assert got_get == [False] * 4
+        assert got_exists == 0
+        assert got_set[2:] == [False, False]
+        assert backend.stats()["errors"], "faults must be counted"
+    else:
+        assert got_set == [True] * 4 and got_exists == 4 and got_get == [True] * 4
+
+
+def test_client_exceptions_are_caught_counted_and_answered_as_misses(attach):
+    backend, host = attach(tiny())
+
+    def boom(*a, **k):
+        raise RuntimeError("native client exploded")
+
+    backend.client.mget = boom
+    backend.client.mexists = boom
+    keys = hashes(3)
+    assert backend.batch_get_v1(keys, slots(host, 0, 3)) == [False] * 3
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_set_v1(keys, slots(host, 0, 3)) == [False] * 3
+    assert backend.stats()["errors"]["exception:RuntimeError"] == 3
+
+
+@pytest.mark.parametrize(
+    "keys, indices, stored_leading",
+    [
+        ([], torch.arange(0), 0),
+        (hashes(2), torch.arange(0, 3), 0),  # fewer slots than pages
+        (hashes(2), torch.arange(2, 10), 0),  # not page-aligned
+        (hashes(1), torch.tensor([4, 5, 7, 6]), 1),  # scrambled page
+        (hashes(2), torch.arange(10_000, 10_008), 0),  # outside the pool
+        ([None, 5], torch.arange(0, 8), 0),  # not strings
+        (["x" * 300, hashes(1)[0]], torch.arange(0, 8), 0),  # key over SiMM's limit
+    ],
+    ids=["empty", "short", "misaligned", "scrambled", "outside", "non-str", "too-long"],
+)
+def test_bad_inputs_never_raise_and_never_touch_the_pool(attach, keys, indices, stored_leading):
+    backend, host = attach(tiny())
+    fill_random(host, 13)
+    good = hashes(1)[0]
+    assert backend.batch_set_v1([good], torch.arange(0, 4)) == [True]
+    before = raw(host)
+    got = backend.batch_get_v1(keys, indices)
+    assert len(got) == len(keys)
+    if keys and keys[0] == "x" * 300:
+        assert got == [False, True]  # the good page still loads
+    else:
+        assert not any(got)
+        assert torch.equal(raw(host), before)
+    assert len(backend.batch_set_v1(keys, indices)) == len(keys)
+    assert backend.batch_exists(keys) == stored_leading
+
+
+def test_concurrent_prefetch_and_backup_threads_keep_every_page_intact(attach):
+    backend, host = attach(tiny(), tokens=128)
+    fill_random(host, 14)
+    n_pages = host.size // host.page_size
+    half = n_pages // 2
+    keys = hashes(half, salt="c")
+    want = [page(host, p) for p in range(half)]
+    errors_seen = []
+
+    def backup(lo, hi):
+        for i in range(lo, hi, 4):
+            j = min(hi, i + 4)
+            if not all(backend.batch_set_v1(keys[i:j], slots(host, i, j - i))):
+                errors_seen.append(("set", i))
+
+    def prefetch(lo, hi):
+        for _ in range(3):
+            for i in range(lo, hi, 4):
+                j = min(hi, i + 4)
+                n = backend.batch_exists(keys[i:j])
+                if n:
+                    got = backend.batch_get_v1(keys[i:i + n], slots(host, half + i, n))
+                    if not all(got):
+                        errors_seen.append(("get", i))
+
+    threads = [threading.Thread(target=backup, args=(0, half // 2)), threading.Thread(target=backup, args=(half // 2, half)),
+               threading.Thread(target=prefetch, args=(0, half)), threading.Thread(target=prefetch, args=(0, half))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors_seen == []
+    assert all(backend.batch_get_v1(keys, slots(host, half, half)))
+    for i in range(half):
+        assert torch.equal(page(host, half + i), want[i]), f"page {i} torn"
+
+
+def test_legacy_copying_path_round_trips_with_the_same_objects(attach):
+    backend, host = attach(tiny())
+    fill_random(host, 15)
+    keys = hashes(3)
+    values = [host.get_data_page(p * host.page_size, flat=True) for p in range(3)]
+    assert backend.batch_set(keys, values) is True
+    assert backend.batch_exists(keys) == 3  # v1 sees what the copying path wrote
+    targets = [host.get_dummy_flat_data_page() for _ in keys]
+    got = backend.batch_get(keys, targets)
+    assert all(g is not None for g in got)
+    assert all(torch.equal(g.view(torch.uint8), v.contiguous().view(torch.uint8)) for g, v in zip(got, values))
+    assert backend.exists(keys[0]) and not backend.exists(hashes(1, salt="nope")[0])
+    assert backend.get(hashes(1, salt="nope")[0], host.get_dummy_flat_data_page()) is None
+
+
+def test_get_stats_returns_sglangs_storage_metrics_drained_per_call(attach):
+    from sglang_simm.metrics import storage_metrics_class
+
+    backend, host = attach(tiny())
+    fill_random(host, 16)
+    keys = hashes(3)
+    backend.batch_set_v1(keys, slots(host, 0, 3))
+    backend.batch_get_v1(keys, slots(host, 4, 3))
+    metrics = backend.get_stats()
+    assert isinstance(metrics, storage_metrics_class())
+    assert metrics.backup_pgs == [3] and metrics.prefetch_pgs == [3]
+    assert len(metrics.prefetch_bandwidth) == 1 and metrics.prefetch_bandwidth[0] > 0
+    again = backend.get_stats()
+    assert again.backup_pgs == [] and again.prefetch_pgs == []
+
+
+def test_clear_removes_only_this_namespace(attach, store_name):
+    a, ahost = attach(tiny())
+    b, bhost = attach(tiny(), model_name="other")
+    fill_random(ahost, 17)
+    keys = hashes(2)
+    a.batch_set_v1(keys, slots(ahost, 0, 2))
+    b.batch_set_v1(keys, slots(bhost, 0, 2))
+    a.clear()
+    assert a.batch_exists(keys) == 0 and b.batch_exists(keys) == 2
+
+
+def test_close_deregisters_and_later_calls_are_misses(attach):
+    backend, host = attach(tiny())
+    keys = hashes(1)
+    backend.close()
+    backend.close()  # idempotent
+    assert backend.batch_get_v1(keys, slots(host, 0, 1)) == [False]
+
+
+def test_layer_first_is_refused_at_attach_naming_the_flag(attach):
+    from sglang_simm.errors import UnsupportedPoolError
+
+    with pytest.raises(UnsupportedPoolError, match="--hicache-mem-layout page_first"):
+        attach(tiny(), layout="layer_first")
+
+
+def test_unreachable_store_fails_attach_naming_address_and_doctor(attach, store_name):
+    server = get_server(store_name)
+    server.faults.configure(down=True)
+    try:
+        with pytest.raises(errors.ClusterUnreachableError, match="doctor") as info:
+            attach(tiny())
+        assert store_name in str(info.value)
+    finally:
+        server.faults.configure(down=False)
+
+
+def test_bad_config_fails_attach_naming_the_field(attach):
+    with pytest.raises(ValueError, match="clnt_threadpool_size"):
+        attach(tiny(), extra={"clnt_threadpool_size": -3})
+
+
+def test_dynamic_route_without_interface_v1_warns_with_the_fix(store_name, caplog):
+    from sglang_simm.backend import HiCacheSiMM
+    from sglang_simm.pools import storage_config
+
+    cfg = storage_config(extra_config={"manager_address": f"local://{store_name}"})
+    backend = HiCacheSiMM(cfg, {})
+    backend.close()
+    assert any('"interface_v1": 1' in r.getMessage() for r in caplog.records)
+
+
+def test_head_groups_let_different_tp_sizes_share_pages(attach):
+    """page_head with tp_lcm_size 2: a TP-1 rank splits its 4 heads in 2
+    groups; TP-2 ranks each hold one group. Both name the same objects."""
+    one, host1 = attach(tiny(head_num=4), layout="page_head", tp_size=1, tp_rank=0,
+                        tp_lcm_size=2, should_split_heads=True)
+    fill_random(host1, 18)
+    keys = hashes(2)
+    assert all(one.batch_set_v1(keys, slots(host1, 0, 2)))
+    full = [page(host1, p) for p in range(2)]
+    for rank in (0, 1):
+        part, host2 = attach(tiny(head_num=2), layout="page_head", tp_size=2, tp_rank=rank,
+                             tp_lcm_size=2, should_split_heads=False)
+        assert part.batch_exists(keys) == 2
+        assert all(part.batch_get_v1(keys, slots(host2, 0, 2)))
+        for p in range(2):
+            got = page(host2, p).view(2, -1)  # K, V of this rank's 2 heads
+            want = full[p].view(2, 2, -1)[:, rank]  # K, V of head group `rank`
+            assert torch.equal(got, want)
