@@ -256,10 +256,10 @@ def test_client_exceptions_are_caught_counted_and_answered_as_misses(attach):
     "keys, indices, stored_leading",
     [
         ([], torch.arange(0), 0),
-        (hashes(2), torch.arange(0, 3), 0),  # fewer slots than pages
-        (hashes(2), torch.arange(2, 10), 0),  # not page-aligned
+        (hashes(2), torch.arange(0, 3), 1),  # fewer slots than pages
+        (hashes(2), torch.arange(2, 10), 1),  # not page-aligned
         (hashes(1), torch.tensor([4, 5, 7, 6]), 1),  # scrambled page
-        (hashes(2), torch.arange(10_000, 10_008), 0),  # outside the pool
+        (hashes(2), torch.arange(10_000, 10_008), 1),  # outside the pool
         ([None, 5], torch.arange(0, 8), 0),  # not strings
         (["x" * 300, hashes(1)[0]], torch.arange(0, 8), 0),  # key over SiMM's limit
     ],
@@ -268,7 +268,7 @@ def test_client_exceptions_are_caught_counted_and_answered_as_misses(attach):
 def test_bad_inputs_never_raise_and_never_touch_the_pool(attach, keys, indices, stored_leading):
     backend, host = attach(tiny())
     fill_random(host, 13)
-    good = hashes(1)[0]
+    good = hashes(1)[0]  # the first page of every hashes(n) list below
     assert backend.batch_set_v1([good], torch.arange(0, 4)) == [True]
     before = raw(host)
     got = backend.batch_get_v1(keys, indices)
