@@ -1,0 +1,106 @@
+"""Packaging and discovery: cheap import, the wheel's contents, SGLang's own
+plugin loader and storage factory resolving ``simm`` to this package."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_py(code: str, python: str = sys.executable) -> str:
+    out = subprocess.run([python, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("module", ["sglang_simm", "sglang_simm.plugin", "sglang_simm.config", "sglang_simm.cli"])
+def test_import_pulls_in_neither_sglang_nor_torch(module):
+    code = (
+        f"import sys, json, {module}\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang', 'numpy'))\n"
+        "print(json.dumps(heavy))"
+    )
+    assert json.loads(run_py(code)) == []
+
+
+def test_backend_class_resolves_lazily_from_the_package_root():
+    import sglang_simm
+    from sglang_simm.backend import HiCacheSiMM
+
+    assert sglang_simm.HiCacheSiMM is HiCacheSiMM
+    assert "HiCacheSiMM" in dir(sglang_simm)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        sglang_simm.nope  # noqa: B018
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
+        check=True, capture_output=True, timeout=600,
+    )
+    (built,) = out.glob("sglang_simm-*.whl")
+    return built
+
+
+@pytest.mark.slow
+def test_wheel_holds_the_package_typing_marker_and_entry_points(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        eps = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        entry_points = zf.read(eps).decode()
+        metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    for required in ("sglang_simm/__init__.py", "sglang_simm/backend.py", "sglang_simm/plugin.py",
+                     "sglang_simm/embedded/__init__.py", "sglang_simm/py.typed"):
+        assert required in names
+    assert "[sglang.srt.plugins]\nsimm = sglang_simm.plugin:register" in entry_points
+    assert "sglang-simm = sglang_simm.cli:main" in entry_points
+    # SGLang only as an extra, never the unrelated PyPI 'simm'
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    assert any("sglang" in r and "extra == 'sglang'" in r for r in requires)
+    assert not any(r.split()[1].lower() == "simm" for r in requires)
+    assert not any(r.split()[1].lower() == "sglang" and "extra" not in r for r in requires)
+
+
+def test_sglang_load_plugins_points_simm_at_this_package():
+    pytest.importorskip("sglang.srt.plugins", reason="entry-point plugins exist from SGLang 0.5.11")
+    code = (
+        "from sglang.srt.plugins import load_plugins\n"
+        "load_plugins(); load_plugins()\n"
+        "from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory as F\n"
+        "e = F._registry['simm']\n"
+        "cls = e['loader']()\n"
+        "print(e['module_path'], e['class_name'], cls.__module__)"
+    )
+    assert run_py(code) == "sglang_simm HiCacheSiMM sglang_simm.backend"
+
+
+def test_register_is_idempotent_and_quiet_when_sglang_is_missing(monkeypatch):
+    from sglang_simm import plugin
+
+    assert plugin.register() is True
+    assert plugin.register() is True
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_sglang(name, *a, **k):
+        if name.startswith("sglang.") or name == "sglang":
+            raise ImportError("no SGLang here")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_sglang)
+    assert plugin.register() is False
+
+
+def test_cli_entry_points_run():
+    out = subprocess.run([sys.executable, "-m", "sglang_simm", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("sglang-simm ")
