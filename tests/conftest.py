@@ -50,16 +50,3 @@ def attach(store_name):
     from sglang_simm.embedded import reset_servers
 
     reset_servers(store_name)
-
-
-def tiny(**changes):
-    from sglang_simm.pools import PRESETS
-
-    return dataclasses.replace(PRESETS["tiny"], **changes)
-
-
-def tiny_mla(**changes):
-    from sglang_simm.pools import ModelGeometry
-
-    base = ModelGeometry("tiny-mla", 2, 1, 48, 4, is_mla=True, kv_lora_rank=32, qk_rope_head_dim=16)
-    return dataclasses.replace(base, **changes)

@@ -7,35 +7,9 @@ import threading
 import pytest
 import torch
 
-from conftest import tiny, tiny_mla
+from pages import fill_random, hashes, page, raw, slots, tiny, tiny_mla
 from sglang_simm import errors
 from sglang_simm.embedded import get_server
-
-
-def hashes(n: int, salt: str = "") -> list[str]:
-    import hashlib
-
-    return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
-
-
-def fill_random(host, seed: int) -> None:
-    buf = host.kv_buffer.view(-1).view(torch.uint8)
-    gen = torch.Generator().manual_seed(seed)
-    buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
-
-
-def page(host, p: int) -> torch.Tensor:
-    """Page ``p``'s bytes through SGLang's own accessor (layout-independent)."""
-    return host.get_data_page(p * host.page_size, flat=True).contiguous().view(torch.uint8).clone()
-
-
-def slots(host, first_page: int, n: int) -> torch.Tensor:
-    ps = host.page_size
-    return torch.arange(first_page * ps, (first_page + n) * ps, dtype=torch.int64)
-
-
-def raw(host) -> torch.Tensor:
-    return host.kv_buffer.view(-1).view(torch.uint8).clone()
 
 
 CASES = [

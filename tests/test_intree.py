@@ -9,9 +9,8 @@ import sys
 import pytest
 import torch
 
-from conftest import tiny, tiny_mla
 from sglang_simm.embedded import alias_as_simm_kv, get_server
-from test_backend import fill_random, hashes, page, slots
+from pages import fill_random, hashes, page, slots, tiny, tiny_mla
 
 INTREE = "sglang.srt.mem_cache.storage.simm.hicache_simm"
 
