@@ -14,18 +14,24 @@ import operator
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from sglang_simm import errors, keys as keyspace
+from sglang_simm import errors, hybrid, keys as keyspace
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, log_resolved
 from sglang_simm.errors import UnsupportedPoolError
-from sglang_simm.geometry import SUPPORTED_LAYOUTS, PageGeometry, derive_geometry, page_starts
+from sglang_simm.geometry import (
+    SUPPORTED_LAYOUTS,
+    PageGeometry,
+    derive_geometry,
+    derive_region_geometry,
+    page_starts,
+)
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -52,9 +58,13 @@ class _Plan:
 
 
 class PoolBinding:
-    """One host pool bound to SiMM: its memory region, geometry and keys.
+    """One host pool bound to SiMM: its memory regions, geometry and keys.
 
     Everything per pool that does not change per call is computed here once.
+    A pool is one region (its ``kv_buffer``) unless ``regions`` names several
+    host tensors (a Mamba pool's temporal and conv states); each object is
+    then viewed through the region that holds it. ``part_names`` names a
+    side pool's objects when they are not K/V halves (``keys.named_part_suffixes``).
     """
 
     def __init__(
@@ -65,25 +75,47 @@ class PoolBinding:
         identity: keyspace.PageIdentity,
         scheme: str,
         meta: Callable[[Any], tuple[list[int], list[int]]],
+        regions: Sequence[torch.Tensor] | None = None,
+        part_names: Sequence[str] | None = None,
     ):
         self.pool = pool
         self.page_size = int(pool.page_size)
-        buffer = pool.kv_buffer
-        if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
-            raise UnsupportedPoolError(
-                f"{type(pool).__name__}.kv_buffer is not one host tensor; "
-                "this backend registers the host pool as one memory region"
-            )
-        self.buffer = buffer
+        if regions is None:
+            buffer = pool.kv_buffer
+            if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
+                raise UnsupportedPoolError(
+                    f"{type(pool).__name__}.kv_buffer is not one host tensor; "
+                    "this backend registers the host pool as one memory region"
+                )
+            regions = [buffer]
+        regions = list(regions)
+        if not regions or any(
+            not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0 for t in regions
+        ):
+            raise UnsupportedPoolError(f"{type(pool).__name__}: every region must be a non-empty host tensor")
+        self.buffers = regions
+        self.buffer = regions[0]
+        spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in regions]
+        make_indices = lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64)  # noqa: E731
         try:
-            self.geometry: PageGeometry = derive_geometry(
-                meta,
-                page_size=self.page_size,
-                pool_tokens=int(pool.size),
-                buffer_start=buffer.data_ptr(),
-                buffer_bytes=buffer.numel() * buffer.element_size(),
-                make_indices=lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64),
-            )
+            if len(regions) == 1:
+                self.geometry: PageGeometry = derive_geometry(
+                    meta,
+                    page_size=self.page_size,
+                    pool_tokens=int(pool.size),
+                    buffer_start=spans[0][0],
+                    buffer_bytes=spans[0][1],
+                    make_indices=make_indices,
+                )
+                part_region = np.zeros(self.geometry.parts, dtype=np.int64)
+            else:
+                self.geometry, part_region = derive_region_geometry(
+                    meta,
+                    page_size=self.page_size,
+                    pool_tokens=int(pool.size),
+                    regions=spans,
+                    make_indices=make_indices,
+                )
         except UnsupportedPoolError:
             raise
         except Exception as exc:
@@ -102,7 +134,10 @@ class PoolBinding:
             self.suffixes = keyspace.legacy_suffixes(identity, self.geometry.chunks)
         else:
             self.prefix = keyspace.namespaced_prefix(identity)
-            self.suffixes = keyspace.namespaced_suffixes(identity, self.geometry.chunks)
+            if part_names is not None:
+                self.suffixes = keyspace.named_part_suffixes(identity, part_names, self.geometry.chunks)
+            else:
+                self.suffixes = keyspace.namespaced_suffixes(identity, self.geometry.chunks)
         if len(self.suffixes) != self.geometry.parts:
             raise UnsupportedPoolError(
                 f"{type(pool).__name__} reports {self.geometry.parts // self.geometry.chunks} "
@@ -115,7 +150,17 @@ class PoolBinding:
         self.sizes_list = self.sizes.tolist()
         self.page_bytes = self.geometry.page_bytes
         self.client = client
-        self.mr = client.register(buffer)
+        self.mrs: list[Any] = []
+        try:
+            for t in regions:
+                self.mrs.append(client.register(t))
+        except BaseException:
+            for mr in self.mrs:
+                client.deregister(mr)
+            raise
+        self.mr = self.mrs[0]
+        #: the memory region of each part, in part order
+        self.part_mrs = [self.mrs[r] for r in part_region.tolist()]
         self._view = client.view
         self._table: list[Any] | None = None
         total = self.geometry.num_pages * self.parts
@@ -124,7 +169,8 @@ class PoolBinding:
                 np.arange(self.geometry.num_pages, dtype=np.int64) * self.page_size
             ).tolist()
             sizes = self.sizes_list * self.geometry.num_pages
-            self._table = [self._view(p, s, self.mr) for p, s in zip(ptrs, sizes)]
+            mrs = self.part_mrs * self.geometry.num_pages
+            self._table = [self._view(p, s, m) for p, s, m in zip(ptrs, sizes, mrs)]
 
     def plan(self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog) -> _Plan | None:
         """Resolve a batch; None (all misses) when the indices are unusable."""
@@ -160,8 +206,9 @@ class PoolBinding:
         else:
             ptrs = self.geometry.pointers(starts).tolist()
             sizes = self.sizes_list * len(valid_keys)
-            view, mr = self._view, self.mr
-            views = [view(p, s, mr) for p, s in zip(ptrs, sizes)]
+            mrs = self.part_mrs * len(valid_keys)
+            view = self._view
+            views = [view(p, s, m) for p, s, m in zip(ptrs, sizes, mrs)]
         return _Plan(pages=pages, keys=obj_keys, views=views)
 
     def page_object_keys(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
@@ -172,9 +219,11 @@ class PoolBinding:
 
     def close(self) -> None:
         self._table = None
-        mr, self.mr = self.mr, None
-        if mr is not None:
-            self.client.deregister(mr)
+        mrs, self.mrs, self.mr = self.mrs, [], None
+        self.part_mrs = [None] * len(self.part_mrs)
+        for mr in mrs:
+            if mr is not None:
+                self.client.deregister(mr)
 
 
 def _with_object_bytes(identity: keyspace.PageIdentity, object_bytes: tuple[int, ...]) -> keyspace.PageIdentity:
@@ -227,6 +276,8 @@ class HiCacheSiMM(HiCacheStorage):
         self._closed = False
         self.mem_pool_host = None
         self._kv: PoolBinding | None = None
+        #: hybrid side pools by name (v2): Mamba, SWA, draft, indexer, ...
+        self._side: dict[str, PoolBinding] = {}
 
         if isinstance(mem_pool_host, dict) and not extra.get("interface_v1"):
             # The dynamic route without interface_v1: SGLang silently takes its
@@ -509,6 +560,244 @@ class HiCacheSiMM(HiCacheStorage):
             self._fault("batch_set", exc)
             return False
 
+    # ------------------------------------------------- v2 (hybrid models)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Bind a hybrid side pool (Mamba, SWA, draft, indexer, ...): check
+        it, register its memory once, derive its geometry and keys. The KV
+        anchor (``"kv"``) is already bound by ``register_mem_pool_host``.
+        Raises UnsupportedPoolError (failing the attach) on a pool we refuse."""
+        name = hybrid.pool_name(host_pool_name)
+        self.__dict__.setdefault("registered_pools", {})[host_pool_name] = host_pool
+        if name == hybrid.KV:
+            if self._kv is None:
+                self.register_mem_pool_host(host_pool)
+            return
+        with self._lock:
+            current = self._side.get(name)
+            if current is not None and current.pool is host_pool:
+                return
+        model_is_mla = bool(getattr(self.storage_config, "is_mla_model", False))
+        layout = hybrid.describe_side_pool(host_pool, name, model_is_mla=model_is_mla)
+        identity = replace(
+            self.page_identity(host_pool, name), is_mla=layout.replicated, tp_lcm_size=None
+        )
+        binding = PoolBinding(
+            client=self.client, pool=host_pool, identity=identity, scheme=self.config.key_scheme,
+            meta=host_pool.get_page_buffer_meta, regions=layout.regions, part_names=layout.part_names,
+        )
+        with self._lock:
+            if self._closed:
+                old, binding = binding, None
+            else:
+                old, self._side[name] = self._side.get(name), binding
+        if old is not None:
+            old.close()
+        if binding is None:
+            return
+        g = binding.geometry
+        logger.info(
+            "sglang-simm: bound hybrid pool %r (%s, %s, %d pages of %d slots, %d objects of %s bytes "
+            "per page in %d region(s)%s), key prefix %r",
+            name, type(host_pool).__name__, layout.kind, g.num_pages, g.page_size, g.parts,
+            "/".join(str(x) for x in sorted(set(binding.sizes_list))), len(binding.mrs),
+            f", split in {g.chunks} chunks" if g.chunks > 1 else "", binding.prefix,
+        )
+
+    def on_host_pools_registered(self) -> None:
+        """Once per attach (SGLang 0.5.23), after every pool: log the set."""
+        bound = [("kv", self._kv)] if self._kv is not None else []
+        bound += sorted(self._side.items())
+        if self._kv is None:
+            logger.warning("sglang-simm: hybrid pools registered but no KV host pool is bound")
+        logger.info(
+            "sglang-simm: host pools bound to %s: %s", self.client.description,
+            ", ".join(f"{n} ({type(b.pool).__name__}, {b.page_bytes} bytes per page)" for n, b in bound)
+            or "none",
+        )
+
+    def _binding(self, name: Any) -> PoolBinding | None:
+        key = hybrid.pool_name(name)
+        return self._kv if key == hybrid.KV else self._side.get(key)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """Restorable prefixes of a hybrid model's pages.
+
+        KV: the leading run of complete pages (``batch_exists``). Every extra
+        pool is looked up under the KV page keys (a transfer's own keys are
+        placeholders; their count is the TRAILING_PAGES window) and narrows
+        the set of restorable prefix lengths by its hit policy; the KV hit is
+        the longest length left. Never raises; a fault is a miss.
+        """
+        try:
+            transfers = list(pool_transfers or [])
+            for t in transfers:
+                reason = hybrid.unsupported_policy_reason(t.hit_policy)
+                if reason:
+                    self.counters.record_error("unsupported_hit_policy")
+                    self._log("hit_policy", "SiMM batch_exists_v2: pool %r: %s",
+                              hybrid.pool_name(t.name), reason)
+                    return hybrid.to_pool_transfer_result(hybrid.miss())
+            n = len(keys) if keys is not None else 0
+            kv_pages = self.batch_exists(keys, extra_info) if n else 0
+            if kv_pages <= 0 or not transfers:
+                return hybrid.to_pool_transfer_result(hybrid.fold_hits(kv_pages, []))
+            page_keys = list(keys[:kv_pages])
+            # One existence query for every pool's objects.
+            lookups: list[tuple[Any, PoolBinding | None, np.ndarray, int]] = []
+            all_keys: list[str] = []
+            for t in transfers:
+                b = self._binding(t.name)
+                if b is None:
+                    self.counters.record_error("unregistered_pool")
+                    self._log("unregistered", "SiMM batch_exists_v2: pool %r was never registered; "
+                              "it restores nothing", hybrid.pool_name(t.name))
+                    lookups.append((t, None, np.empty(0, dtype=np.int64), len(all_keys)))
+                    continue
+                pages, obj_keys = b.page_object_keys(page_keys)
+                lookups.append((t, b, pages, len(all_keys)))
+                all_keys.extend(obj_keys)
+            found = np.zeros(0, dtype=bool)
+            if all_keys:
+                self.counters.record_exists()
+                found = np.asarray(self.client.mexists(all_keys), dtype=bool)
+                if found.size != len(all_keys):
+                    raise RuntimeError(f"mexists answered {found.size} results for {len(all_keys)} keys")
+            queries = []
+            for t, b, pages, start in lookups:
+                page_exists = np.zeros(kv_pages, dtype=bool)
+                if b is not None and pages.size:
+                    stop = start + pages.size * b.parts
+                    page_exists[pages] = found[start:stop].reshape(-1, b.parts).all(axis=1)
+                queries.append(hybrid.PoolQuery(
+                    name=t.name, policy=hybrid.policy_name(t.hit_policy),
+                    window=hybrid.trailing_window(t.keys), page_exists=page_exists,
+                ))
+            return hybrid.to_pool_transfer_result(hybrid.fold_hits(kv_pages, queries))
+        except Exception as exc:
+            self._fault("batch_exists_v2", exc)
+            try:
+                return hybrid.to_pool_transfer_result(hybrid.miss())
+            except Exception:
+                return None
+
+    def _plan_v2(
+        self, transfers: list[Any], results: dict[Any, list[bool]], op: str
+    ) -> list[tuple[Any, PoolBinding, int, _Plan]]:
+        """Resolve every transfer; results start as all-False, one per key."""
+        plans = []
+        for t in transfers:
+            keys = list(t.keys or [])
+            results[t.name] = [False] * len(keys)
+            if not keys:
+                continue
+            b = self._binding(t.name)
+            if b is None:
+                self.counters.record_error("unregistered_pool")
+                self._log("unregistered", "SiMM %s: pool %r was never registered; its pages miss",
+                          op, hybrid.pool_name(t.name))
+                continue
+            plan = b.plan(keys, t.host_indices, self._log)
+            if plan is None:
+                self.counters.record_error("bad_indices")
+                continue
+            plans.append((t.name, b, len(keys), plan))
+        return plans
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Read hybrid pools' pages into their host pools (one mget for all):
+        ``{pool name: one bool per key}``, True only where every object of
+        the page read back exactly its expected size."""
+        transfers = list(transfers or [])
+        results: dict[Any, list[bool]] = {}
+        try:
+            plans = self._plan_v2(transfers, results, "batch_get_v2")
+            if not plans:
+                return results
+            all_keys = [k for _, _, _, plan in plans for k in plan.keys]
+            all_views = [v for _, _, _, plan in plans for v in plan.views]
+            t0 = time.perf_counter()
+            codes = np.asarray(self.client.mget(all_keys, all_views), dtype=np.int64)
+            dt = time.perf_counter() - t0
+            if codes.size != len(all_keys):
+                raise RuntimeError(f"mget answered {codes.size} results for {len(all_keys)} objects")
+            hits = total = nbytes = 0
+            start = 0
+            for name, b, n, plan in plans:
+                got = codes[start:start + len(plan.keys)].reshape(-1, b.parts)
+                start += len(plan.keys)
+                ok = (got == b.sizes[None, :]).all(axis=1)
+                row = np.zeros(n, dtype=bool)
+                row[plan.pages] = ok
+                results[name] = row.tolist()
+                good = int(ok.sum())
+                if good != ok.size:
+                    self._count_codes(got[~ok], b.sizes)
+                hits += good
+                total += n
+                nbytes += good * b.page_bytes
+            self.counters.record_get(hits, total - hits, nbytes, dt, nbytes / hits if hits else 0)
+            if self._profile:
+                logger.info("SiMM batch_get_v2: %d pages in %d pools, %d hits, %.1f us",
+                            total, len(plans), hits, dt * 1e6)
+            return results
+        except Exception as exc:
+            self._fault("batch_get_v2", exc)
+            return _all_false(transfers)
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Write hybrid pools' pages not yet stored (one mexists, one mput of
+        the rest, for all pools): ``{pool name: one bool per key}``."""
+        transfers = list(transfers or [])
+        results: dict[Any, list[bool]] = {}
+        try:
+            plans = self._plan_v2(transfers, results, "batch_set_v2")
+            if not plans:
+                return results
+            all_keys = [k for _, _, _, plan in plans for k in plan.keys]
+            all_views = [v for _, _, _, plan in plans for v in plan.views]
+            all_sizes = np.concatenate([np.tile(b.sizes, len(plan.pages)) for _, b, _, plan in plans])
+            t0 = time.perf_counter()
+            present = np.asarray(self.client.mexists(all_keys), dtype=bool)
+            if present.size != len(all_keys):
+                raise RuntimeError(f"mexists answered {present.size} results for {len(all_keys)} keys")
+            already = present.copy()
+            missing = np.flatnonzero(~present)
+            written_bytes = 0
+            if missing.size:
+                idx = missing.tolist()
+                codes = np.asarray(
+                    self.client.mput([all_keys[i] for i in idx], [all_views[i] for i in idx]), dtype=np.int64
+                )
+                if codes.size != len(idx):
+                    raise RuntimeError(f"mput answered {codes.size} results for {len(idx)} objects")
+                stored = (codes == 0) | (codes == _ALREADY_EXISTS)
+                present[missing] = stored
+                written_bytes = int(all_sizes[missing][stored].sum())
+                if not stored.all():
+                    self._count_failed_puts(codes[~stored])
+            dt = time.perf_counter() - t0
+            good = skipped = total = 0
+            start = 0
+            for name, b, n, plan in plans:
+                stop = start + len(plan.keys)
+                ok = present[start:stop].reshape(-1, b.parts).all(axis=1)
+                skipped += int(already[start:stop].reshape(-1, b.parts).all(axis=1).sum())
+                start = stop
+                row = np.zeros(n, dtype=bool)
+                row[plan.pages] = ok
+                results[name] = row.tolist()
+                good += int(ok.sum())
+                total += n
+            self.counters.record_set(good - skipped, skipped, total - good, written_bytes, dt)
+            if self._profile:
+                logger.info("SiMM batch_set_v2: %d pages in %d pools, %d already stored, %d written, %.1f us",
+                            total, len(plans), skipped, good - skipped, dt * 1e6)
+            return results
+        except Exception as exc:
+            self._fault("batch_set_v2", exc)
+            return _all_false(transfers)
+
     # ---------------------------------------------------- lifecycle and stats
 
     def get_stats(self) -> Any:
@@ -536,12 +825,14 @@ class HiCacheSiMM(HiCacheStorage):
             logger.warning("SiMM clear(): key_scheme 'legacy' without extra_backend_tag has no "
                            "namespace of its own; nothing removed")
             return
+        prefixes = [b.prefix] + [side.prefix for side in list(self._side.values())]
         if not self.client.supports_delete_prefix:
-            logger.warning("SiMM clear(): the SiMM client cannot list keys, so pages under %r stay "
-                           "until the cluster evicts them", b.prefix)
+            logger.warning("SiMM clear(): the SiMM client cannot list keys, so pages under %s stay "
+                           "until the cluster evicts them", ", ".join(map(repr, prefixes)))
             return
-        removed = self.client.delete_prefix(b.prefix)
-        logger.info("SiMM clear(): removed %d objects under %r", removed, b.prefix)
+        for prefix in prefixes:
+            removed = self.client.delete_prefix(prefix)
+            logger.info("SiMM clear(): removed %d objects under %r", removed, prefix)
 
     def close(self) -> None:
         """Deregister host memory and release the client. Idempotent."""
@@ -550,9 +841,11 @@ class HiCacheSiMM(HiCacheStorage):
                 return
             self._closed = True
             binding, self._kv = self._kv, None
+            side, self._side = list(self._side.values()), {}
         try:
-            if binding is not None:
-                binding.close()
+            for b in [binding, *side]:
+                if b is not None:
+                    b.close()
             self.client.close()
         except Exception as exc:
             logger.warning("SiMM close(): %s: %s", type(exc).__name__, exc)
@@ -581,6 +874,16 @@ class HiCacheSiMM(HiCacheStorage):
         self.counters.record_codes(counts)
         self._log("put", "SiMM write errors: %s",
                   ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counts.items()))
+
+
+def _all_false(transfers: list[Any]) -> dict[Any, list[bool]]:
+    out: dict[Any, list[bool]] = {}
+    for t in transfers:
+        try:
+            out[t.name] = [False] * len(t.keys or [])
+        except Exception:  # a malformed transfer: nothing to answer for it
+            continue
+    return out
 
 
 def _fits_flat(t: Any, nbytes: int) -> bool:

@@ -17,7 +17,7 @@ just more parts with their own base offsets.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,8 +39,10 @@ class PageGeometry:
     page_size: int
     #: pages the pool holds
     num_pages: int
-    #: bytes between the starts of two consecutive token slots
-    token_stride: int
+    #: bytes between the starts of two consecutive token slots; one per part
+    #: (an array) when the parts live in separate buffers of their own
+    #: stride (``derive_region_geometry``)
+    token_stride: int | np.ndarray
     #: byte address of each object of slot 0, in part order
     base: np.ndarray
     #: byte size of each object, in part order
@@ -145,6 +147,87 @@ def derive_geometry(
         chunks=chunks,
         object_bytes=object_bytes,
     )
+
+
+def derive_region_geometry(
+    meta: Callable[[Any], tuple[list[int], list[int]]],
+    *,
+    page_size: int,
+    pool_tokens: int,
+    regions: Sequence[tuple[int, int]],
+    make_indices: Callable[[int, int], Any],
+    value_limit: int = MAX_VALUE_BYTES,
+) -> tuple[PageGeometry, np.ndarray]:
+    """``derive_geometry`` for a pool whose objects of one page lie in
+    several buffers, each with its own slot stride (SGLang's Mamba host pool:
+    one temporal and one or more conv state buffers).
+
+    ``regions`` are the buffers as ``(start, bytes)``. Each part is fitted on
+    its own, inside the region that holds it. Returns the geometry (with one
+    ``token_stride`` per part) and the region index of every part.
+    """
+    if not regions:
+        raise UnsupportedPoolError("the host pool has no buffers to register")
+    first, first_sizes = meta(make_indices(0, page_size))
+    first = [int(p) for p in first]
+    first_sizes = [int(s) for s in first_sizes]
+    if not first or len(first) != len(first_sizes):
+        raise UnsupportedPoolError("the host pool reported no objects for a page")
+    parts = len(first)
+
+    def part_meta(j: int) -> Callable[[Any], tuple[list[int], list[int]]]:
+        def one(indices: Any) -> tuple[list[int], list[int]]:
+            ptrs, sizes = meta(indices)
+            if len(ptrs) != parts or len(sizes) != parts:
+                raise UnsupportedPoolError(
+                    f"the host pool reports {len(ptrs)} objects for one page here and "
+                    f"{parts} for page 0"
+                )
+            return [int(ptrs[j])], [int(sizes[j])]
+
+        return one
+
+    fitted: list[PageGeometry] = []
+    region_of: list[int] = []
+    for j, (ptr, size) in enumerate(zip(first, first_sizes)):
+        owner = next(
+            (r for r, (start, nbytes) in enumerate(regions) if start <= ptr and ptr + size <= start + nbytes),
+            None,
+        )
+        if owner is None:
+            raise UnsupportedPoolError(
+                f"object {j} of page 0 ({size} bytes at {ptr:#x}) lies in none of the host pool's buffers"
+            )
+        start, nbytes = regions[owner]
+        fitted.append(
+            derive_geometry(
+                part_meta(j), page_size=page_size, pool_tokens=pool_tokens,
+                buffer_start=start, buffer_bytes=nbytes, make_indices=make_indices,
+                value_limit=1 << 62,  # chunked below, all parts alike
+            )
+        )
+        region_of.append(owner)
+
+    base = np.concatenate([g.base for g in fitted])
+    sizes = np.concatenate([g.sizes for g in fitted])
+    strides = np.asarray([g.token_stride for g in fitted], dtype=np.int64)
+    owners = np.asarray(region_of, dtype=np.int64)
+    object_bytes = tuple(int(s) for s in sizes)
+    chunks = max(chunk_count(s, value_limit) for s in object_bytes)
+    if chunks > 1:
+        base, sizes = _split(base, sizes, chunks)
+        strides = np.repeat(strides, chunks)
+        owners = np.repeat(owners, chunks)
+    geometry = PageGeometry(
+        page_size=page_size,
+        num_pages=fitted[0].num_pages,
+        token_stride=strides,
+        base=base,
+        sizes=sizes,
+        chunks=chunks,
+        object_bytes=object_bytes,
+    )
+    return geometry, owners
 
 
 def _split(base: np.ndarray, sizes: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray]:

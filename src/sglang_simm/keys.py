@@ -128,6 +128,15 @@ def namespaced_suffixes(identity: PageIdentity, chunks: int = 1) -> tuple[str, .
     return _chunked(parts, chunks)
 
 
+def named_part_suffixes(identity: PageIdentity, names: Sequence[str], chunks: int = 1) -> tuple[str, ...]:
+    """Suffixes of a hybrid side pool whose page objects are not K/V halves
+    (Mamba: ``temporal``, ``conv0``, ...; a DSA indexer: one object), in the
+    order of the pool's ``get_page_buffer_meta``: ``.{pool}.{name}``."""
+    if identity.pool == "kv":
+        raise ValueError("named parts are for hybrid side pools, not the KV pool")
+    return _chunked([f".{identity.pool}.{name}" for name in names], chunks)
+
+
 def legacy_prefix(identity: PageIdentity) -> str:
     return f"{identity.extra_backend_tag}_" if identity.extra_backend_tag else ""
 

@@ -1,0 +1,330 @@
+"""Hybrid models: SGLang's v2 pool-transfer interface, the parts without I/O.
+
+Hybrid models (Mamba/linear attention, sliding-window attention, DSA
+indexers, speculative drafts) keep state in host pools beside the KV pool.
+SGLang's hybrid cache controller hands them to the backend through
+``register_mem_host_pool_v2(pool, name)`` and moves them with per-pool
+``PoolTransfer`` lists; the KV pages still move through v1.
+
+Every side pool's objects are stored under KV page keys: a Mamba state under
+the hash of the last page of its radix node, an SWA window under the hashes
+of the pages it ends on, KV-derived sidecars (indexer, draft) under every
+page's hash. The hit query therefore looks each pool up under the KV page
+keys; a transfer's own ``keys`` there are placeholders whose count is the
+trailing window.
+
+This module holds the hit policies (pure functions over "does the pool hold
+an object for KV page i") and the description of a side pool's memory; the
+backend does the I/O. The policies follow SGLang's own ``file`` and Mooncake
+backends exactly:
+
+* ALL_PAGES: prefix length ``p`` is restorable iff the pool holds pages
+  ``[0, p)``; the pool's verdict is its first missing page;
+* TRAILING_PAGES with window ``N = max(1, len(transfer.keys))``: ``p`` is
+  restorable iff the pool holds the window ``[p-N, p)`` (clipped at 0); the
+  verdict is the longest such ``p``. The set may have holes;
+* the KV hit is the longest prefix every pool can restore, never more than
+  the KV pages themselves.
+
+BLOCK_GROUPS (declared in SGLang 0.5.22+) has no producer in any release and
+leaves the keys of a group unspecified, as do SGLang's own backends (they
+raise); a query that carries it is answered as a miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from sglang_simm.errors import UnsupportedPoolError
+from sglang_simm.geometry import SUPPORTED_LAYOUTS
+
+ALL_PAGES = "all_pages"
+TRAILING_PAGES = "trailing_pages"
+BLOCK_GROUPS = "block_groups"
+#: Hit policies this backend evaluates.
+SUPPORTED_POLICIES = (ALL_PAGES, TRAILING_PAGES)
+
+#: The anchor's name in ``register_mem_host_pool_v2`` and in hit results.
+KV = "kv"
+
+
+def pool_name(name: Any) -> str:
+    """A pool name as a plain string (``PoolName.MAMBA`` -> ``"mamba"``;
+    SGLang 0.5.10's ``str()`` of the enum is ``"PoolName.MAMBA"``)."""
+    return str(getattr(name, "value", name))
+
+
+def policy_name(policy: Any) -> str:
+    """``PoolHitPolicy.TRAILING_PAGES`` (or its value) -> ``"trailing_pages"``."""
+    return str(getattr(policy, "value", policy)).lower()
+
+
+def trailing_window(keys: Sequence[Any] | None) -> int:
+    """The pages a TRAILING_PAGES pool needs before a stop point: the number
+    of keys its query transfer carries, at least 1 (SGLang's rule)."""
+    return max(1, len(keys) if keys else 1)
+
+
+def unsupported_policy_reason(policy: Any) -> str | None:
+    """Why a hit policy cannot be evaluated, or None."""
+    value = policy_name(policy)
+    if value in SUPPORTED_POLICIES:
+        return None
+    if value == BLOCK_GROUPS:
+        return (
+            "hit policy BLOCK_GROUPS is not supported: no SGLang release produces it and "
+            "it does not say which keys a block's group is stored under (SGLang's file "
+            "and Mooncake backends refuse it too); answering the query as a miss"
+        )
+    return f"unknown hit policy {value!r}; answering the query as a miss"
+
+
+# ------------------------------------------------------------------ policies
+
+
+def _as_flags(page_exists: Sequence[bool] | np.ndarray) -> np.ndarray:
+    return np.asarray(page_exists, dtype=bool).reshape(-1)
+
+
+def all_pages_stops(page_exists: Sequence[bool] | np.ndarray) -> tuple[int, np.ndarray]:
+    """ALL_PAGES over ``n`` KV pages: ``(boundary, mask)`` where ``mask[p-1]``
+    says whether prefix length ``p`` (1..n) is restorable and ``boundary`` is
+    the number of leading pages the pool holds."""
+    flags = _as_flags(page_exists)
+    boundary = int(flags.size if flags.all() else np.argmin(flags))
+    return boundary, np.arange(flags.size) < boundary
+
+
+def trailing_pages_stops(page_exists: Sequence[bool] | np.ndarray, window: int) -> tuple[int, np.ndarray]:
+    """TRAILING_PAGES with ``window`` pages: prefix length ``p`` is
+    restorable iff pages ``[max(0, p - window), p)`` all exist.
+    ``boundary`` is the longest restorable ``p`` (0: none)."""
+    flags = _as_flags(page_exists)
+    window = max(1, int(window))
+    idx = np.arange(flags.size)
+    # run[i]: how many consecutive pages ending at i exist
+    last_missing = np.maximum.accumulate(np.where(flags, -1, idx))
+    run = idx - last_missing
+    mask = run >= np.minimum(window, idx + 1)
+    hits = np.flatnonzero(mask)
+    return (int(hits[-1]) + 1 if hits.size else 0), mask
+
+
+@dataclass(frozen=True)
+class PoolQuery:
+    """One extra pool of a hit query, already looked up.
+
+    ``page_exists[i]``: the pool holds an object for KV page ``i`` (over
+    the KV hit only; pages past it cannot matter).
+    """
+
+    name: Hashable
+    policy: str
+    window: int
+    page_exists: np.ndarray
+
+
+@dataclass(frozen=True)
+class HitVerdict:
+    """What ``batch_exists_v2`` answers (SGLang's ``PoolTransferResult``)."""
+
+    #: the longest prefix, in pages, that every pool can restore
+    kv_hit_pages: int
+    #: each pool's own boundary, the KV pool's under ``"kv"``; zeros omitted
+    pool_hit_pages: dict[Hashable, int]
+    #: every restorable prefix length, ascending (may have holes)
+    restorable_prefix_pages: list[int]
+
+
+def fold_hits(kv_pages: int, pools: Sequence[PoolQuery], *, kv_name: Hashable = KV) -> HitVerdict:
+    """Intersect the restorable prefix lengths of the KV pool (``1..kv_pages``)
+    and of every extra pool, as SGLang's ``file`` and Mooncake backends do:
+    pools are taken in order and the scan stops once nothing is restorable.
+
+    Raises ValueError on a policy outside ``SUPPORTED_POLICIES``; callers
+    check ``unsupported_policy_reason`` first.
+    """
+    kv_pages = max(0, int(kv_pages))
+    hits: dict[Hashable, int] = {kv_name: kv_pages} if kv_pages else {}
+    restorable = np.ones(kv_pages, dtype=bool)
+    for pool in pools:
+        if not restorable.any():
+            break
+        flags = _as_flags(pool.page_exists)
+        if flags.size != kv_pages:
+            raise ValueError(f"pool {pool.name!r}: {flags.size} page flags for {kv_pages} KV pages")
+        policy = policy_name(pool.policy)
+        if policy == ALL_PAGES:
+            boundary, mask = all_pages_stops(flags)
+        elif policy == TRAILING_PAGES:
+            boundary, mask = trailing_pages_stops(flags, pool.window)
+        else:
+            raise ValueError(unsupported_policy_reason(policy))
+        if boundary:
+            hits[pool.name] = boundary
+        restorable &= mask
+    stops = (np.flatnonzero(restorable) + 1).tolist()
+    return HitVerdict(stops[-1] if stops else 0, hits, stops)
+
+
+def miss() -> HitVerdict:
+    """The safe answer: nothing restorable, no pool verdict."""
+    return HitVerdict(0, {}, [])
+
+
+def to_pool_transfer_result(verdict: HitVerdict) -> Any:
+    """SGLang's ``PoolTransferResult`` (``restorable_prefix_pages`` exists
+    from 0.5.19; older releases get the KV hit and per-pool pages only)."""
+    import dataclasses
+
+    from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+    hits = dict(verdict.pool_hit_pages)
+    try:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        hits = {(PoolName.KV if k == KV else k): v for k, v in hits.items()}
+    except ImportError:  # pragma: no cover - every release with v2 has PoolName
+        pass
+    fields = {f.name for f in dataclasses.fields(PoolTransferResult)}
+    if "restorable_prefix_pages" in fields:
+        return PoolTransferResult(
+            kv_hit_pages=verdict.kv_hit_pages,
+            extra_pool_hit_pages=hits,
+            restorable_prefix_pages=list(verdict.restorable_prefix_pages),
+        )
+    return PoolTransferResult(kv_hit_pages=verdict.kv_hit_pages, extra_pool_hit_pages=hits)
+
+
+# ------------------------------------------------------------- side pools
+
+
+@dataclass(frozen=True)
+class SidePoolLayout:
+    """How a side pool's pages are registered and named."""
+
+    #: what the pool is, for logs: "mamba", "mha", "mla" or "other"
+    kind: str
+    #: host tensors to register (an object's region is the one holding it)
+    regions: tuple[Any, ...]
+    #: object names in ``get_page_buffer_meta`` order; None: the KV naming
+    #: (``.k``/``.v`` for MHA, ``.kv`` for MLA)
+    part_names: tuple[str, ...] | None
+    #: objects identical on every TP rank (MLA-like): keys carry no TP rank
+    replicated: bool
+
+
+def _host_tensors(pool: Any) -> list[Any]:
+    """The pool's host memory: ``kv_buffer`` when it is one tensor, else
+    ``get_hybrid_pool_buffer()`` (Mamba, DSA indexer), else a ``kv_buffer``
+    list; empty tensors (a conv-only model's temporal state) dropped."""
+    import torch
+
+    buffer = getattr(pool, "kv_buffer", None)
+    if isinstance(buffer, torch.Tensor):
+        candidates = [buffer]
+    else:
+        get = getattr(pool, "get_hybrid_pool_buffer", None)
+        candidates = None
+        if callable(get):
+            try:
+                candidates = list(get())
+            except Exception as exc:
+                raise UnsupportedPoolError(
+                    f"{type(pool).__name__}.get_hybrid_pool_buffer() failed: {type(exc).__name__}: {exc}"
+                ) from exc
+        if candidates is None and isinstance(buffer, (list, tuple)):
+            candidates = list(buffer)
+    if not candidates:
+        raise UnsupportedPoolError(
+            f"{type(pool).__name__} has no host buffers (a logical or dummy pool); "
+            "sglang-simm stores pools that hold their pages in host memory"
+        )
+    tensors = []
+    for t in candidates:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise UnsupportedPoolError(
+                f"{type(pool).__name__} holds a buffer that is not a host tensor "
+                f"({type(t).__name__}{'' if not isinstance(t, torch.Tensor) else ' on ' + str(t.device)})"
+            )
+        if t.numel() > 0:
+            tensors.append(t)
+    if not tensors:
+        raise UnsupportedPoolError(f"{type(pool).__name__} has only empty host buffers")
+    return tensors
+
+
+def _parts_per_page(pool: Any) -> int:
+    import torch
+
+    page_size = int(pool.page_size)
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(0, page_size, dtype=torch.int64))
+    if len(ptrs) != len(sizes) or not ptrs:
+        raise UnsupportedPoolError(f"{type(pool).__name__} reports no objects for a page")
+    return len(ptrs)
+
+
+def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolLayout:
+    """Check a side pool and say how to store it; raise UnsupportedPoolError
+    (failing the attach) on one this backend cannot store zero-copy."""
+    kind_name = type(pool).__name__
+    if not callable(getattr(pool, "get_page_buffer_meta", None)):
+        raise UnsupportedPoolError(
+            f"hybrid pool {name!r} ({kind_name}) has no get_page_buffer_meta, so its pages "
+            "cannot be moved zero-copy; sglang-simm stores Mamba, SWA, draft, indexer and "
+            "other page-addressable host pools"
+        )
+    try:
+        page_size = int(pool.page_size)
+        int(pool.size)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise UnsupportedPoolError(f"hybrid pool {name!r} ({kind_name}) has no page_size/size") from exc
+    if page_size < 1:
+        raise UnsupportedPoolError(f"hybrid pool {name!r} ({kind_name}) has page_size {page_size}")
+    layout = getattr(pool, "layout", None)
+    if layout not in SUPPORTED_LAYOUTS:
+        raise UnsupportedPoolError(
+            f"hybrid pool {name!r} ({kind_name}) uses layout {layout!r}; sglang-simm supports "
+            f"{', '.join(SUPPORTED_LAYOUTS)}: start SGLang with --hicache-mem-layout page_first"
+        )
+    if getattr(pool, "slot_state_device_tensors", None):
+        raise UnsupportedPoolError(
+            f"hybrid pool {name!r} ({kind_name}) carries per-slot side states "
+            "(extra_checkpoint_buffers), which SGLang's zero-copy page description "
+            "does not cover; sglang-simm cannot store this Mamba pool"
+        )
+    regions = tuple(_host_tensors(pool))
+    try:
+        parts = _parts_per_page(pool)
+    except UnsupportedPoolError:
+        raise
+    except Exception as exc:
+        raise UnsupportedPoolError(
+            f"cannot read the page layout of hybrid pool {name!r} ({kind_name}, layout "
+            f"{layout!r}): {type(exc).__name__}: {exc}"
+        ) from exc
+
+    if hasattr(pool, "temporal_buffer") and hasattr(pool, "conv_buffer"):
+        names = []
+        if int(getattr(pool, "temporal_state_elem_size", 1) or 0) > 0:
+            names.append("temporal")
+        names += [f"conv{i}" for i in range(len(pool.conv_buffer))]
+        if len(names) != parts:
+            raise UnsupportedPoolError(
+                f"hybrid pool {name!r} ({kind_name}) reports {parts} objects per state slot, "
+                f"expected {len(names)} ({', '.join(names)})"
+            )
+        # Mamba/linear-attention state is sharded by TP even beside MLA KV.
+        return SidePoolLayout("mamba", regions, tuple(names), replicated=False)
+    is_mla_pool = hasattr(pool, "kv_lora_rank") or hasattr(pool, "kv_cache_dim")
+    if is_mla_pool and parts == 1:
+        return SidePoolLayout("mla", regions, None, replicated=True)
+    if not is_mla_pool and hasattr(pool, "head_num") and parts == 2:
+        return SidePoolLayout("mha", regions, None, replicated=False)
+    # Anything else page-addressable (DSA indexer, K-only pools, ...): name the
+    # objects by position; replicated exactly when the model's KV is.
+    names = tuple(f"o{i}" for i in range(parts))
+    return SidePoolLayout("other", regions, names, replicated=bool(model_is_mla))
