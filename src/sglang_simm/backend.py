@@ -393,6 +393,18 @@ class HiCacheSiMM(HiCacheStorage):
             self._fault("batch_exists", exc)
             return 0
 
+    def _planned(self, where: str, keys: Sequence[str], host_indices: Any) -> tuple[PoolBinding, _Plan] | None:
+        """The KV binding and the batch's objects, or None when it can only miss."""
+        b = self._kv
+        if b is None:
+            self._log("unbound", "SiMM: %s before a host pool was registered", where)
+            return None
+        plan = b.plan(keys, host_indices, self._log)
+        if plan is None:
+            self.counters.record_error("bad_indices")
+            return None
+        return b, plan
+
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool; True only where every object of the
         page read back exactly its expected size."""
@@ -400,14 +412,10 @@ class HiCacheSiMM(HiCacheStorage):
         if n == 0:
             return []
         try:
-            b = self._kv
-            if b is None:
-                self._log("unbound", "SiMM: batch_get_v1 before a host pool was registered")
+            planned = self._planned("batch_get_v1", keys, host_indices)
+            if planned is None:
                 return [False] * n
-            plan = b.plan(keys, host_indices, self._log)
-            if plan is None:
-                self.counters.record_error("bad_indices")
-                return [False] * n
+            b, plan = planned
             t0 = time.perf_counter()
             codes = self.client.mget(plan.keys, plan.views)
             dt = time.perf_counter() - t0
@@ -436,14 +444,10 @@ class HiCacheSiMM(HiCacheStorage):
         if n == 0:
             return []
         try:
-            b = self._kv
-            if b is None:
-                self._log("unbound", "SiMM: batch_set_v1 before a host pool was registered")
+            planned = self._planned("batch_set_v1", keys, host_indices)
+            if planned is None:
                 return [False] * n
-            plan = b.plan(keys, host_indices, self._log)
-            if plan is None:
-                self.counters.record_error("bad_indices")
-                return [False] * n
+            b, plan = planned
             t0 = time.perf_counter()
             present = np.asarray(self.client.mexists(plan.keys), dtype=bool)
             if present.size != len(plan.keys):

@@ -583,6 +583,23 @@ class Store:
                 reach.append(i)
         return reach
 
+    def _admit(self, views: list[BlockView], results: list[int]) -> tuple[list[int], list[_Region]]:
+        """Indices of the entries that reach the server (their view lies in
+        registered memory and the simulated network let them through), and
+        the regions to hold until the copy is done. Refused entries get
+        their code in ``results``."""
+        pins: list[_Region] = []
+        live = []
+        for i, view in enumerate(views):
+            code = _region_code(view, pins)
+            if code:
+                results[i] = code
+            else:
+                live.append(i)
+        if not live:
+            return live, pins
+        return self._network(results, live), pins
+
     def _put(
         self, keys: list[str], views: list[BlockView], *, overwrite: bool, passthrough: bool
     ) -> list[int]:
@@ -593,17 +610,7 @@ class Store:
             if not _key_ok(key) or not 0 < view._size <= MAX_VALUE_BYTES:
                 return [INVALID_ARGUMENT] * n
         results = [OK] * n
-        pins: list[_Region] = []
-        live = []
-        for i, view in enumerate(views):
-            code = _region_code(view, pins)
-            if code:
-                results[i] = code
-            else:
-                live.append(i)
-        if not live:
-            return results
-        live = self._network(results, live)
+        live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
             return results
         codes = self._server.put_from([(keys[i], views[i]._ptr, views[i]._size) for i in live], overwrite)
@@ -623,17 +630,7 @@ class Store:
             if not _key_ok(key):
                 return [INVALID_ARGUMENT] * n
         results = [OK] * n
-        pins: list[_Region] = []
-        live = []
-        for i, view in enumerate(views):
-            code = _region_code(view, pins)
-            if code:
-                results[i] = code
-            else:
-                live.append(i)
-        if not live:
-            return results
-        live = self._network(results, live)
+        live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
             return results
         codes = self._server.get_into([(keys[i], views[i]._ptr, views[i]._size) for i in live])
