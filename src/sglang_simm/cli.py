@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(demo)
     demo.add_argument("--model", default="llama3-8b", help="page geometry preset (see --list-models)")
     demo.add_argument("--list-models", action="store_true", help="list the geometry presets and exit")
-    demo.add_argument("--pages", type=int, default=512, help="pages in the first request's prefix")
+    demo.add_argument("--pages", type=int, default=None, help="pages in the first request's prefix (default: 192)")
     demo.add_argument("--page-size", type=int, default=None, help="tokens per page (default: the preset's)")
     demo.add_argument("--layout", default="page_first", choices=["page_first", "page_first_direct", "page_head"])
     demo.add_argument("--direct", action="store_true", help="call the backend directly, not SGLang's controller")

@@ -1,0 +1,241 @@
+"""``sglang-simm demo``, run in-process on small geometries.
+
+Both paths: SGLang's own HybridCacheController driving the backend (the
+default) and the backend called directly (``--direct``). Every run must
+verify every restored byte, find exactly the expected pages, and fail (exit
+1) when the store hands back wrong or missing data.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import uuid
+
+import pytest
+
+pytest.importorskip("rich")
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from sglang_simm import cli, demo  # noqa: E402
+from sglang_simm.embedded import reset_servers, server_names  # noqa: E402
+from sglang_simm.embedded._server import EmbeddedServer  # noqa: E402
+
+pytestmark = pytest.mark.embedded
+
+PATHS = [pytest.param([], id="controller"), pytest.param(["--direct"], id="direct")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_ready():
+    """Import SGLang's HiCache modules and build its native page hash once,
+    so that cost is not charged to the first test."""
+    with demo._quiet_imports():
+        import sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller  # noqa: F401
+        import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401
+    demo.sglang_hash_function()
+
+
+def run(tmp_path, *argv, extra=None):
+    """Run the demo on a fresh embedded store; (exit code, JSON, console text)."""
+    name = f"demo-test-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / f"{name}.json"
+    args = cli.build_parser().parse_args(["demo", *argv, "--json", str(out)])
+    console = Console(file=io.StringIO(), width=120, force_terminal=False)
+    config = {"manager_address": f"local://{name}"}
+    config.update(extra or {})
+    try:
+        code = demo.run_demo(console, args, config)
+    finally:
+        reset_servers(name)
+    data = json.loads(out.read_text()) if out.exists() else None
+    return code, data, console.file.getvalue()
+
+
+def phases(data):
+    return {p["name"]: p for p in data["phases"]}
+
+
+def check_success(code, data, text, *, pages, mode):
+    assert code == 0, text
+    assert data["ok"] is True and data["error"] is None
+    assert data["mode"] == mode, data.get("controller_error")
+    shared, new = demo.split_request(pages)
+    assert (data["pages"], data["shared_pages"], data["new_pages"]) == (pages, shared, new)
+    # every restored byte was compared: request A, B's prefix, B's new pages
+    assert data["verified_pages"] == pages + shared + new
+    assert data["verified_bytes"] == data["expected_verified_bytes"] == (pages + shared + new) * data["page_bytes"]
+    ph = phases(data)
+    assert ph["write-back"]["pages_moved"] == pages
+    cold = ph["cold restore"]
+    assert (cold["hits"], cold["pages_moved"], cold["hit_rate"]) == (pages, pages, 1.0)
+    assert cold["relocated_pages"] == pages  # loaded into other host slots than written from
+    prefix = ph["prefix hit"]
+    assert prefix["pages"] == pages and prefix["hits"] == shared and prefix["pages_moved"] == shared
+    assert prefix["hit_rate"] == pytest.approx(shared / pages)
+    assert ph["write new"]["pages_moved"] == new
+    back = ph["read new"]
+    assert (back["hits"], back["pages_moved"], back["hit_rate"]) == (new, new, 1.0)
+    assert back["relocated_pages"] == new
+    assert "all checks passed" in text
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_demo_mha_multi_batch(tmp_path, path):
+    # 300 pages: the write-back and the restore span three 128-page batches
+    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "300", *path)
+    check_success(code, data, text, pages=300, mode="direct" if path else "controller")
+    assert data["batch_size"] == 128
+    assert data["hash_function"].startswith("sglang.") or data["hash_fallback_reason"]
+    stats = data["backend_stats"]
+    assert stats["pages_written"] == 300 + data["new_pages"]
+    assert stats["pages_read"] == data["verified_pages"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_demo_mla_deepseek_v3(tmp_path, path):
+    code, data, text = run(tmp_path, "--model", "deepseek-v3", "--page-size", "8", "--pages", "8", *path)
+    check_success(code, data, text, pages=8, mode="direct" if path else "controller")
+    assert data["geometry"]["is_mla"] is True
+    assert data["page_bytes"] == 61 * 8 * (512 + 64) * 2  # one object a page
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_head"])
+def test_demo_other_layouts(tmp_path, layout):
+    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "9", "--layout", layout)
+    check_success(code, data, text, pages=9, mode="controller")
+    assert data["layout"] == layout
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_corrupted_store_fails(tmp_path, monkeypatch, path):
+    """One byte of one stored object flipped inside the embedded server."""
+    corrupted = []
+    put_from = EmbeddedServer.put_from
+
+    def put_and_corrupt(self, items, overwrite):
+        codes = put_from(self, items, overwrite)
+        if not corrupted:
+            for key, _ptr, _size in items:
+                entry = self._objects.get(key)
+                if entry is not None and "warmup" not in key:
+                    buf, size = entry
+                    buf[size // 2] ^= 0xFF
+                    corrupted.append(key)
+                    break
+        return codes
+
+    monkeypatch.setattr(EmbeddedServer, "put_from", put_and_corrupt)
+    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "8", *path)
+    assert corrupted
+    assert code == 1, text
+    assert data["ok"] is False
+    assert "differ from what was written" in data["error"]
+    assert "FAILED" in text
+    assert data["verified_bytes"] < data["expected_verified_bytes"]
+
+
+def test_backend_returning_wrong_data_fails(tmp_path, monkeypatch):
+    """A backend whose get reports success but leaves one wrong byte."""
+    from sglang_simm.backend import HiCacheSiMM
+
+    get = HiCacheSiMM.batch_get_v1
+
+    def wrong_get(self, keys, host_indices, extra_info=None):
+        ok = get(self, keys, host_indices, extra_info)
+        page = self.mem_pool_host.kv_buffer[1, int(host_indices[-1])]  # page_first: V of the last page
+        page.view(-1).view(torch.uint8)[0] ^= 0x01
+        return ok
+
+    monkeypatch.setattr(HiCacheSiMM, "batch_get_v1", wrong_get)
+    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "8")
+    assert code == 1, text
+    assert "differ from what was written" in data["error"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_lost_page_fails(tmp_path, monkeypatch, path):
+    """The store loses one object of page 5 right after storing it: the
+    cold restore's lookup stops there."""
+    seen = []
+    put_from = EmbeddedServer.put_from
+
+    def put_and_lose(self, items, overwrite):
+        codes = put_from(self, items, overwrite)
+        for key, _ptr, _size in items:
+            if "warmup" not in key:
+                seen.append(key)
+                if len(seen) == 11:  # page 5's second object (K and V a page)
+                    self.delete(key)
+        return codes
+
+    monkeypatch.setattr(EmbeddedServer, "put_from", put_and_lose)
+    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "16", *path)
+    assert code == 1, text
+    cold = phases(data)["cold restore"]
+    assert (cold["hits"], cold["hit_rate"]) == (5, 5 / 16)
+    assert "cold restore: the lookup found 5 of 16 pages" in data["error"]
+
+
+def test_store_refusing_writes_fails(tmp_path):
+    """An embedded store too small for even one batch: the write-back fails."""
+    page_bytes = demo.resolve_geometry("tiny", None).page_bytes()
+    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "16",
+                           extra={"embedded_capacity_bytes": 8 * page_bytes})
+    assert code == 1, text
+    assert phases(data)["write-back"]["pages_moved"] < 16
+    assert "write-back stored" in data["error"]
+
+
+def test_python_page_hash_matches_sglang():
+    fn, why = demo.sglang_hash_function()
+    if fn is None:
+        pytest.skip(f"SGLang's native page hash is not available: {why}")
+    tokens = list(range(1000, 1000 + 4 * 16)) + [2**32 - 1] * 4
+    assert demo.python_page_hashes(tokens, 4) == list(fn(tokens, None, page_size=4))
+    prior = demo.python_page_hashes(tokens[:8], 4)[-1]
+    assert demo.python_page_hashes(tokens[8:], 4, prior) == demo.python_page_hashes(tokens, 4)[2:]
+
+
+def test_list_models_and_bad_options(tmp_path):
+    console = Console(file=io.StringIO(), width=160)
+    assert demo.run_demo(console, cli.build_parser().parse_args(["demo", "--list-models"]), {}) == 0
+    listing = console.file.getvalue()
+    assert "llama3-8b" in listing and "deepseek-v3" in listing
+    before = set(server_names())
+    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "1")
+    assert code == 2 and "at least 2" in text
+    code, data, text = run(tmp_path, "--model", "no-such-model", "--pages", "4")
+    assert code == 2 and "unknown model preset" in text
+    assert set(server_names()) == before
+
+
+def test_cli_entry_point(tmp_path):
+    name = f"demo-cli-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "cli.json"
+    try:
+        code = cli.main(["demo", "--model", "tiny", "--pages", "4", "--direct",
+                         "--manager", f"local://{name}", "--json", str(out)])
+    finally:
+        reset_servers(name)
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["ok"] and data["manager_address"] == f"local://{name}"
+
+
+def test_controller_with_python_page_hash(tmp_path, monkeypatch):
+    """Where SGLang's native page hash cannot be built (no compiler or
+    OpenSSL headers), the demo keys pages, and has the controller key its
+    lookups, with the Python re-implementation; SGLang's function is put
+    back afterwards."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_cache_controller as hcc
+
+    original = hcc.get_storage_hash_str
+    monkeypatch.setattr(demo, "sglang_hash_function", lambda: (None, "disabled by the test"))
+    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "12")
+    check_success(code, data, text, pages=12, mode="controller")
+    assert data["hash_fallback_reason"] == "disabled by the test"
+    assert hcc.get_storage_hash_str is original
