@@ -394,3 +394,20 @@ def test_head_groups_let_different_tp_sizes_share_pages(attach):
             got = page(host2, p).view(2, -1)  # K, V of this rank's 2 heads
             want = full[p].view(2, 2, -1)[:, rank]  # K, V of head group `rank`
             assert torch.equal(got, want)
+
+
+def test_key_cache_overflow_and_non_ascii_keys_stay_correct(attach, monkeypatch):
+    from sglang_simm import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "KEY_CACHE_LIMIT", 3)
+    backend, host = attach(tiny())
+    fill_random(host, 19)
+    keys = hashes(3) + ["页面-ключ-ü"]  # a non-ASCII page key within the byte budget
+    want = [page(host, p) for p in range(4)]
+    assert backend.batch_set_v1(keys, slots(host, 0, 4)) == [True] * 4
+    for _ in range(2):  # the cache is cleared and refilled in between
+        assert backend.batch_exists(keys) == 4
+        assert backend.batch_exists(hashes(2, salt="other") + keys) == 0
+        fill_random(host, 20)
+        assert backend.batch_get_v1(keys, slots(host, 4, 4)) == [True] * 4
+        assert all(torch.equal(page(host, 4 + i), want[i]) for i in range(4))

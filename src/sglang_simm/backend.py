@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from itertools import chain
 import threading
 import time
 from collections import Counter
@@ -40,6 +41,9 @@ logger = logging.getLogger(__name__)
 #: once for the pool's lifetime (memory over speed).
 VIEW_TABLE_LIMIT = 1 << 21
 
+#: Page keys whose object keys are kept (about 200 bytes each per object).
+KEY_CACHE_LIMIT = 1 << 16
+
 #: Codes that mean "not there": the synchronous client folds every server
 #: answer of a get, a plain miss included, into GetObjectFailed.
 _MISS_CODES = (errors.DS_KEY_NOT_FOUND, errors.GET_OBJECT_FAILED)
@@ -51,10 +55,16 @@ _ALREADY_EXISTS = errors.DS_DATA_ALREADY_EXISTS
 class _Plan:
     """One batch resolved to SiMM objects."""
 
-    #: indices (into the caller's keys) of the pages the objects belong to
-    pages: np.ndarray
+    #: indices (into the caller's keys) of the pages the objects belong to;
+    #: None: every page, in order
+    pages: np.ndarray | None
     keys: list[str]
     views: list[Any]
+
+    @property
+    def rows(self) -> Any:
+        """Index of the planned pages among the caller's keys."""
+        return slice(None) if self.pages is None else self.pages
 
 
 class PoolBinding:
@@ -163,6 +173,7 @@ class PoolBinding:
         self.part_mrs = [self.mrs[r] for r in part_region.tolist()]
         self._view = client.view
         self._table: list[Any] | None = None
+        self._page_views: dict[int, tuple[Any, ...]] | None = None
         total = self.geometry.num_pages * self.parts
         if total <= VIEW_TABLE_LIMIT:
             ptrs = self.geometry.pointers(
@@ -171,10 +182,88 @@ class PoolBinding:
             sizes = self.sizes_list * self.geometry.num_pages
             mrs = self.part_mrs * self.geometry.num_pages
             self._table = [self._view(p, s, m) for p, s, m in zip(ptrs, sizes, mrs)]
+            parts = self.parts
+            self._page_views = {
+                page * self.page_size: tuple(self._table[page * parts:(page + 1) * parts])
+                for page in range(self.geometry.num_pages)
+            }
+        self._key_cache: dict[str, tuple[str, ...]] = {}
+
+    def fast_keys(self, page_keys: Sequence[str]) -> list[str] | None:
+        """Object keys of every page, or None when any page key is unusable.
+
+        Page keys repeat (exists, then get, then other requests sharing the
+        prefix), so their object keys are cached, validated once on insert.
+        """
+        cache = self._key_cache
+        try:
+            return list(chain.from_iterable([cache[k] for k in page_keys]))
+        except (KeyError, TypeError):  # a new (or unhashable) page key
+            return self._new_keys(page_keys)
+
+    def _new_keys(self, page_keys: Sequence[str]) -> list[str] | None:
+        """Validate a batch of page keys with C-level checks, build their
+        object keys, and cache them."""
+        try:
+            joined = "".join(page_keys)  # TypeError: a key that is not a str
+        except TypeError:
+            return None
+        if not page_keys or min(map(len, page_keys)) == 0:
+            return None
+        budget = self.key_budget
+        if max(map(len, page_keys)) > budget or (
+            not joined.isascii() and not all(keyspace.key_fits(k, budget) for k in page_keys)
+        ):
+            return None
+        prefix, suffixes, parts = self.prefix, self.suffixes, self.parts
+        out = [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
+        cache = self._key_cache
+        if len(cache) + len(page_keys) > KEY_CACHE_LIMIT:
+            cache.clear()
+        cache.update(zip(page_keys, zip(*[out[i::parts] for i in range(parts)])))
+        return out
+
+    def fast_views(self, host_indices: Any, n: int) -> list[Any] | None:
+        """Views of ``n`` pages from their first slots, or None when the
+        indices are not whole pages of this pool (then ``plan`` decides).
+
+        A page is named by its first slot, as SGLang's own
+        ``get_page_buffer_meta`` does; the last slot is checked too, so a
+        short or reordered page is refused.
+        """
+        views = self._page_views
+        ps = self.page_size
+        if views is None or not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+            return None
+        if host_indices.numel() != n * ps or host_indices.device.type != "cpu":
+            return None
+        slots = host_indices.numpy()  # a view: cheaper to slice than the tensor
+        firsts_arr = slots[::ps]
+        firsts = firsts_arr.tolist()
+        if ps > 1:
+            step = ps - 1
+            if n > 32:
+                if (slots[step::ps] - firsts_arr != step).any():
+                    return None
+            elif any(last - first != step for first, last in zip(firsts, slots[step::ps].tolist())):
+                return None
+        try:
+            return list(chain.from_iterable(map(views.__getitem__, firsts)))
+        except (KeyError, TypeError):
+            return None
 
     def plan(self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog) -> _Plan | None:
-        """Resolve a batch; None (all misses) when the indices are unusable."""
+        """Resolve a batch; None (all misses) when the indices are unusable.
+
+        ``pages`` is None when every page is usable (the common case, served
+        without numpy); otherwise it lists the usable pages.
+        """
         n = len(page_keys)
+        obj_keys = self.fast_keys(page_keys)
+        if obj_keys is not None:
+            views = self.fast_views(host_indices, n)
+            if views is not None:
+                return _Plan(pages=None, keys=obj_keys, views=views)
         indices = _as_numpy(host_indices)
         starts = page_starts(indices, self.page_size, n) if indices is not None else None
         if starts is None:
@@ -219,6 +308,7 @@ class PoolBinding:
 
     def close(self) -> None:
         self._table = None
+        self._page_views = None
         mrs, self.mrs, self.mr = self.mrs, [], None
         self.part_mrs = [None] * len(self.part_mrs)
         for mr in mrs:
@@ -381,8 +471,16 @@ class HiCacheSiMM(HiCacheStorage):
             if b is None:
                 self._log("unbound", "SiMM: batch_exists before a host pool was registered")
                 return 0
-            pages, obj_keys = b.page_object_keys(keys)
             self.counters.record_exists()
+            obj_keys = b.fast_keys(keys)
+            if obj_keys is not None:
+                found_list = self.client.mexists(obj_keys)
+                if len(found_list) != len(obj_keys):
+                    raise RuntimeError(f"mexists answered {len(found_list)} results for {len(obj_keys)} keys")
+                if all(found_list):
+                    return n
+                return list(found_list).index(False) // b.parts
+            pages, obj_keys = b.page_object_keys(keys)
             found = np.asarray(self.client.mexists(obj_keys), dtype=bool)
             if found.size != len(obj_keys):
                 raise RuntimeError(f"mexists answered {found.size} results for {len(obj_keys)} keys")
@@ -419,20 +517,26 @@ class HiCacheSiMM(HiCacheStorage):
             t0 = time.perf_counter()
             codes = self.client.mget(plan.keys, plan.views)
             dt = time.perf_counter() - t0
+            if codes.__class__ is not list:
+                codes = list(codes)
+            if plan.pages is None and codes == b.sizes_list * n:  # every object, exactly its size
+                self.counters.record_get(n, 0, n * b.page_bytes, dt, b.page_bytes)
+                if self._profile:
+                    self._profile_get(n, n, dt, b)
+                return [True] * n
             got = np.asarray(codes, dtype=np.int64)
             if got.size != len(plan.keys):
                 raise RuntimeError(f"mget answered {got.size} results for {len(plan.keys)} objects")
             got = got.reshape(-1, b.parts)
             ok = (got == b.sizes[None, :]).all(axis=1)
             result = np.zeros(n, dtype=bool)
-            result[plan.pages] = ok
+            result[plan.rows] = ok
             hits = int(ok.sum())
             if hits != ok.size:
                 self._count_codes(got[~ok], b.sizes)
             self.counters.record_get(hits, n - hits, hits * b.page_bytes, dt, b.page_bytes)
             if self._profile:
-                logger.info("SiMM batch_get_v1: %d pages, %d hits, %.1f us, %.2f GiB/s",
-                            n, hits, dt * 1e6, hits * b.page_bytes / (1 << 30) / dt if dt else 0.0)
+                self._profile_get(n, hits, dt, b)
             return result.tolist()
         except Exception as exc:
             self._fault("batch_get_v1", exc)
@@ -449,17 +553,32 @@ class HiCacheSiMM(HiCacheStorage):
                 return [False] * n
             b, plan = planned
             t0 = time.perf_counter()
-            present = np.asarray(self.client.mexists(plan.keys), dtype=bool)
-            if present.size != len(plan.keys):
-                raise RuntimeError(f"mexists answered {present.size} results for {len(plan.keys)} keys")
+            present_list = self.client.mexists(plan.keys)
+            if len(present_list) != len(plan.keys):
+                raise RuntimeError(f"mexists answered {len(present_list)} results for {len(plan.keys)} keys")
+            if plan.pages is None and not any(present_list):
+                # the common backup: nothing stored yet, so one mput of it all
+                put_codes = self.client.mput(plan.keys, plan.views)
+                if len(put_codes) == len(plan.keys) and not any(put_codes):
+                    dt = time.perf_counter() - t0
+                    self.counters.record_set(n, 0, 0, n * b.page_bytes, dt)
+                    if self._profile:
+                        self._profile_set(n, 0, n, dt)
+                    return [True] * n
+            else:
+                put_codes = None
+            present = np.asarray(present_list, dtype=bool)
             skipped = int(present.reshape(-1, b.parts).all(axis=1).sum())
             missing = np.flatnonzero(~present)
             written_bytes = 0
             if missing.size:
                 idx = missing.tolist()
-                put_keys = [plan.keys[i] for i in idx]
-                put_views = [plan.views[i] for i in idx]
-                codes = np.asarray(self.client.mput(put_keys, put_views), dtype=np.int64)
+                if put_codes is not None:  # every object was put already
+                    codes = np.asarray(put_codes, dtype=np.int64)
+                else:
+                    put_keys = [plan.keys[i] for i in idx]
+                    put_views = [plan.views[i] for i in idx]
+                    codes = np.asarray(self.client.mput(put_keys, put_views), dtype=np.int64)
                 if codes.size != len(idx):
                     raise RuntimeError(f"mput answered {codes.size} results for {len(idx)} objects")
                 stored = (codes == 0) | (codes == _ALREADY_EXISTS)
@@ -470,16 +589,23 @@ class HiCacheSiMM(HiCacheStorage):
             dt = time.perf_counter() - t0
             ok = present.reshape(-1, b.parts).all(axis=1)
             result = np.zeros(n, dtype=bool)
-            result[plan.pages] = ok
+            result[plan.rows] = ok
             good = int(ok.sum())
             self.counters.record_set(good - skipped, skipped, n - good, written_bytes, dt)
             if self._profile:
-                logger.info("SiMM batch_set_v1: %d pages, %d already stored, %d written, %.1f us",
-                            n, skipped, good - skipped, dt * 1e6)
+                self._profile_set(n, skipped, good - skipped, dt)
             return result.tolist()
         except Exception as exc:
             self._fault("batch_set_v1", exc)
             return [False] * n
+
+    def _profile_get(self, n: int, hits: int, dt: float, b: PoolBinding) -> None:
+        logger.info("SiMM batch_get_v1: %d pages, %d hits, %.1f us, %.2f GiB/s",
+                    n, hits, dt * 1e6, hits * b.page_bytes / (1 << 30) / dt if dt else 0.0)
+
+    def _profile_set(self, n: int, skipped: int, written: int, dt: float) -> None:
+        logger.info("SiMM batch_set_v1: %d pages, %d already stored, %d written, %.1f us",
+                    n, skipped, written, dt * 1e6)
 
     # ------------------------------------------------- legacy (copying) path
 
@@ -732,7 +858,7 @@ class HiCacheSiMM(HiCacheStorage):
                 start += len(plan.keys)
                 ok = (got == b.sizes[None, :]).all(axis=1)
                 row = np.zeros(n, dtype=bool)
-                row[plan.pages] = ok
+                row[plan.rows] = ok
                 results[name] = row.tolist()
                 good = int(ok.sum())
                 if good != ok.size:
@@ -760,7 +886,7 @@ class HiCacheSiMM(HiCacheStorage):
                 return results
             all_keys = [k for _, _, _, plan in plans for k in plan.keys]
             all_views = [v for _, _, _, plan in plans for v in plan.views]
-            all_sizes = np.concatenate([np.tile(b.sizes, len(plan.pages)) for _, b, _, plan in plans])
+            all_sizes = np.concatenate([np.tile(b.sizes, len(plan.keys) // b.parts) for _, b, _, plan in plans])
             t0 = time.perf_counter()
             present = np.asarray(self.client.mexists(all_keys), dtype=bool)
             if present.size != len(all_keys):
@@ -789,7 +915,7 @@ class HiCacheSiMM(HiCacheStorage):
                 skipped += int(already[start:stop].reshape(-1, b.parts).all(axis=1).sum())
                 start = stop
                 row = np.zeros(n, dtype=bool)
-                row[plan.pages] = ok
+                row[plan.rows] = ok
                 results[name] = row.tolist()
                 good += int(ok.sum())
                 total += n
