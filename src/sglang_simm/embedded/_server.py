@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -131,6 +131,14 @@ class EmbeddedServer:
         self._capacity = _check_capacity(capacity_bytes)
         self._used = 0  # bytes of published objects
         self._reserved = 0  # bytes of puts copying outside the lock
+        # Buffers of removed objects, kept for puts of the same size: a fresh
+        # large allocation is a fresh mmap whose every page faults on the
+        # first copy, which halves put bandwidth. They count against the
+        # capacity and are dropped before any object is evicted.
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free_bytes = 0
+        # Buffers that readers are copying from, by id: never recycled.
+        self._reading: Counter[int] = Counter()
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         #: The network between clients and this server (see ``_faults``).
         self.faults = FaultInjector()
@@ -151,20 +159,51 @@ class EmbeddedServer:
         capacity = _check_capacity(capacity_bytes)
         with self._lock:
             self._capacity = capacity
+            self._free.clear()
+            self._free_bytes = 0
             while self._objects and self._used + self._reserved > capacity:
                 self._evict_one_locked()
 
     def _evict_one_locked(self) -> None:
-        _, (_, size) = self._objects.popitem(last=False)
+        _, (buf, size) = self._objects.popitem(last=False)
         self._used -= size
         self._stats["evictions"] += 1
+        self._retire_locked(buf, size)
 
-    def _reserve_locked(self, size: int) -> bool:
+    def _retire_locked(self, buf: torch.Tensor, size: int) -> None:
+        """A removed object's buffer: kept for reuse unless a reader holds it."""
+        if id(buf) in self._reading or size > self._capacity - self._used - self._reserved - self._free_bytes:
+            return
+        self._free.setdefault(size, []).append(buf)
+        self._free_bytes += size
+
+    def _drop_free_locked(self) -> None:
+        size, bufs = next(iter(self._free.items()))
+        bufs.pop()
+        if not bufs:
+            del self._free[size]
+        self._free_bytes -= size
+
+    def _reserve_locked(self, size: int) -> torch.Tensor | bool:
+        """Room for a put of ``size`` bytes: a recycled buffer of that size,
+        True (allocate one), or False (it cannot fit at all)."""
         if self._reserved + size > self._capacity:
             return False  # would not fit even with every object evicted
-        while self._used + self._reserved + size > self._capacity:
-            self._evict_one_locked()
+        reuse = self._free.get(size)
+        if not reuse:
+            while self._used + self._reserved + self._free_bytes + size > self._capacity:
+                if self._free_bytes:
+                    self._drop_free_locked()
+                else:
+                    self._evict_one_locked()
+            reuse = self._free.get(size)
         self._reserved += size
+        if reuse:
+            buf = reuse.pop()
+            if not reuse:
+                del self._free[size]
+            self._free_bytes -= size
+            return buf
         return True
 
     # -- data path (server codes) -------------------------------------------
@@ -178,25 +217,33 @@ class EmbeddedServer:
         """
         results = [OK] * len(items)
         todo: list[int] = []
+        recycled: list[torch.Tensor | None] = []
         objects = self._objects
         with self._lock:
             for i, (key, _, size) in enumerate(items):
-                if not overwrite and key in objects:
-                    results[i] = DS_DATA_ALREADY_EXISTS
-                    self._stats["already_exists"] += 1
-                elif self._reserve_locked(size):
-                    todo.append(i)
-                else:
-                    results[i] = DS_CACHE_POOL_ALLOC_FAILED
-                    self._stats["rejected"] += 1
+                room = False if not overwrite and key in objects else self._reserve_locked(size)
+                if room is False:
+                    if not overwrite and key in objects:
+                        results[i] = DS_DATA_ALREADY_EXISTS
+                        self._stats["already_exists"] += 1
+                    else:
+                        results[i] = DS_CACHE_POOL_ALLOC_FAILED
+                        self._stats["rejected"] += 1
+                    continue
+                todo.append(i)
+                recycled.append(None if room is True else room)
         if not todo:
             return results
 
         bufs: list[torch.Tensor | None] = []
-        for i in todo:
+        for i, buf in zip(todo, recycled):
             _, ptr, size = items[i]
             try:
-                bufs.append(copy_in(ptr, size))
+                if buf is None:
+                    bufs.append(copy_in(ptr, size))
+                else:  # a private buffer nobody else can see
+                    _memmove(buf.data_ptr(), ptr, size)
+                    bufs.append(buf)
             except (MemoryError, RuntimeError):  # torch raises RuntimeError on ENOMEM
                 logger.warning("embedded server %r: cannot allocate %s", self.name, human_bytes(size))
                 bufs.append(None)
@@ -217,6 +264,7 @@ class EmbeddedServer:
                         continue
                     self._used -= old[1]
                     del objects[key]
+                    self._retire_locked(*old)
                 objects[key] = (buf, size)
                 self._used += size
                 stats["puts"] += 1
@@ -248,9 +296,16 @@ class EmbeddedServer:
                 stats["hits"] += 1
                 stats["bytes_out"] += size
                 found.append((i, buf, size, ptr))
-        for i, buf, size, ptr in found:
-            copy_out(buf, size, ptr)
-            results[i] = size
+                self._reading[id(buf)] += 1
+        try:
+            for i, buf, size, ptr in found:
+                copy_out(buf, size, ptr)
+                results[i] = size
+        finally:
+            if found:
+                with self._lock:
+                    self._reading.subtract(id(buf) for _, buf, _, _ in found)
+                    self._reading += Counter()  # drop the zero counts
         return results
 
     def lookup(self, keys: Sequence[str]) -> list[int]:
@@ -267,6 +322,7 @@ class EmbeddedServer:
                 return DS_KEY_NOT_FOUND
             self._used -= entry[1]
             self._stats["deletes"] += 1
+            self._retire_locked(*entry)
             return OK
 
     def delete_prefix(self, prefix: str) -> int:
@@ -274,7 +330,9 @@ class EmbeddedServer:
         with self._lock:
             doomed = [key for key in self._objects if key.startswith(prefix)]
             for key in doomed:
-                self._used -= self._objects.pop(key)[1]
+                entry = self._objects.pop(key)
+                self._used -= entry[1]
+                self._retire_locked(*entry)
             self._stats["deletes"] += len(doomed)
             return len(doomed)
 
@@ -285,6 +343,8 @@ class EmbeddedServer:
         with self._lock:
             self._objects.clear()
             self._used = 0
+            self._free.clear()
+            self._free_bytes = 0
 
     def keys(self) -> list[str]:
         """Keys, least recently used first."""
