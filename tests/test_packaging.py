@@ -42,6 +42,10 @@ def test_backend_class_resolves_lazily_from_the_package_root():
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory) -> Path:
+    import os
+
+    if os.environ.get("SGLANG_SIMM_WHEEL"):  # scripts/test.sh built and installed it
+        return Path(os.environ["SGLANG_SIMM_WHEEL"])
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
@@ -81,6 +85,16 @@ def test_sglang_load_plugins_points_simm_at_this_package():
         "print(e['module_path'], e['class_name'], cls.__module__)"
     )
     assert run_py(code) == "sglang_simm HiCacheSiMM sglang_simm.backend"
+
+
+def test_the_suite_runs_the_installed_wheel_when_scripts_test_sh_built_it():
+    import os
+
+    import sglang_simm
+
+    if not os.environ.get("SGLANG_SIMM_WHEEL"):
+        pytest.skip("run through scripts/test.sh, which installs the built wheel")
+    assert "site-packages" in sglang_simm.__file__
 
 
 def test_register_is_idempotent_and_quiet_when_sglang_is_missing(monkeypatch):

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The main job: SGLang's HiCache L3 write-back and restore through this
+# backend, on the embedded SiMM store, on a CPU (no GPU, no cluster).
+#
+#   scripts/demo.sh [sglang-simm demo options...]
+#
+#   scripts/demo.sh                          llama3-8b pages, SGLang's own controller
+#   scripts/demo.sh --model deepseek-v3      an MLA model
+#   scripts/demo.sh --model tiny-hybrid      a hybrid (Mamba) model through v2
+#   scripts/demo.sh --direct                 call the backend directly
+#   scripts/demo.sh --json demo.json         also write the numbers
+#   scripts/demo.sh --manager HOST:PORT      the same against a real SiMM cluster
+#   scripts/demo.sh --list-models            the geometry presets
+#
+# It builds (once, a few minutes) or reuses the same .venv-test that
+# scripts/test.sh uses (scripts/_venv.sh), installs this checkout into it,
+# and runs `sglang-simm demo`.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+LOG_TAG=demo.sh
+# shellcheck source=scripts/_venv.sh
+. "$ROOT/scripts/_venv.sh"
+
+ensure_venv "$MAIN_VENV" "$MAIN_SGLANG" ".[test]" False
+py="$ROOT/$MAIN_VENV/bin/python"
+# this checkout, as it is now (scripts/test.sh may have left a built wheel there)
+pip_q "$py" install --no-deps -e .
+log "sglang-simm demo $*"
+exec "$ROOT/$MAIN_VENV/bin/sglang-simm" demo "$@"
