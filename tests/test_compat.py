@@ -75,3 +75,6 @@ def test_older_release_round_trips_pages_through_sglangs_factory(python):
         assert r["bytes_equal"], route_case
         assert r["metrics"].endswith("StorageMetrics"), route_case
     assert "dynamic-tiny" in result and "dynamic-mla" in result
+    release = tuple(int(x) for x in result["sglang"].split(".")[:3])
+    if release >= (0, 5, 11):  # plugin entry points: load_plugins() made `simm` ours
+        assert "simm-tiny" in result and "simm-mla" in result
