@@ -321,23 +321,6 @@ def test_sglang_keys_accepted_silently(caplog):
     assert resolved.config.manager_address == ADDR
 
 
-def test_sglang_keys_list():
-    expected = {
-        "backend_name",
-        "module_path",
-        "class_name",
-        "interface_v1",
-        "tp_lcm_size",
-        "prefetch_threshold",
-        "prefetch_timeout_base",
-        "prefetch_timeout_per_ki_token",
-        "hicache_storage_pass_prefix_keys",
-        "allocator",
-        "file_storage_path",
-    }
-    assert SGLANG_EXTRA_CONFIG_KEYS == expected
-
-
 # --------------------------------------------------------------------------
 # Parsing
 # --------------------------------------------------------------------------

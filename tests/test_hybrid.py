@@ -9,7 +9,6 @@ embedded store.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import random
 from types import SimpleNamespace
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from pages import hashes, page, slots
 from sglang_simm import hybrid, keys as keyspace
 from sglang_simm.errors import UnsupportedPoolError
 from sglang_simm.geometry import derive_region_geometry
@@ -264,20 +264,6 @@ def randomize(pool, seed: int) -> None:
         flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
 
 
-def data_page(pool, page: int) -> torch.Tensor:
-    """Page ``page``'s bytes through SGLang's own accessor."""
-    return pool.get_data_page(page * pool.page_size, flat=True).contiguous().view(torch.uint8).clone()
-
-
-def slots(pool, first_page: int, n: int) -> torch.Tensor:
-    ps = pool.page_size
-    return torch.arange(first_page * ps, (first_page + n) * ps, dtype=torch.int64)
-
-
-def hashes(n: int, salt: str = "") -> list[str]:
-    return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
-
-
 def transfer(name, *, keys, host_indices=None, policy=None):
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
 
@@ -351,9 +337,9 @@ def test_side_pool_pages_round_trip_byte_for_byte(hybrid_attach):
         randomize(pool, seed)
     keys = hashes(4)
     want = {
-        "mamba": [data_page(mamba, 3)],
-        "swa": [data_page(swa, p) for p in (1, 2)],
-        "draft": [data_page(draft, p) for p in range(2, 6)],
+        "mamba": [page(mamba, 3)],
+        "swa": [page(swa, p) for p in (1, 2)],
+        "draft": [page(draft, p) for p in range(2, 6)],
     }
     trailing = PoolHitPolicy.TRAILING_PAGES
     stored = backend.batch_set_v2([
@@ -374,11 +360,11 @@ def test_side_pool_pages_round_trip_byte_for_byte(hybrid_attach):
         transfer(PoolName.DRAFT, keys=keys, host_indices=slots(draft, 6, 4)),
     ])
     assert count_pool_hits(got) == {PoolName.MAMBA: 1, PoolName.SWA: 2, PoolName.DRAFT: 4}
-    assert torch.equal(data_page(mamba, 9), want["mamba"][0])
-    for i, page in enumerate((5, 6)):
-        assert torch.equal(data_page(swa, page), want["swa"][i])
-    for i, page in enumerate(range(6, 10)):
-        assert torch.equal(data_page(draft, page), want["draft"][i])
+    assert torch.equal(page(mamba, 9), want["mamba"][0])
+    for i, p in enumerate((5, 6)):
+        assert torch.equal(page(swa, p), want["swa"][i])
+    for i, p in enumerate(range(6, 10)):
+        assert torch.equal(page(draft, p), want["draft"][i])
     stats = backend.stats()
     assert stats["pages_read"] == 7 and stats["errors"] == {}
     metrics = backend.get_stats()
@@ -394,7 +380,7 @@ def test_a_conv_only_mamba_pool_has_no_temporal_object(hybrid_attach):
     b = backend._side["mamba"]
     assert b.suffixes == (".mamba.conv0",) and len(b.mrs) == 1
     randomize(pool, 3)
-    want = data_page(pool, 2)
+    want = page(pool, 2)
     key = hashes(1, "conv")
     assert backend.batch_set_v2([transfer(PoolName.MAMBA, keys=key, host_indices=torch.tensor([2]))]) == {
         PoolName.MAMBA: [True]
@@ -403,7 +389,7 @@ def test_a_conv_only_mamba_pool_has_no_temporal_object(hybrid_attach):
     assert backend.batch_get_v2([transfer(PoolName.MAMBA, keys=key, host_indices=torch.tensor([5]))]) == {
         PoolName.MAMBA: [True]
     }
-    assert torch.equal(data_page(pool, 5), want)
+    assert torch.equal(page(pool, 5), want)
 
 
 def test_set_skips_objects_already_stored(hybrid_attach):
