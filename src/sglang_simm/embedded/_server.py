@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -58,7 +60,9 @@ logger = logging.getLogger("sglang_simm.embedded")
 # machine, by splitting the copy over torch's intra-op threads; once the
 # cores are busy, as in an inference server, its thread barrier collapses it
 # by 10-100x. memmove matches single-threaded copy_ and never collapses, and
-# its fixed cost is lower (0.7 us vs 2.4 us for 4 KiB). So: memmove.
+# its fixed cost is lower (0.7 us vs 2.4 us for 4 KiB). So: memmove, one per
+# object, and the objects of a big batch spread over a few threads
+# (copy_many), where a busy core only slows its own share.
 _memmove = ctypes.memmove
 
 # A writable memoryview over raw memory: unlike ``(c_uint8 * n).from_address``
@@ -76,16 +80,42 @@ def wrap_memory(ptr: int, size: int) -> torch.Tensor:
     return torch.frombuffer(_memory_view(ptr, size, _PYBUF_WRITE), dtype=torch.uint8)
 
 
-def copy_in(ptr: int, size: int) -> torch.Tensor:
-    """A private copy of ``size`` bytes at ``ptr``."""
-    buf = torch.empty(size, dtype=torch.uint8)
-    _memmove(buf.data_ptr(), ptr, size)
-    return buf
+#: Batches smaller than this are copied on the calling thread: handing work
+#: to other threads costs more than it saves.
+PARALLEL_COPY_BYTES = 8 << 20
+_copier: ThreadPoolExecutor | None = None
+_copier_lock = threading.Lock()
 
 
-def copy_out(buf: torch.Tensor, size: int, ptr: int) -> None:
-    """Write the ``size`` bytes of ``buf`` to ``ptr``."""
-    _memmove(ptr, buf.data_ptr(), size)
+def _copy_group(group: Sequence[tuple[int, int, int]]) -> None:
+    for dst, src, size in group:
+        _memmove(dst, src, size)
+
+
+def copy_many(copies: Sequence[tuple[int, int, int]]) -> None:
+    """``memmove(dst, src, size)`` for every entry, over all cores for a big
+    batch, as the real client spreads a batch over its thread pool (one
+    memmove saturates one core, not the memory bus)."""
+    global _copier
+    workers = min(os.cpu_count() or 1, 8)
+    total = sum(c[2] for c in copies)
+    if workers < 2 or len(copies) < 2 or total < PARALLEL_COPY_BYTES:
+        _copy_group(copies)
+        return
+    if _copier is None:
+        with _copier_lock:
+            if _copier is None:
+                _copier = ThreadPoolExecutor(workers - 1, thread_name_prefix="simm-embedded-copy")
+    groups: list[list[tuple[int, int, int]]] = [[] for _ in range(min(workers, len(copies)))]
+    loads = [0] * len(groups)
+    for copy in sorted(copies, key=lambda c: -c[2]):  # largest first onto the least loaded
+        g = loads.index(min(loads))
+        groups[g].append(copy)
+        loads[g] += copy[2]
+    futures = [_copier.submit(_copy_group, g) for g in groups[1:]]
+    _copy_group(groups[0])
+    for f in futures:
+        f.result()
 
 
 # -- units -----------------------------------------------------------------
@@ -235,18 +265,20 @@ class EmbeddedServer:
         if not todo:
             return results
 
+        # Private buffers nobody else can see (recycled, or new), then the copies.
         bufs: list[torch.Tensor | None] = []
+        copies: list[tuple[int, int, int]] = []
         for i, buf in zip(todo, recycled):
             _, ptr, size = items[i]
-            try:
-                if buf is None:
-                    bufs.append(copy_in(ptr, size))
-                else:  # a private buffer nobody else can see
-                    _memmove(buf.data_ptr(), ptr, size)
-                    bufs.append(buf)
-            except (MemoryError, RuntimeError):  # torch raises RuntimeError on ENOMEM
-                logger.warning("embedded server %r: cannot allocate %s", self.name, human_bytes(size))
-                bufs.append(None)
+            if buf is None:
+                try:
+                    buf = torch.empty(size, dtype=torch.uint8)
+                except (MemoryError, RuntimeError):  # torch raises RuntimeError on ENOMEM
+                    logger.warning("embedded server %r: cannot allocate %s", self.name, human_bytes(size))
+            if buf is not None:
+                copies.append((buf.data_ptr(), ptr, size))
+            bufs.append(buf)
+        copy_many(copies)
 
         with self._lock:
             stats = self._stats
@@ -298,8 +330,8 @@ class EmbeddedServer:
                 found.append((i, buf, size, ptr))
                 self._reading[id(buf)] += 1
         try:
-            for i, buf, size, ptr in found:
-                copy_out(buf, size, ptr)
+            copy_many([(ptr, buf.data_ptr(), size) for _, buf, size, ptr in found])
+            for i, _, size, _ in found:
                 results[i] = size
         finally:
             if found:
