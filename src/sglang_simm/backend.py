@@ -189,21 +189,23 @@ class PoolBinding:
             }
         self._key_cache: dict[str, tuple[str, ...]] = {}
 
-    def fast_keys(self, page_keys: Sequence[str]) -> list[str] | None:
+    def fast_keys(self, page_keys: Sequence[str], *, remember: bool = True) -> list[str] | None:
         """Object keys of every page, or None when any page key is unusable.
 
-        Page keys repeat (exists, then get, then other requests sharing the
-        prefix), so their object keys are cached, validated once on insert.
+        Lookups repeat page keys (exists, then get, then other requests
+        sharing the prefix), so their object keys are cached, validated once
+        on insert. Writes pass ``remember=False``: a page this server backs
+        up stays in its own host tiers, so it rarely looks it up again soon.
         """
         cache = self._key_cache
         try:
             return list(chain.from_iterable([cache[k] for k in page_keys]))
         except (KeyError, TypeError):  # a new (or unhashable) page key
-            return self._new_keys(page_keys)
+            return self._new_keys(page_keys, remember)
 
-    def _new_keys(self, page_keys: Sequence[str]) -> list[str] | None:
+    def _new_keys(self, page_keys: Sequence[str], remember: bool = True) -> list[str] | None:
         """Validate a batch of page keys with C-level checks, build their
-        object keys, and cache them."""
+        object keys, and cache them (``remember``)."""
         try:
             joined = "".join(page_keys)  # TypeError: a key that is not a str
         except TypeError:
@@ -217,6 +219,8 @@ class PoolBinding:
             return None
         prefix, suffixes, parts = self.prefix, self.suffixes, self.parts
         out = [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
+        if not remember:
+            return out
         cache = self._key_cache
         if len(cache) + len(page_keys) > KEY_CACHE_LIMIT:
             cache.clear()
@@ -252,14 +256,16 @@ class PoolBinding:
         except (KeyError, TypeError):
             return None
 
-    def plan(self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog) -> _Plan | None:
+    def plan(
+        self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog, *, remember: bool = True
+    ) -> _Plan | None:
         """Resolve a batch; None (all misses) when the indices are unusable.
 
         ``pages`` is None when every page is usable (the common case, served
         without numpy); otherwise it lists the usable pages.
         """
         n = len(page_keys)
-        obj_keys = self.fast_keys(page_keys)
+        obj_keys = self.fast_keys(page_keys, remember=remember)
         if obj_keys is not None:
             views = self.fast_views(host_indices, n)
             if views is not None:
@@ -491,13 +497,15 @@ class HiCacheSiMM(HiCacheStorage):
             self._fault("batch_exists", exc)
             return 0
 
-    def _planned(self, where: str, keys: Sequence[str], host_indices: Any) -> tuple[PoolBinding, _Plan] | None:
+    def _planned(
+        self, where: str, keys: Sequence[str], host_indices: Any, *, remember: bool = True
+    ) -> tuple[PoolBinding, _Plan] | None:
         """The KV binding and the batch's objects, or None when it can only miss."""
         b = self._kv
         if b is None:
             self._log("unbound", "SiMM: %s before a host pool was registered", where)
             return None
-        plan = b.plan(keys, host_indices, self._log)
+        plan = b.plan(keys, host_indices, self._log, remember=remember)
         if plan is None:
             self.counters.record_error("bad_indices")
             return None
@@ -548,7 +556,7 @@ class HiCacheSiMM(HiCacheStorage):
         if n == 0:
             return []
         try:
-            planned = self._planned("batch_set_v1", keys, host_indices)
+            planned = self._planned("batch_set_v1", keys, host_indices, remember=False)
             if planned is None:
                 return [False] * n
             b, plan = planned
