@@ -80,9 +80,12 @@ def wrap_memory(ptr: int, size: int) -> torch.Tensor:
     return torch.frombuffer(_memory_view(ptr, size, _PYBUF_WRITE), dtype=torch.uint8)
 
 
-#: Batches smaller than this are copied on the calling thread: handing work
-#: to other threads costs more than it saves.
+#: Batches smaller than this, or of objects smaller on average than
+#: PARALLEL_COPY_OBJECT, are copied on the calling thread: handing work to
+#: other threads costs more than it saves, and every memmove takes the GIL
+#: back, so threads copying many small objects queue on it.
 PARALLEL_COPY_BYTES = 8 << 20
+PARALLEL_COPY_OBJECT = 512 << 10
 _copier: ThreadPoolExecutor | None = None
 _copier_lock = threading.Lock()
 
@@ -99,7 +102,7 @@ def copy_many(copies: Sequence[tuple[int, int, int]]) -> None:
     global _copier
     workers = min(os.cpu_count() or 1, 8)
     total = sum(c[2] for c in copies)
-    if workers < 2 or len(copies) < 2 or total < PARALLEL_COPY_BYTES:
+    if workers < 2 or len(copies) < 2 or total < max(PARALLEL_COPY_BYTES, len(copies) * PARALLEL_COPY_OBJECT):
         _copy_group(copies)
         return
     if _copier is None:
