@@ -1,9 +1,9 @@
 """Hybrid models: the v2 pool-transfer interface.
 
 Pure hit-policy functions first, then SGLang's real hybrid host pools (a
-Mamba state pool, an SWA and a draft KV pool) on the CPU, bound to the
-backend the way SGLang 0.5.23's hybrid controller binds them, over the
-embedded store.
+Mamba state pool, an SWA and a draft KV pool, a DSA indexer pool) on the
+CPU, bound to the backend the way SGLang 0.5.23's hybrid controller binds
+them, over the embedded store.
 """
 
 from __future__ import annotations
@@ -566,6 +566,121 @@ def test_mamba_keys_carry_the_tp_rank_and_mla_draft_keys_do_not(attach):
     assert prefixes[0][1] == prefixes[1][1]
 
 
+# --------------------------------------------- DSA indexer (DeepSeek V3.2)
+
+DSA_PAGE = 64  # DSATokenToKVPool requires 64-token index pages
+DSA_TOKENS = 4 * DSA_PAGE
+
+
+def dsa_geometry():
+    return tiny_mla(name="tiny-dsa", page_size=DSA_PAGE)
+
+
+@pytest.fixture
+def dsa_attach(attach):
+    """(backend, anchor, indexer): SGLang's CPU ``DSATokenToKVPool``, its MLA
+    host anchor, and the indexer host pool built from the device pool's own
+    ``host_pool_decls()`` by the decl's builder, as the hybrid pool assembler
+    does; the backend's KV pool is the anchor."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerHostPoolBuilder, DSAIndexerPoolHost
+
+    from sglang_simm.pools import build_host_pool
+
+    geom = dsa_geometry()
+    device = DSATokenToKVPool(
+        size=DSA_TOKENS, page_size=DSA_PAGE, kv_lora_rank=geom.kv_lora_rank, dtype=geom.dtype,
+        qk_rope_head_dim=geom.qk_rope_head_dim, layer_num=geom.layer_num, device="cpu",
+        index_head_dim=128, enable_memory_saver=False,
+        kv_cache_dim=geom.kv_lora_rank + geom.qk_rope_head_dim,
+        index_buf_size=DSA_TOKENS,  # what it derives itself with no decode context parallelism
+    )
+    anchor = build_host_pool(geom, tokens=DSA_TOKENS, device_pool=device)
+    decl = next(d for d in device.host_pool_decls() if d.pool_name == PoolName.INDEXER)
+    assert decl.indices_from_pool == PoolName.KV  # a KV-derived sidecar
+    assert isinstance(decl.host_pool_builder, DSAIndexerHostPoolBuilder)
+    # what decl.host_pool_builder.build() makes, less the pinning (no GPU driver)
+    indexer = DSAIndexerPoolHost(decl=decl, anchor_host=anchor, pin_memory=False, device="cpu")
+    backend, _ = attach(geom, pool=anchor)
+    backend.register_mem_host_pool_v2(anchor, PoolName.KV)
+    backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+    backend.on_host_pools_registered()
+    return backend, anchor, indexer
+
+
+def test_the_dsa_indexer_is_bound_as_one_replicated_object_per_page(dsa_attach):
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+
+    backend, anchor, indexer = dsa_attach
+    assert type(indexer) is DSAIndexerPoolHost
+    b = backend._side["indexer"]
+    assert b.suffixes == (".indexer.o0",) and len(b.mrs) == 1
+    # one object per page: every layer's packed index keys and scales
+    every = torch.arange(0, indexer.size, dtype=torch.int64)
+    ptrs, sizes = indexer.get_page_buffer_meta(every)
+    pages = np.arange(0, indexer.size, indexer.page_size)
+    assert b.geometry.pointers(pages).tolist() == ptrs
+    assert b.sizes_list * len(ptrs) == sizes
+    assert b.page_bytes == indexer.get_size_per_token() * indexer.page_size
+    # DSA index keys are identical on every TP rank, like the MLA KV they ride on
+    assert b.identity.is_mla and b.prefix != backend._kv.prefix
+
+
+def test_dsa_indexer_pages_round_trip_byte_for_byte(dsa_attach):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend, anchor, indexer = dsa_attach
+    randomize(anchor, 21)
+    gen = torch.Generator().manual_seed(22)
+    buf = indexer.index_k_with_scale_buffer.view(-1)
+    buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+    keys = hashes(3, "dsa")
+    # the indexer follows the KV anchor's indices: the same slots for both
+    src = slots(anchor, 1, 3)
+    want_kv = [page(anchor, p) for p in (1, 2, 3)]
+    want_ix = [page(indexer, p) for p in (1, 2, 3)]
+    assert all(backend.batch_set_v1(keys, src))
+    assert backend.batch_set_v2([transfer(PoolName.INDEXER, keys=keys, host_indices=src)]) == {
+        PoolName.INDEXER: [True] * 3
+    }
+
+    randomize(anchor, 23)
+    buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+    dst = slots(anchor, 4, 3)
+    assert all(backend.batch_get_v1(keys, dst))
+    assert backend.batch_get_v2([transfer(PoolName.INDEXER, keys=keys, host_indices=dst)]) == {
+        PoolName.INDEXER: [True] * 3
+    }
+    for i, p in enumerate((4, 5, 6)):
+        assert torch.equal(page(anchor, p), want_kv[i])
+        assert torch.equal(page(indexer, p), want_ix[i])
+    assert backend.stats()["errors"] == {}
+
+
+def test_a_hole_in_the_dsa_indexer_cuts_the_hit_there(dsa_attach):
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
+
+    backend, anchor, indexer = dsa_attach
+    keys = hashes(4, "dsa-hole")
+    assert all(backend.batch_set_v1(keys, slots(anchor, 0, 4)))
+    # indexer pages 0, 1 and 3 stored, page 2 missing: "1101"
+    held = [keys[0], keys[1], keys[3]]
+    idx = torch.cat([slots(anchor, 0, 2), slots(anchor, 3, 1)])
+    assert backend.batch_set_v2([transfer(PoolName.INDEXER, keys=held, host_indices=idx)]) == {
+        PoolName.INDEXER: [True] * 3
+    }
+    query = transfer(PoolName.INDEXER, keys=None, policy=PoolHitPolicy.ALL_PAGES)
+    # ALL_PAGES: prefix p is restorable iff pages [0, p) all exist -> 1 and 2;
+    # page 3 does not help past the hole; KV alone would give 4
+    assert result(backend.batch_exists_v2(keys, [query])) == (2, {"kv": 4, "indexer": 2}, [1, 2])
+    # the hole filled: every prefix
+    assert all(backend.batch_set_v2([transfer(PoolName.INDEXER, keys=keys[2:3], host_indices=slots(anchor, 2, 1))])[
+        PoolName.INDEXER
+    ])
+    assert result(backend.batch_exists_v2(keys, [query])) == (4, {"kv": 4, "indexer": 4}, [1, 2, 3, 4])
+
+
 # ------------------------------------------------------------- refusals
 
 
@@ -585,9 +700,37 @@ def _region_count() -> int:
     return len(_client._regions)
 
 
+class KOnlyIndexerPoolHost:
+    """A look-alike of a page-addressable pool of no supported kind (a
+    K-only indexer such as QSA's): one host buffer, one object per page."""
+
+    page_size, size, layout = 4, 64, "page_first"
+
+    def __init__(self, parts: int = 1, **attrs):
+        self.parts = parts
+        self.kv_buffer = torch.zeros(self.size // self.page_size, parts, 32, dtype=torch.uint8)
+        self.__dict__.update(attrs)
+
+    def get_page_buffer_meta(self, indices):
+        pages = sorted({int(i) // self.page_size for i in indices.tolist()})
+        base, page_bytes = self.kv_buffer.data_ptr(), self.kv_buffer[0].nbytes
+        part = page_bytes // self.parts
+        ptrs = [base + p * page_bytes + j * part for p in pages for j in range(self.parts)]
+        return ptrs, [part] * len(ptrs)
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
+        pytest.param(KOnlyIndexerPoolHost, "KOnlyIndexerPoolHost, 1 object", id="other-kind"),
+        pytest.param(
+            lambda: KOnlyIndexerPoolHost(parts=3, head_num=2), "KOnlyIndexerPoolHost, 3 object",
+            id="mha-like-with-three-parts",
+        ),
+        pytest.param(
+            lambda: KOnlyIndexerPoolHost(parts=2, index_k_with_scale_buffer=None, indexer_page_stride_size=64),
+            "KOnlyIndexerPoolHost, 2 object", id="dsa-like-with-two-parts",
+        ),
         pytest.param(
             lambda: mamba_pool(extra=(torch.zeros(MAMBA_CAPACITY, 5),)), "per-slot side states",
             id="mamba-with-side-states",
@@ -614,6 +757,29 @@ def test_unsupported_pools_are_refused_at_registration(hybrid_attach, make, matc
     with pytest.raises(UnsupportedPoolError, match=match):
         backend.register_mem_host_pool_v2(pool, "swa")
     assert backend._side == {} and _region_count() == before
+
+
+def test_a_pool_of_another_kind_is_refused_by_class_and_name(hybrid_attach):
+    import re
+
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend, pools = hybrid_attach(side=("draft",))
+    binding = backend._side["draft"]
+    before = _region_count()
+    want = (
+        "hybrid pool 'indexer' (KOnlyIndexerPoolHost, 1 object(s) per page) is not supported: "
+        "this sglang-simm release supports Mamba state pools, SWA/draft MHA side pools, "
+        "MLA side pools and the DSA indexer pool"
+    )
+    with pytest.raises(UnsupportedPoolError, match=re.escape(want)):
+        backend.register_mem_host_pool_v2(KOnlyIndexerPoolHost(), PoolName.INDEXER)
+    # nothing of it stays registered; what was bound before is untouched
+    assert list(backend._side) == ["draft"] and backend._side["draft"] is binding
+    assert _region_count() == before
+    assert backend.batch_get_v2([transfer(PoolName.INDEXER, keys=hashes(1), host_indices=torch.arange(4))]) == {
+        PoolName.INDEXER: [False]
+    }
 
 
 # ------------------------------------------------------------- never raise

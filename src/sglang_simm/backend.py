@@ -372,7 +372,7 @@ class HiCacheSiMM(HiCacheStorage):
         self._closed = False
         self.mem_pool_host = None
         self._kv: PoolBinding | None = None
-        #: hybrid side pools by name (v2): Mamba, SWA, draft, indexer, ...
+        #: hybrid side pools by name (v2): Mamba, SWA, draft, DSA indexer
         self._side: dict[str, PoolBinding] = {}
 
         if isinstance(mem_pool_host, dict) and not extra.get("interface_v1"):
@@ -701,7 +701,7 @@ class HiCacheSiMM(HiCacheStorage):
     # ------------------------------------------------- v2 (hybrid models)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Bind a hybrid side pool (Mamba, SWA, draft, indexer, ...): check
+        """Bind a hybrid side pool (Mamba, SWA, draft, DSA indexer): check
         it, register its memory once, derive its geometry and keys. The KV
         anchor (``"kv"``) is already bound by ``register_mem_pool_host``.
         Raises UnsupportedPoolError (failing the attach) on a pool we refuse."""

@@ -202,11 +202,17 @@ def to_pool_transfer_result(verdict: HitVerdict) -> Any:
 # ------------------------------------------------------------- side pools
 
 
+#: What ``describe_side_pool`` accepts, for messages.
+SUPPORTED_SIDE_POOLS = (
+    "Mamba state pools, SWA/draft MHA side pools, MLA side pools and the DSA indexer pool"
+)
+
+
 @dataclass(frozen=True)
 class SidePoolLayout:
     """How a side pool's pages are registered and named."""
 
-    #: what the pool is, for logs: "mamba", "mha", "mla" or "other"
+    #: what the pool is, for logs: "mamba", "mha", "mla" or "indexer"
     kind: str
     #: host tensors to register (an object's region is the one holding it)
     regions: tuple[Any, ...]
@@ -274,8 +280,7 @@ def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolL
     if not callable(getattr(pool, "get_page_buffer_meta", None)):
         raise UnsupportedPoolError(
             f"hybrid pool {name!r} ({kind_name}) has no get_page_buffer_meta, so its pages "
-            "cannot be moved zero-copy; sglang-simm stores Mamba, SWA, draft, indexer and "
-            "other page-addressable host pools"
+            f"cannot be moved zero-copy; this sglang-simm release supports {SUPPORTED_SIDE_POOLS}"
         )
     try:
         page_size = int(pool.page_size)
@@ -324,7 +329,17 @@ def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolL
         return SidePoolLayout("mla", regions, None, replicated=True)
     if not is_mla_pool and hasattr(pool, "head_num") and parts == 2:
         return SidePoolLayout("mha", regions, None, replicated=False)
-    # Anything else page-addressable (DSA indexer, K-only pools, ...): name the
-    # objects by position; replicated exactly when the model's KV is.
-    names = tuple(f"o{i}" for i in range(parts))
-    return SidePoolLayout("other", regions, names, replicated=bool(model_is_mla))
+    if _is_dsa_indexer(pool) and parts == 1:
+        # DeepSeek V3.2's index keys ride on the MLA KV pages: one object per
+        # page (every layer's packed keys and scales), replicated exactly
+        # when the model's KV is. The part keeps the positional name "o0".
+        return SidePoolLayout("indexer", regions, ("o0",), replicated=bool(model_is_mla))
+    raise UnsupportedPoolError(
+        f"hybrid pool {name!r} ({kind_name}, {parts} object(s) per page) is not supported: "
+        f"this sglang-simm release supports {SUPPORTED_SIDE_POOLS}"
+    )
+
+
+def _is_dsa_indexer(pool: Any) -> bool:
+    """SGLang's ``DSAIndexerPoolHost`` (DeepSeek V3.2), by its attributes."""
+    return hasattr(pool, "index_k_with_scale_buffer") and hasattr(pool, "indexer_page_stride_size")
