@@ -424,14 +424,19 @@ def _as_key(key: object) -> str:
     return key
 
 
-def _as_keys(keys: object) -> list[str]:
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
-        raise TypeError(f"keys must be a list of str, got {type(keys).__name__}")
-    out = list(keys)
-    for key in out:
-        if not isinstance(key, str):
-            raise TypeError(f"keys must be a list of str, found {type(key).__name__}")
+def _as_list(items: object, kind: type, what: str) -> list:
+    """The native binding's argument check: a sequence of ``kind``, else TypeError."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError(f"{what} must be a list of {kind.__name__}, got {type(items).__name__}")
+    out = list(items)
+    for item in out:
+        if not isinstance(item, kind):
+            raise TypeError(f"{what} must be a list of {kind.__name__}, found {type(item).__name__}")
     return out
+
+
+def _as_keys(keys: object) -> list[str]:
+    return _as_list(keys, str, "keys")
 
 
 def _as_view(view: object) -> BlockView:
@@ -441,13 +446,7 @@ def _as_view(view: object) -> BlockView:
 
 
 def _as_views(views: object) -> list[BlockView]:
-    if not isinstance(views, Sequence) or isinstance(views, (str, bytes)):
-        raise TypeError(f"views must be a list of BlockView, got {type(views).__name__}")
-    out = list(views)
-    for view in out:
-        if not isinstance(view, BlockView):
-            raise TypeError(f"views must be a list of BlockView, found {type(view).__name__}")
-    return out
+    return _as_list(views, BlockView, "views")
 
 
 def _region_code(view: BlockView, pins: list) -> int:
