@@ -3,7 +3,6 @@ SGLang's own storage factory, each test on its own embedded store."""
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 
 import pytest
