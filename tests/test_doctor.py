@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-
 from sglang_simm.cli import main
 
 
