@@ -383,8 +383,7 @@ class HiCacheSiMM(HiCacheStorage):
                 "so SGLang will use its slow copying path instead of zero-copy pages. "
                 "Add \"interface_v1\": 1 to the extra config (or use --hicache-storage-backend simm)."
             )
-        tp_rank = int(getattr(storage_config, "tp_rank", 0) or 0)
-        self.client = client if client is not None else connect(config, local_rank=tp_rank)
+        self.client = client if client is not None else connect(config)
         if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
             self.register_mem_pool_host(mem_pool_host)
 

@@ -205,12 +205,14 @@ def connect(
     config: SiMMConfig,
     *,
     kv_module: ModuleType | None = None,
-    local_rank: int = 0,
+    gpu: int | None = None,
 ) -> KVClient:
     """Choose the client, set flags and NICs, create the store, warm it up.
 
     ``kv_module`` injects a module with the ``simm.kv`` surface (tests and
-    benchmarks), the way httpx takes ``transport=``.
+    benchmarks), the way httpx takes ``transport=``. ``gpu`` is the CUDA
+    device whose NUMA node may decide the NICs; None: the current device,
+    which SGLang sets in each scheduler process before building the cache.
     """
     kv = kv_module if kv_module is not None else load_kv_module(config)
     embedded = config.is_embedded
@@ -223,7 +225,7 @@ def connect(
         from sglang_simm.numa import apply_nic_choice, current_gpu_pci_bus_id, select_nics
 
         log_file = _prepare_log_file(config.log_file or default_log_file())
-        choice = select_nics(config, gpu_pci_bus_id=current_gpu_pci_bus_id(local_rank))
+        choice = select_nics(config, gpu_pci_bus_id=current_gpu_pci_bus_id(gpu))
         in_effect = apply_nic_choice(choice)
         if in_effect:
             logger.info("SiMM RDMA devices: %s (%s)", in_effect, choice.reason)

@@ -1,0 +1,74 @@
+"""The client adapter: which flags reach the SiMM client, in which order."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from sglang_simm import embedded
+from sglang_simm.client import client_flags, connect, import_real_client
+from sglang_simm.config import SiMMConfig
+from sglang_simm.errors import ClientNotInstalledError
+
+
+def test_real_address_sets_the_clients_own_port_flag_and_skips_kubernetes(tmp_path):
+    config = SiMMConfig.from_mapping({"manager_address": "10.1.2.3:31001", "request_timeout_ms": 2500})
+    flags = client_flags(config, log_file=str(tmp_path / "c.log"))
+    assert flags["cm_primary_node_ip"] == "10.1.2.3"
+    assert flags["cm_rpc_inter_port"] == "31001"  # not the in-tree's cm_primary_node_port
+    assert "cm_primary_node_port" not in flags
+    assert flags["clnt_use_k8s"] == "false"
+    assert flags["clnt_sync_req_timeout_ms"] == "2500"
+    assert flags["clnt_log_file"] == str(tmp_path / "c.log")
+
+
+def test_operator_flags_are_set_last_and_win():
+    config = SiMMConfig.from_mapping(
+        {"manager_address": "[fd00::1]:30001", "client_flags": {"clnt_use_k8s": "true", "clnt_syncreq_retry_count": 5}}
+    )
+    flags = client_flags(config, log_file="/tmp/x.log")
+    assert flags["cm_primary_node_ip"] == "fd00::1"
+    assert flags["clnt_use_k8s"] == "true" and flags["clnt_syncreq_retry_count"] == "5"
+
+
+def test_connect_to_a_cluster_address_sets_flags_then_warms_up(tmp_path, monkeypatch):
+    """A cluster address, served here by a named embedded server standing in
+    for the cluster behind it (injected as the ``simm.kv`` module)."""
+    monkeypatch.setenv("SGLANG_SIMM_LOG_DIR", str(tmp_path))
+    monkeypatch.delenv("SICL_NET_DEVICES", raising=False)
+    seen: list[tuple[str, str]] = []
+
+    def set_flag(name, value):
+        seen.append((name, value))
+        return embedded.set_flag(name, value) or name.startswith(("cm_rpc", "clnt_log"))
+
+    kv = types.SimpleNamespace(**{n: getattr(embedded, n) for n in ("Store", "BlockView", "register_mr", "deregister_mr")})
+    kv.set_flag = set_flag
+    config = SiMMConfig.from_mapping({"manager_address": "10.9.9.9:30001", "rdma_devices": "mlx5_0"})
+    client = connect(config, kv_module=kv)
+    try:
+        names = [n for n, _ in seen]
+        assert names.index("cm_primary_node_ip") < names.index("clnt_thread_pool_size")
+        assert ("cm_rpc_inter_port", "30001") in seen and ("clnt_use_k8s", "false") in seen
+        assert all(not n.startswith("embedded_") for n in names)  # embedded-only flags stay out
+        log_file = dict(seen)["clnt_log_file"]
+        assert log_file.startswith(str(tmp_path)) and log_file.endswith("simm_clnt.log")
+        import os
+
+        assert os.environ["SICL_NET_DEVICES"] == "mlx5_0"
+        assert client.description == "SiMM cluster manager 10.9.9.9:30001"
+        assert embedded.get_server("10.9.9.9").keys() == []  # the warm-up cleaned up after itself
+    finally:
+        client.close()
+        embedded.reset_servers("10.9.9.9")
+
+
+def test_missing_real_client_names_the_install_route(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "simm", None)
+    monkeypatch.setitem(sys.modules, "simm.kv", None)
+    with pytest.raises(ClientNotInstalledError, match="not on PyPI") as info:
+        import_real_client()
+    assert "scitix/SiMM" in str(info.value) and "'local'" in str(info.value)
