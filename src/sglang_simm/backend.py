@@ -237,11 +237,14 @@ class PoolBinding:
         """
         views = self._page_views
         ps = self.page_size
-        if views is None or not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+        if views is None or not isinstance(host_indices, torch.Tensor):
             return None
-        if host_indices.numel() != n * ps or host_indices.device.type != "cpu":
+        try:
+            slots = host_indices.numpy()  # a view, cheaper to inspect and slice than the tensor
+        except (TypeError, RuntimeError):  # not on the CPU, or not plain memory
             return None
-        slots = host_indices.numpy()  # a view: cheaper to slice than the tensor
+        if slots.ndim != 1 or len(slots) != n * ps:
+            return None
         firsts_arr = slots[::ps]
         firsts = firsts_arr.tolist()
         if ps > 1:
