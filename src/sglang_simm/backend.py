@@ -217,8 +217,8 @@ class PoolBinding:
             not joined.isascii() and not all(keyspace.key_fits(k, budget) for k in page_keys)
         ):
             return None
-        prefix, suffixes, parts = self.prefix, self.suffixes, self.parts
-        out = [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
+        parts = self.parts
+        out = keyspace.object_keys(self.prefix, page_keys, self.suffixes)
         if not remember:
             return out
         cache = self._key_cache
