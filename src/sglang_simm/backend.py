@@ -579,23 +579,9 @@ class HiCacheSiMM(HiCacheStorage):
                 put_codes = None
             present = np.asarray(present_list, dtype=bool)
             skipped = int(present.reshape(-1, b.parts).all(axis=1).sum())
-            missing = np.flatnonzero(~present)
-            written_bytes = 0
-            if missing.size:
-                idx = missing.tolist()
-                if put_codes is not None:  # every object was put already
-                    codes = np.asarray(put_codes, dtype=np.int64)
-                else:
-                    put_keys = [plan.keys[i] for i in idx]
-                    put_views = [plan.views[i] for i in idx]
-                    codes = np.asarray(self.client.mput(put_keys, put_views), dtype=np.int64)
-                if codes.size != len(idx):
-                    raise RuntimeError(f"mput answered {codes.size} results for {len(idx)} objects")
-                stored = (codes == 0) | (codes == _ALREADY_EXISTS)
-                present[missing] = stored
-                written_bytes = int(b.sizes[missing % b.parts][stored].sum())
-                if not stored.all():
-                    self._count_failed_puts(codes[~stored])
+            sizes = np.tile(b.sizes, len(plan.keys) // b.parts)
+            # put_codes: the mput above already covered every object
+            written_bytes = self._put_missing(plan.keys, plan.views, present, sizes, put_codes)
             dt = time.perf_counter() - t0
             ok = present.reshape(-1, b.parts).all(axis=1)
             result = np.zeros(n, dtype=bool)
@@ -608,6 +594,28 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_set_v1", exc)
             return [False] * n
+
+    def _put_missing(
+        self, keys: Sequence[str], views: Sequence[Any], present: np.ndarray, sizes: np.ndarray,
+        codes: Sequence[int] | None = None,
+    ) -> int:
+        """Put the objects not ``present`` and mark those now stored (in place);
+        bytes written. ``codes``: the answer of an mput already made for every
+        object, when nothing was present."""
+        missing = np.flatnonzero(~present)
+        if not missing.size:
+            return 0
+        if codes is None:
+            idx = missing.tolist()
+            codes = self.client.mput([keys[i] for i in idx], [views[i] for i in idx])
+        got = np.asarray(codes, dtype=np.int64)
+        if got.size != missing.size:
+            raise RuntimeError(f"mput answered {got.size} results for {missing.size} objects")
+        stored = (got == 0) | (got == _ALREADY_EXISTS)
+        present[missing] = stored
+        if not stored.all():
+            self._count_failed_puts(got[~stored])
+        return int(sizes[missing][stored].sum())
 
     def _profile_get(self, n: int, hits: int, dt: float, b: PoolBinding) -> None:
         logger.info("SiMM batch_get_v1: %d pages, %d hits, %.1f us, %.2f GiB/s",
@@ -902,20 +910,7 @@ class HiCacheSiMM(HiCacheStorage):
             if present.size != len(all_keys):
                 raise RuntimeError(f"mexists answered {present.size} results for {len(all_keys)} keys")
             already = present.copy()
-            missing = np.flatnonzero(~present)
-            written_bytes = 0
-            if missing.size:
-                idx = missing.tolist()
-                codes = np.asarray(
-                    self.client.mput([all_keys[i] for i in idx], [all_views[i] for i in idx]), dtype=np.int64
-                )
-                if codes.size != len(idx):
-                    raise RuntimeError(f"mput answered {codes.size} results for {len(idx)} objects")
-                stored = (codes == 0) | (codes == _ALREADY_EXISTS)
-                present[missing] = stored
-                written_bytes = int(all_sizes[missing][stored].sum())
-                if not stored.all():
-                    self._count_failed_puts(codes[~stored])
+            written_bytes = self._put_missing(all_keys, all_views, present, all_sizes)
             dt = time.perf_counter() - t0
             good = skipped = total = 0
             start = 0
