@@ -286,25 +286,19 @@ class PoolBinding:
         if np.any(starts + self.page_size > self.geometry.num_pages * self.page_size) or np.any(starts < 0):
             log("bad_indices", "SiMM: host_indices outside the host pool; treating the batch as misses")
             return None
-        budget = self.key_budget
-        fits = [keyspace.key_fits(k, budget) for k in page_keys]
-        if all(fits):
-            pages = np.arange(n)
-            valid_keys = page_keys
-        else:
+        pages, obj_keys = self.page_object_keys(page_keys)
+        if len(pages) != n:
             log("bad_key", "SiMM: %d page keys are not strings within %d bytes; those pages miss",
-                fits.count(False), budget)
-            pages = np.flatnonzero(fits)
-            valid_keys = [page_keys[i] for i in pages.tolist()]
+                n - len(pages), self.key_budget)
             starts = starts[pages]
-        obj_keys = keyspace.object_keys(self.prefix, valid_keys, self.suffixes)
+        valid = len(pages)
         if self._table is not None:
             ids = self.geometry.object_ids(starts // self.page_size).tolist()
             views = list(operator.itemgetter(*ids)(self._table)) if len(ids) > 1 else [self._table[i] for i in ids]
         else:
             ptrs = self.geometry.pointers(starts).tolist()
-            sizes = self.sizes_list * len(valid_keys)
-            mrs = self.part_mrs * len(valid_keys)
+            sizes = self.sizes_list * valid
+            mrs = self.part_mrs * valid
             view = self._view
             views = [view(p, s, m) for p, s, m in zip(ptrs, sizes, mrs)]
         return _Plan(pages=pages, keys=obj_keys, views=views)
@@ -537,17 +531,11 @@ class HiCacheSiMM(HiCacheStorage):
             got = np.asarray(codes, dtype=np.int64)
             if got.size != len(plan.keys):
                 raise RuntimeError(f"mget answered {got.size} results for {len(plan.keys)} objects")
-            got = got.reshape(-1, b.parts)
-            ok = (got == b.sizes[None, :]).all(axis=1)
-            result = np.zeros(n, dtype=bool)
-            result[plan.rows] = ok
-            hits = int(ok.sum())
-            if hits != ok.size:
-                self._count_codes(got[~ok], b.sizes)
+            result, hits = self._pages_read(b, plan, n, got)
             self.counters.record_get(hits, n - hits, hits * b.page_bytes, dt, b.page_bytes)
             if self._profile:
                 self._profile_get(n, hits, dt, b)
-            return result.tolist()
+            return result
         except Exception as exc:
             self._fault("batch_get_v1", exc)
             return [False] * n
@@ -594,6 +582,19 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_set_v1", exc)
             return [False] * n
+
+    def _pages_read(self, b: PoolBinding, plan: _Plan, n: int, codes: np.ndarray) -> tuple[list[bool], int]:
+        """One bool per caller page from mget's codes for ``plan``: True where
+        every object read back exactly its size; and how many were. Faults
+        among the rest are counted."""
+        got = codes.reshape(-1, b.parts)
+        ok = (got == b.sizes[None, :]).all(axis=1)
+        result = np.zeros(n, dtype=bool)
+        result[plan.rows] = ok
+        hits = int(ok.sum())
+        if hits != ok.size:
+            self._count_codes(got[~ok], b.sizes)
+        return result.tolist(), hits
 
     def _put_missing(
         self, keys: Sequence[str], views: Sequence[Any], present: np.ndarray, sizes: np.ndarray,
@@ -872,15 +873,8 @@ class HiCacheSiMM(HiCacheStorage):
             hits = total = nbytes = 0
             start = 0
             for name, b, n, plan in plans:
-                got = codes[start:start + len(plan.keys)].reshape(-1, b.parts)
+                results[name], good = self._pages_read(b, plan, n, codes[start:start + len(plan.keys)])
                 start += len(plan.keys)
-                ok = (got == b.sizes[None, :]).all(axis=1)
-                row = np.zeros(n, dtype=bool)
-                row[plan.rows] = ok
-                results[name] = row.tolist()
-                good = int(ok.sum())
-                if good != ok.size:
-                    self._count_codes(got[~ok], b.sizes)
                 hits += good
                 total += n
                 nbytes += good * b.page_bytes
