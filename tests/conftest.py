@@ -1,11 +1,60 @@
 """Shared fixtures: real SGLang host pools on the CPU, backends built through
-SGLang's own storage factory, each test on its own embedded store."""
+SGLang's own storage factory, each test on its own embedded store.
+
+Host stores (``local``: one store process per name) live in a directory of
+this test session's own, under /dev/shm; every store process still running
+at the end of the session is stopped by its pid."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import tempfile
+import time
 import uuid
 
 import pytest
+
+
+def _stop_store_processes(root: str) -> None:
+    from sglang_simm.embedded._host import pid_alive
+
+    pids = []
+    for entry in os.listdir(root):
+        if entry.endswith(".pid"):
+            try:
+                with open(os.path.join(root, entry)) as f:
+                    pids.append(int(f.read().strip()))
+            except (OSError, ValueError):
+                continue
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + 5
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_store_dir():
+    """A private store directory for the whole session (exported, so store
+    processes and SGLang servers started by tests use it too)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = tempfile.mkdtemp(prefix="sglang-simm-tests-", dir=base)
+    os.chmod(root, 0o700)
+    previous = os.environ.get("SGLANG_SIMM_STORE_DIR")
+    os.environ["SGLANG_SIMM_STORE_DIR"] = root
+    try:
+        yield root
+    finally:
+        _stop_store_processes(root)
+        if previous is None:
+            os.environ.pop("SGLANG_SIMM_STORE_DIR", None)
+        else:
+            os.environ["SGLANG_SIMM_STORE_DIR"] = previous
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -1,11 +1,14 @@
-"""One contract suite, run against the embedded store and a real SiMM client.
+"""One contract suite, run against both local stores and a real SiMM client.
 
-``kv`` is the ``simm.kv`` module under test: ``sglang_simm.embedded`` (mark
-``embedded``), or the real ``simm.kv`` (mark ``real``), which runs only when
-``SGLANG_SIMM_TEST_MANAGER=host:port`` names a cluster manager and SiMM's
-client is importable. Tests are written once against the ``simm.kv`` API;
-where they need the embedded server itself (capacity, faults, sharing by
-name) they ask for the ``server`` or ``faults`` fixture, which skips on real.
+``kv`` is the ``simm.kv`` module under test: ``sglang_simm.embedded`` with
+its server in this process (``inprocess``) or in the host store's process
+(``host``: one store process per test, in a private directory), both
+marked ``embedded``; or the real ``simm.kv`` (mark ``real``), which runs
+only when ``SGLANG_SIMM_TEST_MANAGER=host:port`` names a cluster manager and
+SiMM's client is importable. Tests are written once against the ``simm.kv``
+API; where they need the embedded server itself (capacity, faults, sharing
+by name) they ask for the ``server`` or ``faults`` fixture, which skips on
+real.
 
 Run: ``pytest tests/contract -m embedded`` (no cluster) or ``-m real``.
 """
@@ -23,6 +26,9 @@ MANAGER_ENV = "SGLANG_SIMM_TEST_MANAGER"
 # Flags the embedded fixture changes or a test may change; restored after each test.
 _EMBEDDED_FLAGS = (
     "cm_primary_node_ip",
+    "embedded_scope",
+    "embedded_store_dir",
+    "embedded_eviction",
     "embedded_capacity_bytes",
     "embedded_error_rate",
     "embedded_error_code",
@@ -66,7 +72,8 @@ def _load_real_kv():
 
 @pytest.fixture(
     params=[
-        pytest.param("embedded", marks=pytest.mark.embedded),
+        pytest.param("inprocess", marks=pytest.mark.embedded),
+        pytest.param("host", marks=[pytest.mark.embedded, pytest.mark.host]),
         pytest.param("real", marks=pytest.mark.real),
     ]
 )
@@ -79,6 +86,9 @@ def kv(request):
 
     saved = {name: embedded.get_flag(name) for name in _EMBEDDED_FLAGS}
     servers_before = set(embedded.server_names())
+    if request.param == "host":
+        embedded.set_flag("embedded_scope", "host")
+        embedded.set_flag("embedded_store_dir", request.getfixturevalue("host_store_dir"))
     # A fresh, uniquely named server per test.
     embedded.set_flag("cm_primary_node_ip", f"contract-{uuid.uuid4().hex[:12]}")
     try:
@@ -124,6 +134,14 @@ def embedded_only(kv):
     registered region): checked on the embedded store only."""
     if not getattr(kv, "__simm_embedded__", False):
         pytest.skip("undefined on the real client; pinned down on the embedded store only")
+
+
+@pytest.fixture
+def inprocess_only(kv, embedded_only):
+    """For behaviour only a server inside this process can have (two live
+    servers of one name, one forgotten)."""
+    if kv.get_flag("embedded_scope") != "process":
+        pytest.skip("a host store has one live server per name")
 
 
 @pytest.fixture

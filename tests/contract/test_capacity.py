@@ -1,9 +1,11 @@
-"""Capacity and LRU eviction of the embedded server.
+"""Capacity and eviction of the embedded server.
 
-The real cluster evicts too, with its own policy; these pin down the
-embedded one: least recently used first (get and put count as use, exists
-does not), an object larger than the capacity is refused, memory never
-exceeds the capacity.
+The real cluster evicts too, per size class and first in, first out (its
+data server never marks an object accessed). These pin down the embedded
+one: oldest put first by default, least recently used first with
+``embedded_eviction=lru`` (get and put count as use, exists never does); an
+object larger than the capacity is refused; memory never exceeds the
+capacity.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def small(server):
     return server
 
 
+@pytest.fixture
+def lru(small):
+    small.set_policy("lru")
+    return small
+
+
 def fill(store, mem, key, rand, count):
     datas = {}
     for i in range(count):
@@ -45,7 +53,42 @@ def read(store, mem, k, size=OBJ):
     return n, out[: max(n, 0)]
 
 
-def test_evicts_least_recently_used(small, store, mem, key, rand):
+def test_evicts_oldest_put_by_default(small, store, mem, key, rand):
+    datas = fill(store, mem, key, rand, 10)
+    assert small.policy == "fifo"
+    assert read(store, mem, key("0"))[0] == OBJ  # a get does not make it young
+    assert store.put(key("10"), mem.holding(rand(OBJ, seed=99))[0]) == OK
+    assert store.exists(key("0")) is False
+    for i in range(1, 10):
+        n, out = read(store, mem, key(str(i)))
+        assert n == OBJ and torch.equal(out, datas[i]), f"survivor {i} damaged"
+    assert small.stats()["evictions"] == 1
+
+
+def test_fifo_order_over_many_puts(small, store, mem, key, rand):
+    fill(store, mem, key, rand, 10)
+    for i in (7, 3, 9):
+        assert read(store, mem, key(str(i)))[0] == OBJ
+    for j in range(10, 17):
+        assert store.put(key(str(j)), mem.holding(rand(OBJ, seed=j))[0]) == OK
+    present = store.mexists([key(str(i)) for i in range(17)])
+    assert [i for i, p in enumerate(present) if p] == list(range(7, 17))
+
+
+def test_overwrite_makes_an_object_young(small, store, mem, key, rand):
+    fill(store, mem, key, rand, 10)
+    assert store.put(key("0"), mem.holding(rand(OBJ, seed=50))[0]) == OK
+    assert store.put(key("10"), mem.holding(rand(OBJ, seed=51))[0]) == OK
+    assert store.mexists([key("0"), key("1")]) == [True, False]
+
+
+def test_set_policy_rejects_unknown(server):
+    with pytest.raises(ValueError):
+        server.set_policy("random")
+    assert server.policy == "fifo"
+
+
+def test_evicts_least_recently_used(lru, store, mem, key, rand):
     datas = fill(store, mem, key, rand, 10)
     assert read(store, mem, key("0"))[0] == OBJ  # 0 is now the most recently used
     extra = rand(OBJ, seed=99)
@@ -56,10 +99,10 @@ def test_evicts_least_recently_used(small, store, mem, key, rand):
     for i in [0, *range(2, 10)]:
         n, out = read(store, mem, key(str(i)))
         assert n == OBJ and torch.equal(out, datas[i]), f"survivor {i} damaged"
-    assert small.stats()["evictions"] == 1
+    assert lru.stats()["evictions"] == 1
 
 
-def test_exists_does_not_count_as_use(small, store, mem, key, rand):
+def test_exists_does_not_count_as_use(lru, store, mem, key, rand):
     fill(store, mem, key, rand, 10)
     assert store.exists(key("0")) is True
     assert store.mexists([key("0")]) == [True]
@@ -67,7 +110,7 @@ def test_exists_does_not_count_as_use(small, store, mem, key, rand):
     assert store.exists(key("0")) is False
 
 
-def test_eviction_order_over_many_puts(small, store, mem, key, rand):
+def test_lru_order_over_many_puts(lru, store, mem, key, rand):
     fill(store, mem, key, rand, 10)
     touched = [7, 3, 9]
     for i in touched:
@@ -102,6 +145,7 @@ def test_object_of_exactly_capacity_fits(small, store, mem, key, rand):
 
 def test_set_capacity_evicts_live(server, store, mem, key, rand):
     fill(store, mem, key, rand, 10)
+    server.set_policy("lru")
     assert read(store, mem, key("0"))[0] == OBJ
     server.set_capacity(4 * OBJ)
     assert server.used_bytes <= 4 * OBJ

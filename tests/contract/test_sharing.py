@@ -52,7 +52,7 @@ def test_empty_name_is_the_default_server(kv, embedded_only):
     assert kv.Store().server is kv.get_server("default")
 
 
-def test_reset_servers_forgets_objects(kv, store, mem, key, rand, embedded_only):
+def test_reset_servers_forgets_objects(kv, store, mem, key, rand, inprocess_only):
     k = key()
     name = kv.get_flag("cm_primary_node_ip")
     assert kv.set_flag("cm_primary_node_ip", "bystander")

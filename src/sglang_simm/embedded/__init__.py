@@ -21,26 +21,50 @@ from __future__ import annotations
 import sys
 import types
 
-from sglang_simm.embedded._client import (
-    Block,
-    BlockView,
-    MrExt,
-    Store,
-    default_capacity_bytes,
-    deregister_mr,
-    get_flag,
-    get_server,
-    register_mr,
-    set_flag,
-)
-from sglang_simm.embedded._faults import FaultInjector
-from sglang_simm.embedded._server import EmbeddedServer, reset_servers, server_names
+from typing import Any
+
+# Names resolve on first use: the host store's process imports this package
+# (``python -m sglang_simm.embedded._daemon``) and must not pay for torch.
+_LAZY = {
+    "Block": "_client",
+    "BlockView": "_client",
+    "MrExt": "_client",
+    "Store": "_client",
+    "default_capacity_bytes": "_client",
+    "deregister_mr": "_client",
+    "get_flag": "_client",
+    "get_server": "_client",
+    "register_mr": "_client",
+    "reset_servers": "_client",
+    "server_names": "_client",
+    "set_flag": "_client",
+    "FaultInjector": "_faults",
+    "EmbeddedServer": "_server",
+    "HostServer": "_host",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "Block",
     "BlockView",
     "EmbeddedServer",
     "FaultInjector",
+    "HostServer",
     "MrExt",
     "Store",
     "alias_as_simm_kv",

@@ -48,8 +48,11 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_simm.embedded import _server
-from sglang_simm.embedded._server import EmbeddedServer, human_bytes, wrap_memory
+from sglang_simm.embedded import _host, _server
+from sglang_simm.embedded._copy import human_bytes, wrap_memory
+from sglang_simm.embedded._host import HostServer, StoreUnreachable
+from sglang_simm.embedded._index import EVICTION_POLICIES
+from sglang_simm.embedded._server import EmbeddedServer
 from sglang_simm.errors import (
     DS_DATA_ALREADY_EXISTS,
     GET_OBJECT_FAILED,
@@ -74,6 +77,9 @@ logger = logging.getLogger("sglang_simm.embedded")
 # ``cm_primary_node_ip`` means something here: the name of the embedded server
 # a new ``Store()`` joins. The manager port flag is ``cm_rpc_inter_port``;
 # there is no ``cm_primary_node_port`` in the real client, so it is refused.
+
+#: Where a Store's server lives (flag ``embedded_scope``).
+SCOPES = ("process", "host")
 
 _BOOL_TRUE = frozenset({"1", "t", "true", "y", "yes"})
 _BOOL_FALSE = frozenset({"0", "f", "false", "n", "no"})
@@ -132,6 +138,14 @@ def _latency(value: str) -> str | None:
     return repr(latency) if latency >= 0.0 else None  # NaN fails too
 
 
+def _choice(*allowed: str):
+    def parse(value: str) -> str | None:
+        lowered = value.lower()
+        return lowered if lowered in allowed else None
+
+    return parse
+
+
 def _seed(value: str) -> str | None:
     return "" if value == "" else _parse_int(value, -(2**63), 2**63 - 1)
 
@@ -154,7 +168,12 @@ _FLAG_SPECS: dict[str, tuple] = {
     "clnt_deferred_reshard_wait_inSecs": (_uint32, "30"),
     "clnt_log_file": (_string, "/var/log/simm/simm_clnt.log"),
     # embedded only: settings of the server named by cm_primary_node_ip
+    # "process": a server inside this process; "host": the host store, one
+    # store process per name shared by every process of this user
+    "embedded_scope": (_choice(*SCOPES), "process"),
+    "embedded_store_dir": (_string, ""),  # host scope; "" = $SGLANG_SIMM_STORE_DIR or /dev/shm/sglang-simm-<uid>
     "embedded_capacity_bytes": (_capacity, ""),  # "" = 4 GiB capped at RAM/4
+    "embedded_eviction": (_choice(*EVICTION_POLICIES), "fifo"),
     "embedded_error_rate": (_rate, "0.0"),
     "embedded_error_code": (_error_code, str(TIMEOUT)),
     "embedded_latency_us": (_latency, "0.0"),
@@ -202,9 +221,9 @@ def set_flag(name: str, value: str) -> bool:
         _flags[name] = canonical
         server_name = _flags["cm_primary_node_ip"] or DEFAULT_SERVER_NAME
     if name in _FAULT_FLAGS:
-        server = _server._SERVERS.get(server_name)
-        if server is not None:
-            server.faults.configure(**{_FAULT_FLAGS[name]: _fault_value(name, canonical)})
+        for server in (_server._SERVERS.get(server_name), _host.existing(server_name, _store_dir_flag())):
+            if server is not None:
+                server.faults.configure(**{_FAULT_FLAGS[name]: _fault_value(name, canonical)})
     return True
 
 
@@ -250,25 +269,69 @@ def default_capacity_bytes() -> int:
     return min(DEFAULT_CAPACITY_BYTES, ram // 4) if ram else DEFAULT_CAPACITY_BYTES
 
 
+def _capacity_flag(flags: dict[str, str]) -> int:
+    value = flags["embedded_capacity_bytes"]
+    return int(value) if value else default_capacity_bytes()
+
+
+def _store_dir_flag() -> str | None:
+    return get_flag("embedded_store_dir") or None
+
+
+def _configure_faults(server: EmbeddedServer | HostServer, flags: dict[str, str]) -> None:
+    server.faults.configure(**{attr: _fault_value(flag, flags[flag]) for flag, attr in _FAULT_FLAGS.items()})
+
+
 def _make_server(name: str) -> EmbeddedServer:
     with _flags_lock:
         flags = dict(_flags)
-    capacity = (
-        int(flags["embedded_capacity_bytes"])
-        if flags["embedded_capacity_bytes"]
-        else default_capacity_bytes()
-    )
-    server = EmbeddedServer(name, capacity)
-    server.faults.configure(**{attr: _fault_value(flag, flags[flag]) for flag, attr in _FAULT_FLAGS.items()})
+    server = EmbeddedServer(name, _capacity_flag(flags), flags["embedded_eviction"])
+    _configure_faults(server, flags)
     return server
 
 
-def get_server(name: str) -> EmbeddedServer:
-    """The embedded server called ``name``, created on first use with the
-    current ``embedded_*`` flags."""
+def _open_host_server(name: str) -> HostServer:
+    with _flags_lock:
+        flags = dict(_flags)
+    known = _host.existing(name, flags["embedded_store_dir"] or None)
+    server = _host.get_or_open(
+        name,
+        root=flags["embedded_store_dir"] or None,
+        capacity=_capacity_flag(flags),
+        policy=flags["embedded_eviction"],
+        timeout_s=max(int(flags["clnt_sync_req_timeout_ms"]), 1) / 1000,
+    )
+    if server is not known:
+        _configure_faults(server, flags)
+    return server
+
+
+def get_server(name: str) -> EmbeddedServer | HostServer:
+    """The embedded server called ``name`` in the current ``embedded_scope``:
+    in this process (created on first use with the current ``embedded_*``
+    flags), or this process's handle on the host store of that name (its
+    store process started on first use). A host store that cannot be
+    reached raises ``StoreUnreachable`` (a ``ConnectionError``)."""
     if not isinstance(name, str):
         raise TypeError(f"server name must be a str, got {name!r}")
-    return _server.get_or_create(name or DEFAULT_SERVER_NAME, _make_server)
+    name = name or DEFAULT_SERVER_NAME
+    if get_flag("embedded_scope") == "host":
+        return _open_host_server(name)
+    return _server.get_or_create(name, _make_server)
+
+
+def reset_servers(*names: str) -> None:
+    """Forget the named servers (every one when no name is given), so a new
+    ``Store()`` of such a name gets a fresh, empty server. In-process
+    servers are dropped from the registry (clients holding one keep using
+    it); host stores this process opened are stopped."""
+    _server.reset_servers(*names)
+    _host.forget(*names)
+
+
+def server_names() -> list[str]:
+    """Names of the servers this process knows (in-process and host), sorted."""
+    return sorted(set(_server.server_names()) | set(_host.handle_names()))
 
 
 def current_server_name() -> str:
@@ -473,7 +536,10 @@ class Store:
     __slots__ = ("_server",)
 
     def __init__(self) -> None:
-        server = get_server(current_server_name())
+        try:
+            server = get_server(current_server_name())
+        except (StoreUnreachable, OSError) as exc:
+            raise RuntimeError(f"Init client messenger failed: {exc}") from exc
         if server.faults.down:
             raise RuntimeError(
                 f"Init client messenger failed: {code_name(TIMEOUT)} "
@@ -482,7 +548,7 @@ class Store:
         self._server = server
 
     @property
-    def server(self) -> EmbeddedServer:
+    def server(self) -> EmbeddedServer | HostServer:
         """The embedded server behind this client (embedded only)."""
         return self._server
 
@@ -516,7 +582,10 @@ class Store:
         injected = faults.draw(1)
         if injected is not None:
             return injected[0]
-        return self._server.delete(key)
+        try:
+            return self._server.delete(key)
+        except StoreUnreachable as exc:
+            return exc.code
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object whose key starts with ``prefix`` (non-empty);
@@ -529,7 +598,10 @@ class Store:
         if faults.outage(1):
             return 0
         faults.delay()
-        return self._server.delete_prefix(prefix)
+        try:
+            return self._server.delete_prefix(prefix)
+        except StoreUnreachable:
+            return 0
 
     def mput(self, keys: list[str], blocks: list[BlockView]) -> list[int]:
         return self._put(_as_keys(keys), _as_views(blocks), overwrite=False, passthrough=False)
@@ -612,7 +684,12 @@ class Store:
         live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
             return results
-        codes = self._server.put_from([(keys[i], views[i]._ptr, views[i]._size) for i in live], overwrite)
+        try:
+            codes = self._server.put_from([(keys[i], views[i]._ptr, views[i]._size) for i in live], overwrite)
+        except StoreUnreachable as exc:  # transport codes pass through, as injected ones do
+            for i in live:
+                results[i] = exc.code
+            return results
         for i, code in zip(live, codes):
             # the sync client reports any server refusal but "already exists"
             # as PutObjectFailed (clnt_messenger.cc, ClientMessenger::Put)
@@ -632,7 +709,12 @@ class Store:
         live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
             return results
-        codes = self._server.get_into([(keys[i], views[i]._ptr, views[i]._size) for i in live])
+        try:
+            codes = self._server.get_into([(keys[i], views[i]._ptr, views[i]._size) for i in live])
+        except StoreUnreachable as exc:
+            for i in live:
+                results[i] = exc.code
+            return results
         for i, code in zip(live, codes):
             # the sync client reports every server-side get failure as
             # GetObjectFailed (clnt_messenger.cc, ClientMessenger::Get)
@@ -647,7 +729,10 @@ class Store:
         results = [OK] * n
         live = self._network(results, list(range(n)))
         if live:
-            codes = self._server.lookup([keys[i] for i in live])
+            try:
+                codes = self._server.lookup([keys[i] for i in live])
+            except StoreUnreachable as exc:
+                codes = [exc.code] * len(live)
             for i, code in zip(live, codes):
                 results[i] = code
         return results

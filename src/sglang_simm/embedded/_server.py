@@ -1,7 +1,7 @@
 """The shared state of one embedded SiMM store: the "data server".
 
 An :class:`EmbeddedServer` holds objects in host memory under one lock, with
-a byte capacity and LRU eviction, the way one SiMM cluster holds them for all
+a byte capacity and FIFO (or LRU) eviction, the way one SiMM cluster holds them for all
 of its clients. Clients (``Store()``) are thin; several share one server by
 name through the process-wide registry at the bottom of this module.
 
@@ -21,17 +21,16 @@ before allocating, so published plus in-flight bytes never exceed capacity.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
 
+from sglang_simm.embedded._copy import copy_many, human_bytes, wrap_memory  # noqa: F401 (wrap_memory re-exported)
 from sglang_simm.embedded._faults import FaultInjector
+from sglang_simm.embedded._index import EVICTION_POLICIES
 from sglang_simm.errors import (
     DS_CACHE_POOL_ALLOC_FAILED,
     DS_DATA_ALREADY_EXISTS,
@@ -42,97 +41,6 @@ from sglang_simm.errors import (
 )
 
 logger = logging.getLogger("sglang_simm.embedded")
-
-# -- copies ----------------------------------------------------------------
-#
-# Every copy is one ctypes.memmove: a CFUNCTYPE foreign call, so it releases
-# the GIL. Measured on the 2-core x86 build machine (torch 2.13.0 CPU build,
-# median of 30 copies, GB/s):
-#
-#                         1 MiB   4 MiB   16 MiB   4 threads x 4 MiB
-#   torch copy_, idle      51-55   23-24   21-23      7.7-9.4
-#   torch copy_, busy      0.1     0.4-12  3-18       3.1-4.0
-#   copy_, 1 thread        18-19   11-12   3-10       3.0-3.8
-#   memmove, idle          23-24   12      12         8.4-8.9
-#   memmove, busy          16-21   10-11   10-11      4.0-5.1
-#
-# ("busy": other processes using the cores.) copy_ is faster only on an idle
-# machine, by splitting the copy over torch's intra-op threads; once the
-# cores are busy, as in an inference server, its thread barrier collapses it
-# by 10-100x. memmove matches single-threaded copy_ and never collapses, and
-# its fixed cost is lower (0.7 us vs 2.4 us for 4 KiB). So: memmove, one per
-# object, and the objects of a big batch spread over a few threads
-# (copy_many), where a busy core only slows its own share.
-_memmove = ctypes.memmove
-
-# A writable memoryview over raw memory: unlike ``(c_uint8 * n).from_address``
-# it creates no new ctypes array type per distinct size.
-_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
-_memory_view.restype = ctypes.py_object
-_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_PYBUF_WRITE = 0x200
-
-
-def wrap_memory(ptr: int, size: int) -> torch.Tensor:
-    """A uint8 tensor over ``size`` bytes at ``ptr`` (no copy, no ownership)."""
-    if size == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(_memory_view(ptr, size, _PYBUF_WRITE), dtype=torch.uint8)
-
-
-#: Batches smaller than this, or of objects smaller on average than
-#: PARALLEL_COPY_OBJECT, are copied on the calling thread: handing work to
-#: other threads costs more than it saves, and every memmove takes the GIL
-#: back, so threads copying many small objects queue on it.
-PARALLEL_COPY_BYTES = 8 << 20
-PARALLEL_COPY_OBJECT = 512 << 10
-_copier: ThreadPoolExecutor | None = None
-_copier_lock = threading.Lock()
-
-
-def _copy_group(group: Sequence[tuple[int, int, int]]) -> None:
-    for dst, src, size in group:
-        _memmove(dst, src, size)
-
-
-def copy_many(copies: Sequence[tuple[int, int, int]]) -> None:
-    """``memmove(dst, src, size)`` for every entry, over all cores for a big
-    batch, as the real client spreads a batch over its thread pool (one
-    memmove saturates one core, not the memory bus)."""
-    global _copier
-    workers = min(os.cpu_count() or 1, 8)
-    total = sum(c[2] for c in copies)
-    if workers < 2 or len(copies) < 2 or total < max(PARALLEL_COPY_BYTES, len(copies) * PARALLEL_COPY_OBJECT):
-        _copy_group(copies)
-        return
-    if _copier is None:
-        with _copier_lock:
-            if _copier is None:
-                _copier = ThreadPoolExecutor(workers - 1, thread_name_prefix="simm-embedded-copy")
-    groups: list[list[tuple[int, int, int]]] = [[] for _ in range(min(workers, len(copies)))]
-    loads = [0] * len(groups)
-    for copy in sorted(copies, key=lambda c: -c[2]):  # largest first onto the least loaded
-        g = loads.index(min(loads))
-        groups[g].append(copy)
-        loads[g] += copy[2]
-    futures = [_copier.submit(_copy_group, g) for g in groups[1:]]
-    _copy_group(groups[0])
-    for f in futures:
-        f.result()
-
-
-# -- units -----------------------------------------------------------------
-
-
-def human_bytes(n: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
 
 # -- the server --------------------------------------------------------------
 
@@ -151,15 +59,19 @@ _STAT_NAMES = (
 
 
 class EmbeddedServer:
-    """Objects in host memory, a byte capacity, LRU eviction, one lock.
+    """Objects in host memory, a byte capacity, eviction, one lock.
 
-    ``get``/``put`` count as use for LRU order; ``exists`` does not.
+    ``policy`` "fifo" (SiMM's data server: no access bit) evicts the oldest
+    put first; "lru" also counts a get as use. ``exists`` never does.
     """
 
-    def __init__(self, name: str, capacity_bytes: int) -> None:
+    def __init__(self, name: str, capacity_bytes: int, policy: str = "fifo") -> None:
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
+        self.policy = policy
         self.name = name
         self._lock = threading.Lock()
-        # key -> (private uint8 buffer, size); order is LRU first.
+        # key -> (private uint8 buffer, size); the next to evict first.
         self._objects: OrderedDict[str, tuple[torch.Tensor, int]] = OrderedDict()
         self._capacity = _check_capacity(capacity_bytes)
         self._used = 0  # bytes of published objects
@@ -185,6 +97,12 @@ class EmbeddedServer:
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    def set_policy(self, policy: str) -> None:
+        """Evict "fifo" (oldest put first) or "lru" (least recently used) from now on."""
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
+        self.policy = policy
 
     def set_capacity(self, capacity_bytes: int) -> None:
         """Change the capacity now, evicting least recently used objects until
@@ -315,6 +233,7 @@ class EmbeddedServer:
         results = [DS_KEY_NOT_FOUND] * len(items)
         found: list[tuple[int, torch.Tensor, int, int]] = []
         objects = self._objects
+        lru = self.policy == "lru"
         with self._lock:
             stats = self._stats
             stats["gets"] += len(items)
@@ -327,7 +246,8 @@ class EmbeddedServer:
                 if size > capacity:
                     results[i] = INVALID_ARGUMENT
                     continue
-                objects.move_to_end(key)
+                if lru:
+                    objects.move_to_end(key)
                 stats["hits"] += 1
                 stats["bytes_out"] += size
                 found.append((i, buf, size, ptr))
@@ -344,7 +264,7 @@ class EmbeddedServer:
         return results
 
     def lookup(self, keys: Sequence[str]) -> list[int]:
-        """Per key, OK or ``DS_KEY_NOT_FOUND``; LRU order is left alone."""
+        """Per key, OK or ``DS_KEY_NOT_FOUND``; eviction order is left alone."""
         objects = self._objects
         with self._lock:
             return [OK if key in objects else DS_KEY_NOT_FOUND for key in keys]

@@ -1,0 +1,129 @@
+"""Where objects lie in the host store's shared arena: a free-extent allocator.
+
+Pure bookkeeping over byte offsets (no memory is touched here), owned by the
+store process. Best fit, so the large untouched tail of the arena is used
+only when no hole fits: objects pack at low offsets, and the arena's file
+commits memory (``posix_fallocate``) only up to the high-water mark. Equal
+holes go lowest address first for the same reason. Freed extents merge with
+their free neighbours, so a hole left by evicting adjacent objects can hold
+a bigger one.
+
+Every operation is O(log n) in the number of distinct free-extent lengths,
+which stays small for KV pages (a pool's pages are one size).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+
+#: Objects start on this boundary (a cache line: memmove's fast path).
+ALIGN = 64
+
+
+def aligned(nbytes: int, align: int = ALIGN) -> int:
+    return -(-nbytes // align) * align
+
+
+class ExtentAllocator:
+    """Free extents of ``[0, size)``: ``alloc`` and ``free`` by offset."""
+
+    def __init__(self, size: int, *, align: int = ALIGN) -> None:
+        if size < align:
+            raise ValueError(f"an arena of {size} bytes holds no {align}-byte extent")
+        self.size = size - size % align
+        self.align = align
+        self._start_len: dict[int, int] = {}  # free extent start -> length
+        self._end_start: dict[int, int] = {}  # free extent end -> start
+        self._lengths: list[int] = []  # distinct free lengths, ascending
+        self._count: dict[int, int] = {}  # free length -> extents of it
+        self._heaps: dict[int, list[int]] = {}  # free length -> starts (lazily pruned)
+        self.free_bytes = 0
+        self._add(0, self.size)
+
+    # -- free-extent sets ---------------------------------------------------
+
+    def _add(self, start: int, length: int) -> None:
+        self._start_len[start] = length
+        self._end_start[start + length] = start
+        count = self._count.get(length, 0)
+        if count == 0:
+            bisect.insort(self._lengths, length)
+        self._count[length] = count + 1
+        heapq.heappush(self._heaps.setdefault(length, []), start)
+        self.free_bytes += length
+
+    def _remove(self, start: int) -> int:
+        length = self._start_len.pop(start)
+        del self._end_start[start + length]
+        count = self._count[length] - 1
+        if count:
+            self._count[length] = count
+        else:
+            del self._count[length]
+            del self._heaps[length]
+            self._lengths.pop(bisect.bisect_left(self._lengths, length))
+        self.free_bytes -= length
+        return length
+
+    def _lowest_start(self, length: int) -> int:
+        heap = self._heaps[length]
+        while self._start_len.get(heap[0]) != length:  # stale: merged or taken
+            heapq.heappop(heap)
+        return heap[0]
+
+    # -- the allocator --------------------------------------------------------
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a free extent of ``nbytes`` (rounded up to ``align``), or
+        None when no free extent is that long."""
+        need = aligned(max(nbytes, 1), self.align)
+        i = bisect.bisect_left(self._lengths, need)
+        if i == len(self._lengths):
+            return None
+        length = self._lengths[i]
+        start = self._lowest_start(length)
+        self._remove(start)
+        if length > need:
+            self._add(start + need, length - need)
+        return start
+
+    def free(self, start: int, nbytes: int) -> None:
+        """Give back an extent ``alloc`` returned for ``nbytes``."""
+        end = start + aligned(max(nbytes, 1), self.align)
+        if start < 0 or start in self._start_len:
+            raise ValueError(f"extent [{start}, {end}) was not allocated from this arena")
+        if end > self.size:  # past a truncation: gone for good
+            if start >= self.size:
+                return
+            end = self.size
+        before = self._end_start.get(start)
+        if before is not None:
+            self._remove(before)
+            start = before
+        if end in self._start_len:
+            end += self._remove(end)
+        self._add(start, end - start)
+
+    def truncate(self, end: int) -> None:
+        """Stop handing out bytes at ``end`` (rounded down to ``align``): the
+        free tail past it is dropped. Allocated extents past it stay valid
+        until freed; they are not returned to the free set afterwards."""
+        end -= end % self.align
+        if end >= self.size:
+            return
+        tail = self._end_start.get(self.size)
+        if tail is not None:
+            self._remove(tail)
+            if tail < end:
+                self._add(tail, end - tail)
+        self.size = end
+
+    @property
+    def largest_free(self) -> int:
+        return self._lengths[-1] if self._lengths else 0
+
+    def high_water(self) -> int:
+        """End of the highest allocated byte: the free tail starts there."""
+        tail = self._end_start.get(self.size)
+        return self.size if tail is None else tail

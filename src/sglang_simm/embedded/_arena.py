@@ -1,0 +1,159 @@
+"""The host store's shared memory: one file on tmpfs, mapped by every client.
+
+The store process creates it sparse, at its full size, and commits memory
+(``posix_fallocate``) only as objects need it, in steps, so a 4 GiB store
+holding 100 MiB uses 100 MiB. Committing before an offset is handed out
+means a client never writes into a hole of the file: on a full tmpfs that
+write would be a SIGBUS, not an error code. A client maps the whole file
+and pre-faults (``MADV_POPULATE_WRITE``) each committed range once, so its
+copies do not take a page fault per 4 KiB on the hot path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import threading
+
+from sglang_simm.embedded._paths import check_file
+
+logger = logging.getLogger("sglang_simm.embedded")
+
+PAGE = mmap.PAGESIZE
+#: Linux 5.14+: fault pages in, writable, without touching their bytes.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+#: Memory is committed in steps of 1/16 of the arena, within these bounds.
+COMMIT_STEP_MIN = 2 << 20
+COMMIT_STEP_MAX = 64 << 20
+
+
+def _page_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def arena_bytes_for(capacity: int) -> int:
+    """The arena's size for a capacity: an eighth more (at least 2 MiB), for
+    alignment and for holes left between objects of different sizes."""
+    return _page_up(capacity + max(capacity // 8, 2 << 20))
+
+
+class ArenaFile:
+    """The store process's handle: creates the file, commits memory."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path = path
+        self.size = _page_up(size)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        self._fd = fd
+        self.step = min(max(self.size // 16, COMMIT_STEP_MIN), COMMIT_STEP_MAX)
+        self.committed = 0
+        self.commit_error: str | None = None
+
+    def commit(self, end: int) -> int:
+        """Back the file with memory up to at least ``end``; the committed end
+        (short of ``end`` when the filesystem is full)."""
+        if end <= self.committed:
+            return self.committed
+        want = min(self.size, max(_page_up(end), self.committed + self.step))
+        for target in (want, min(self.size, _page_up(end))):
+            try:
+                os.posix_fallocate(self._fd, self.committed, target - self.committed)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EDQUOT):
+                    raise
+                self.commit_error = f"{os.strerror(exc.errno)} committing {target} bytes of {self.path}"
+                continue
+            self.committed = target
+            return target
+        logger.error("host store: shared memory is full (%s)", self.commit_error)
+        return self.committed
+
+    def close(self, *, unlink: bool = True) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class ArenaMap:
+    """A client's mapping of one arena generation.
+
+    ``users`` counts copies in flight; a mapping replaced after a store
+    restart is unmapped only once none uses it, so a slow copy never writes
+    into unmapped memory.
+    """
+
+    def __init__(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            check_file(path, fd)
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise OSError(errno.EINVAL, f"arena {path} holds {actual} bytes, the store announced {size}")
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = size
+        self._anchor = ctypes.c_char.from_buffer(self._mm)  # pins the mapping while referenced
+        self.base = ctypes.addressof(self._anchor)
+        self._populated = 0
+        self._lock = threading.Lock()
+        self.users = 0
+        self.retired = False
+
+    def populate(self, end: int) -> None:
+        """Fault in the mapping up to ``end`` once, so copies run without page faults."""
+        end = min(_page_up(end), self.size)
+        if end <= self._populated:
+            return
+        with self._lock:
+            start = self._populated
+            if end <= start:
+                return
+            try:
+                self._mm.madvise(MADV_POPULATE_WRITE, start, end - start)
+            except (OSError, ValueError):  # an older kernel: copies fault pages in as they go
+                pass
+            self._populated = end
+
+    def enter(self) -> None:
+        with self._lock:
+            self.users += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.users -= 1
+            done = self.retired and self.users == 0
+        if done:
+            self._unmap()
+
+    def retire(self) -> None:
+        """No new copies; unmapped when the last copy in flight is done."""
+        with self._lock:
+            self.retired = True
+            done = self.users == 0
+        if done:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        anchor, self._anchor = self._anchor, None
+        if anchor is not None:
+            del anchor
+            try:
+                self._mm.close()
+            except BufferError:  # still exported somewhere: the GC unmaps it later
+                pass
