@@ -39,13 +39,15 @@ def sglang_ready():
     demo.sglang_hash_function()
 
 
-def run(tmp_path, *argv, extra=None):
-    """Run the demo on a fresh embedded store; (exit code, JSON, console text)."""
+def run(tmp_path, *argv, extra=None, store="local"):
+    """Run the demo on a fresh embedded store (``store``: "local", the host
+    store the demo uses by default, or "inprocess", whose objects a test
+    can reach); (exit code, JSON, console text)."""
     name = f"demo-test-{uuid.uuid4().hex[:8]}"
     out = tmp_path / f"{name}.json"
     args = cli.build_parser().parse_args(["demo", *argv, "--json", str(out)])
     console = Console(file=io.StringIO(), width=120, force_terminal=False)
-    config = {"manager_address": f"local://{name}"}
+    config = {"manager_address": f"{store}://{name}"}
     config.update(extra or {})
     try:
         code = demo.run_demo(console, args, config)
@@ -129,7 +131,7 @@ def test_corrupted_store_fails(tmp_path, monkeypatch, path):
         return codes
 
     monkeypatch.setattr(EmbeddedServer, "put_from", put_and_corrupt)
-    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "8", *path)
+    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "8", *path, store="inprocess")
     assert corrupted
     assert code == 1, text
     assert data["ok"] is False
@@ -173,7 +175,7 @@ def test_lost_page_fails(tmp_path, monkeypatch, path):
         return codes
 
     monkeypatch.setattr(EmbeddedServer, "put_from", put_and_lose)
-    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "16", *path)
+    code, data, text = run(tmp_path, "--model", "tiny", "--pages", "16", *path, store="inprocess")
     assert code == 1, text
     cold = phases(data)["cold restore"]
     assert (cold["hits"], cold["hit_rate"]) == (5, 5 / 16)

@@ -17,7 +17,7 @@ def doctor(capsys, *args, sysfs=None):
 def test_embedded_store_passes_with_a_round_trip(capsys, store_name):
     code, out = doctor(capsys, "--manager", f"local://{store_name}")
     assert code == 0, out
-    assert "Round trip to embedded store" in out and "No problem found" in out
+    assert "Round trip to host store" in out and "No problem found" in out
     assert "manager_address" in out and "extra_config" in out  # the source of the field
     assert "--hicache-storage-backend simm" in out and '"interface_v1": 1' in out
 

@@ -83,6 +83,7 @@ def client_flags(config: SiMMConfig, *, log_file: str) -> dict[str, str]:
     flags: dict[str, str] = {}
     if config.is_embedded:
         flags["cm_primary_node_ip"] = config.embedded_name
+        flags["embedded_scope"] = config.embedded_scope
         flags["embedded_capacity_bytes"] = str(config.embedded_capacity_bytes)
     else:
         # The client's port flag is cm_rpc_inter_port; SGLang's in-tree backend
@@ -217,7 +218,8 @@ def connect(
     kv = kv_module if kv_module is not None else load_kv_module(config)
     embedded = config.is_embedded
     if embedded:
-        description = f"embedded store {config.embedded_name!r}"
+        where = "host store" if config.embedded_scope == "host" else "in-process store"
+        description = f"{where} {config.embedded_name!r}"
         log_file = ""
     else:
         description = f"SiMM cluster manager {config.manager_address}"

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from sglang_simm.embedded._paths import NAME_RE as STORE_NAME_RE, NAME_RULE as STORE_NAME_RULE
+
 __all__ = [
     "CONFIG_PATH_ENV",
     "ENV_PREFIX",
@@ -95,7 +97,9 @@ _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 _KEY_SCHEMES = ("namespaced", "legacy")
 _EMBEDDED_DEFAULT_NAME = "default"
-_LOCAL_PREFIX = "local://"
+#: Embedded store address forms -> where its server lives (the store's
+#: ``embedded_scope``): one store process per name per host, or this process.
+_EMBEDDED_FORMS = {"local": "host", "inprocess": "process"}
 GIB = 1024**3
 
 _SIZE_RE = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)")
@@ -158,8 +162,10 @@ class SiMMConfig:
     """
 
     manager_address: str
-    """``host:port``, ``[ipv6]:port``, ``local`` (the embedded in-process store)
-    or ``local://NAME`` (a named embedded store)."""
+    """``host:port``, ``[ipv6]:port``; ``local`` or ``local://NAME`` (the host
+    store: one store process per name, shared by every process of this user
+    on this host); ``inprocess`` or ``inprocess://NAME`` (a store inside this
+    process only, for tests and single-process tools)."""
 
     clnt_threadpool_size: int = 10
     """Threads of the SiMM client (flag ``clnt_thread_pool_size``), 1..1024."""
@@ -221,14 +227,20 @@ class SiMMConfig:
 
     @property
     def is_embedded(self) -> bool:
-        """True for ``local`` / ``local://NAME``: the in-process store."""
-        return _parse_address(self.manager_address)[0] == "embedded"
+        """True for ``local``/``inprocess`` addresses: no cluster."""
+        return _parse_address(self.manager_address)[0] != "cluster"
+
+    @property
+    def embedded_scope(self) -> str | None:
+        """``"host"`` (``local``), ``"process"`` (``inprocess``), None for a cluster."""
+        kind = _parse_address(self.manager_address)[0]
+        return None if kind == "cluster" else kind
 
     @property
     def embedded_name(self) -> str | None:
-        """The embedded store's name (``default`` for ``local``); None for a cluster."""
+        """The embedded store's name (``default`` when none is given); None for a cluster."""
         kind, name, _port = _parse_address(self.manager_address)
-        return name if kind == "embedded" else None
+        return None if kind == "cluster" else name
 
     @property
     def host(self) -> str | None:
@@ -592,22 +604,24 @@ def _parse_key_scheme(value: Any) -> str:
 
 _ADDRESS_FORMS = (
     '"host:port" (e.g. "10.0.0.1:30001"), "[ipv6]:port" (e.g. "[fd00::1]:30001"), '
-    '"local" (the embedded in-process store) or "local://NAME" (NAME: 1-64 of A-Z a-z 0-9 . _ -)'
+    '"local" or "local://NAME" (the host store, shared by every process on this host), or '
+    f'"inprocess" / "inprocess://NAME" (a store inside one process); NAME: {STORE_NAME_RULE}'
 )
 
 
 def _parse_address(value: Any) -> tuple[str, str, int | None]:
-    """``("embedded", name, None)`` or ``("cluster", host, port)``; raises _Invalid."""
+    """``("host" | "process", store name, None)`` for an embedded store, or
+    ``("cluster", host, port)``; raises _Invalid."""
     if not isinstance(value, str):
         raise _Invalid(f"is not a string ({type(value).__name__})", _ADDRESS_FORMS)
     text = value.strip()
-    if text == "local":
-        return ("embedded", _EMBEDDED_DEFAULT_NAME, None)
-    if text.startswith(_LOCAL_PREFIX):
-        name = text[len(_LOCAL_PREFIX) :]
-        if not _NAME_RE.fullmatch(name):
+    scheme, sep, name = text.partition("://")
+    if scheme in _EMBEDDED_FORMS and (sep or not name):
+        if not sep:
+            name = _EMBEDDED_DEFAULT_NAME
+        if not STORE_NAME_RE.match(name):
             raise _Invalid(f"has a malformed embedded store name {name!r}", _ADDRESS_FORMS)
-        return ("embedded", name, None)
+        return (_EMBEDDED_FORMS[scheme], name, None)
     if "://" in text:
         raise _Invalid("has a URL scheme; give the bare address", _ADDRESS_FORMS)
     if text.startswith("["):
@@ -642,8 +656,9 @@ def _parse_address(value: Any) -> tuple[str, str, int | None]:
 
 def _parse_manager_address(value: Any) -> str:
     kind, name_or_host, port = _parse_address(value)
-    if kind == "embedded":
-        return "local" if name_or_host == _EMBEDDED_DEFAULT_NAME else _LOCAL_PREFIX + name_or_host
+    if kind != "cluster":
+        form = next(f for f, scope in _EMBEDDED_FORMS.items() if scope == kind)
+        return form if name_or_host == _EMBEDDED_DEFAULT_NAME else f"{form}://{name_or_host}"
     host = f"[{name_or_host}]" if ":" in name_or_host else name_or_host
     return f"{host}:{port}"
 
@@ -672,7 +687,7 @@ _MISSING_ADDRESS = (
     '--hicache-storage-backend-extra-config \'{"manager_address": "10.0.0.1:30001"}\'; '
     f'(2) a JSON file {{"manager_address": ...}} named by the env var {CONFIG_PATH_ENV}; '
     f"(3) the env var {MANAGER_ENV} (or {env_var_name('manager_address')}). "
-    'Use "local" (or "local://NAME") to run the embedded in-process store instead of a cluster.'
+    'Use "local" (or "local://NAME") to run on the embedded host store (no cluster needed).'
 )
 
 
