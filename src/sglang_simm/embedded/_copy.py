@@ -11,8 +11,10 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 # -- copies ----------------------------------------------------------------
 #
@@ -46,6 +48,8 @@ _PYBUF_WRITE = 0x200
 
 def wrap_memory(ptr: int, size: int) -> torch.Tensor:
     """A uint8 tensor over ``size`` bytes at ``ptr`` (no copy, no ownership)."""
+    import torch
+
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(_memory_view(ptr, size, _PYBUF_WRITE), dtype=torch.uint8)

@@ -1,0 +1,416 @@
+"""The host store across processes: sharing, faults, security.
+
+Every store process here lives in the session's private store directory
+(see tests/conftest.py) or in a directory of the test's own, and is stopped
+by its pid when the test ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from sglang_simm.embedded import _host
+from sglang_simm.embedded._host import HostServer, StoreUnreachable, pid_alive
+from sglang_simm.embedded._paths import StoreAccessError, StorePaths, check_name
+from sglang_simm.errors import BUILD_CONNECTION_FAILED, OK, OUT_OF_MEMORY, SEND_RPC_FAILED
+
+pytestmark = pytest.mark.host
+
+CHILD = os.path.join(os.path.dirname(__file__), "store_child.py")
+SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    import sglang_simm
+
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(sglang_simm.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def start_child(mode: str, **args) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, CHILD, mode, json.dumps(args)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+    )
+    return proc
+
+
+def wait_ready(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        proc.kill()
+        raise AssertionError(f"child not ready: {line!r} {proc.stderr.read()}")
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Buf:
+    """A plain host buffer and its address."""
+
+    def __init__(self, size: int, fill: int | None = None) -> None:
+        self.raw = ctypes.create_string_buffer(size)
+        self.size = size
+        if fill is not None:
+            ctypes.memset(self.raw, fill, size)
+
+    @property
+    def ptr(self) -> int:
+        return ctypes.addressof(self.raw)
+
+    def bytes(self) -> bytes:
+        return self.raw.raw
+
+
+@pytest.fixture
+def store(host_store_dir):
+    server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=64 << 20, timeout_s=5.0)
+    server.open()
+    yield server
+    server.stop()
+
+
+def put(server, key: str, buf: Buf) -> int:
+    return server.put_from([(key, buf.ptr, buf.size)], True)[0]
+
+
+def get(server, key: str, size: int) -> tuple[int, bytes]:
+    out = Buf(size, fill=0)
+    n = server.get_into([(key, out.ptr, size)])[0]
+    return n, out.bytes()
+
+
+# -- sharing ----------------------------------------------------------------------
+
+
+def test_first_client_starts_the_store_and_it_outlives_its_clients(host_store_dir):
+    name = f"ht-{uuid.uuid4().hex[:10]}"
+    paths = StorePaths(host_store_dir, name)
+    assert not os.path.exists(paths.socket)
+    first = HostServer(name, root=host_store_dir, capacity=16 << 20)
+    first.open()
+    pid = first.pid
+    assert pid_alive(pid) and pid != os.getpid()
+    assert put(first, "k", Buf(4096, fill=7)) == OK
+    first.close()
+    assert pid_alive(pid)  # no client left: the store lives on
+    second = HostServer(name, root=host_store_dir, capacity=16 << 20)
+    second.open()
+    assert second.pid == pid
+    assert get(second, "k", 4096) == (4096, b"\x07" * 4096)  # a restarted client finds its pages
+    assert second.stop() and not pid_alive(pid)
+    assert not os.path.exists(paths.socket)
+    assert not paths.arenas()
+
+
+def test_another_process_reads_what_one_wrote(store):
+    keys = [f"k{i}" for i in range(8)]
+    data = Buf(65536, fill=0x5A)
+    assert store.put_from([(k, data.ptr, data.size) for k in keys], True) == [OK] * 8
+    script = (
+        "import ctypes, json, sys\n"
+        "from sglang_simm.embedded._host import HostServer\n"
+        "s = HostServer(sys.argv[1], root=sys.argv[2], capacity=1 << 20); s.open()\n"
+        "bufs = [ctypes.create_string_buffer(65536) for _ in range(8)]\n"
+        "got = s.get_into([(f'k{i}', ctypes.addressof(b), 65536) for i, b in enumerate(bufs)])\n"
+        "print(json.dumps([got, [b.raw.count(b'Z') for b in bufs]]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, store.name, store.root], capture_output=True, text=True,
+                         env=child_env(), timeout=60)
+    got, zs = json.loads(out.stdout)
+    assert got == [65536] * 8 and zs == [65536] * 8
+
+
+def test_two_clients_starting_at_once_get_one_store(host_store_dir):
+    name = f"ht-{uuid.uuid4().hex[:10]}"
+    script = (
+        "import sys\n"
+        "from sglang_simm.embedded._host import HostServer\n"
+        "s = HostServer(sys.argv[1], root=sys.argv[2], capacity=1 << 20); s.open(); print(s.pid)\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, name, host_store_dir], stdout=subprocess.PIPE,
+                              text=True, env=child_env()) for _ in range(4)]
+    pids = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert len(pids) == 1
+    HostServer(name, root=host_store_dir, capacity=1 << 20, spawn=False).stop()
+
+
+# -- faults -------------------------------------------------------------------------
+
+
+def test_a_writer_killed_mid_batch_leaves_no_object_visible(store):
+    keys = [f"torn-{i}" for i in range(8)]
+    proc = start_child("hold-put", root=store.root, name=store.name, keys=keys, size=1 << 20)
+    wait_ready(proc)
+    status = store.status()
+    assert status["reserved_bytes"] == 8 << 20 and status["open_leases"] == 1
+    assert store.lookup(keys) == [-4003] * 8  # half copied, nothing visible
+    kill(proc)
+    wait_for(lambda: store.status()["open_leases"] == 0, what="the lease to be dropped")
+    status = store.status()
+    assert status["reserved_bytes"] == 0 and status["aborted"] == 8 and status["objects"] == 0
+    assert store.lookup(keys) == [-4003] * 8
+    # the reserved room is back: a full-capacity batch still fits
+    big = Buf(1 << 20, fill=1)
+    assert store.put_from([(f"after-{i}", big.ptr, big.size) for i in range(60)], True) == [OK] * 60
+
+
+def test_a_reader_killed_mid_get_leaks_no_pin(store):
+    data = Buf(1 << 20, fill=3)
+    assert put(store, "pinned", data) == OK
+    proc = start_child("hold-get", root=store.root, name=store.name, keys=["pinned"], size=1 << 20)
+    wait_ready(proc)
+    assert store.status()["pinned_objects"] == 1
+    assert store.delete("pinned") == OK  # gone from the index; its memory waits for the reader
+    free_while_pinned = store.status()["arena_free_bytes"]
+    kill(proc)
+    wait_for(lambda: store.status()["pinned_objects"] == 0, what="the pin to be released")
+    assert store.status()["arena_free_bytes"] > free_while_pinned
+
+
+def test_objects_written_by_a_writer_killed_at_random_are_whole(store):
+    """A writer killed again and again in the middle of its batches: every
+    object a reader can see is one whole version, never torn."""
+    from store_child import check  # noqa: PLC0415 (the children's own checker)
+
+    for seed in range(3):
+        proc = start_child("churn", root=store.root, name=store.name, size=256 << 10, batch=16,
+                           keyspace=40, seed=seed)
+        wait_ready(proc)
+        time.sleep(0.2 + 0.1 * seed)
+        kill(proc)
+    wait_for(lambda: store.status()["open_leases"] == 0, what="the writers' leases to be dropped")
+    keys = [f"churn-{i}" for i in range(40)]
+    bufs = [Buf(256 << 10, fill=0) for _ in keys]
+    got = store.get_into([(k, b.ptr, b.size) for k, b in zip(keys, bufs)])
+    whole = [k for k, n in zip(keys, got) if n == 256 << 10]
+    assert whole, "the writers stored nothing"
+    problems = [check(b.raw, k, 256 << 10) for k, b, n in zip(keys, bufs, got) if n == 256 << 10]
+    assert [p for p in problems if p] == []
+    assert store.status()["reserved_bytes"] == 0
+
+
+def test_eight_processes_on_shared_and_own_keys_every_byte_checked(store):
+    procs = [
+        start_child("worker", root=store.root, name=store.name, id=i, rounds=6, size=64 << 10, own=12, shared=24)
+        for i in range(8)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, f"{out} {err}"
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sum(r["got"] for r in results) > 8 * 6 * 12
+    assert all(not r["problems"] for r in results)
+    assert store.status()["open_leases"] == 0
+
+
+def test_store_process_killed_calls_fail_with_transport_codes_then_recover(store):
+    data = Buf(4096, fill=9)
+    assert put(store, "before", data) == OK
+    old_pid = store.pid
+    os.kill(old_pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(old_pid), what="the store process to die")
+    with pytest.raises(StoreUnreachable) as exc:
+        store.lookup(["before"])
+    assert exc.value.code in (SEND_RPC_FAILED, BUILD_CONNECTION_FAILED)
+
+    def back() -> bool:
+        try:
+            return store.lookup(["before"]) is not None
+        except StoreUnreachable:
+            return False
+
+    wait_for(back, timeout=15, what="the client to start a new store and reconnect")
+    assert store.pid != old_pid and pid_alive(store.pid)
+    assert store.lookup(["before"]) == [-4003]  # a new store starts empty
+    assert put(store, "after", data) == OK
+    assert get(store, "after", 4096) == (4096, b"\x09" * 4096)
+    assert store.reconnects >= 1
+
+
+def test_a_stalled_store_times_out_and_the_client_reconnects(store):
+    store.timeout_s = 0.3
+    conn = store._current()
+    conn.sock.settimeout(0.3)
+    conn.timeout_s = 0.3
+    os.kill(store.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(StoreUnreachable, match="did not answer"):
+            store.lookup(["x"])
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    wait_for(lambda: _try(store.lookup, ["x"]) == [-4003], what="a new connection")
+    assert store.reconnects == 1
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except StoreUnreachable:
+        return None
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 24 MiB tmpfs of the test's own (needs root to mount)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "shm"
+    mount.mkdir(mode=0o700)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield str(mount)
+    finally:
+        _stop_all(str(mount))
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _stop_all(root: str) -> None:
+    for entry in os.listdir(root):
+        if entry.endswith(".sock"):
+            try:
+                HostServer(entry[:-5], root=root, capacity=1, spawn=False).stop()
+            except (StoreUnreachable, OSError):
+                pass
+
+
+def test_shared_memory_full_fails_puts_with_out_of_memory_and_nothing_else_breaks(small_tmpfs):
+    server = HostServer("full", root=small_tmpfs, capacity=256 << 20, timeout_s=5.0)
+    server.open()
+    data = Buf(1 << 20, fill=4)
+    codes = [put(server, f"k{i}", data) for i in range(40)]
+    assert OUT_OF_MEMORY in codes, codes  # a 24 MiB tmpfs cannot hold 40 MiB
+    first_oom = codes.index(OUT_OF_MEMORY)
+    assert codes[:first_oom] == [OK] * first_oom and first_oom >= 10
+    status = server.status()
+    assert status["out_of_memory"] >= 1 and "No space" in status["memory_error"]
+    assert status["memory_limited"] and status["capacity_bytes"] < 24 << 20
+    # the store goes on within the memory it has: later puts evict, reads work
+    assert codes[first_oom + 1:] == [OK] * (len(codes) - first_oom - 1)
+    assert get(server, "k39", 1 << 20) == (1 << 20, b"\x04" * (1 << 20))
+    server.stop()
+
+
+# -- security ---------------------------------------------------------------------
+
+
+def test_files_are_the_owners_alone(store):
+    paths = store.paths
+    assert os.stat(store.root).st_mode & 0o777 == 0o700
+    for path in (paths.socket, paths.lock, paths.pid, paths.log, *paths.arenas()):
+        st = os.stat(path)
+        assert st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0, path
+
+
+def test_a_directory_open_to_others_is_refused(tmp_path):
+    root = tmp_path / "open"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    with pytest.raises(StoreAccessError, match="lets other users in"):
+        HostServer("x", root=str(root), capacity=1 << 20)
+
+
+def test_another_users_directory_is_refused_with_the_fix(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory of another user")
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    os.chown(root, 12345, 12345)
+    with pytest.raises(StoreAccessError) as exc:
+        HostServer("x", root=str(root), capacity=1 << 20)
+    assert "uid 12345" in str(exc.value) and "SGLANG_SIMM_STORE_DIR" in str(exc.value)
+
+
+def test_another_user_cannot_reach_the_store(store):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    script = (
+        "import os, socket, sys\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "try:\n"
+        "    s.connect(sys.argv[1])\n"
+        "except OSError as e:\n"
+        "    print('refused', e.errno); sys.exit(0)\n"
+        "s.sendall(b'x' * 10); print('answered', s.recv(10))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, store.paths.socket], capture_output=True, text=True,
+                         timeout=30)
+    assert out.stdout.startswith("refused"), out.stdout + out.stderr
+
+
+def test_the_store_refuses_a_connection_from_another_uid(store):
+    """Even past the file modes (opened up here on purpose), the store
+    checks its peer's uid and hangs up."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    os.chmod(store.root, 0o711)
+    os.chmod(store.paths.socket, 0o777)
+    try:
+        script = (
+            "import os, socket, struct, sys\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1])\n"
+            "body = b'{\"version\": 1}'\n"
+            "try:\n"
+            "    s.sendall(struct.pack('<IB', len(body), 1) + body)\n"
+            "    print('reply', len(s.recv(100)))\n"
+            "except OSError:\n"
+            "    print('reply 0')\n"
+        )
+        out = subprocess.run([sys.executable, "-c", script, store.paths.socket], capture_output=True,
+                             text=True, timeout=30)
+        assert out.stdout.strip() == "reply 0", out.stdout + out.stderr  # closed without a word
+    finally:
+        os.chmod(store.root, 0o700)
+        os.chmod(store.paths.socket, 0o600)
+    assert "refused a connection from uid 65534" in open(store.paths.log).read()
+
+
+@pytest.mark.parametrize("name", ["", ".hidden", "a/b", "x" * 65, "sp ace", "a\0b"])
+def test_bad_store_names_are_refused(name):
+    with pytest.raises(ValueError, match="not valid"):
+        check_name(name)
+
+
+def test_a_store_nobody_runs_is_reported_without_starting_one(host_store_dir):
+    server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20, spawn=False)
+    with pytest.raises(StoreUnreachable, match="did not answer") as exc:
+        server.open(wait_s=0.2)
+    assert exc.value.code == BUILD_CONNECTION_FAILED
+    assert not os.path.exists(server.paths.socket)
+
+
+def test_handles_are_one_per_store_per_process(host_store_dir):
+    name = f"ht-{uuid.uuid4().hex[:10]}"
+    a = _host.get_or_open(name, root=host_store_dir, capacity=1 << 20, policy="fifo", timeout_s=1.0)
+    b = _host.get_or_open(name, root=host_store_dir, capacity=1 << 20, policy="fifo", timeout_s=1.0)
+    assert a is b and _host.existing(name, host_store_dir) is a
+    _host.forget(name, root=host_store_dir)
+    assert _host.existing(name, host_store_dir) is None and not pid_alive(a.pid or 0)
