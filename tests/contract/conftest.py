@@ -22,6 +22,8 @@ import pytest
 import torch
 
 MANAGER_ENV = "SGLANG_SIMM_TEST_MANAGER"
+#: The SiMM release a real cluster's client is built from ("head" or "v0.1.0.post1").
+RELEASE_ENV = "SGLANG_SIMM_TEST_SIMM_RELEASE"
 
 # Flags the embedded fixture changes or a test may change; restored after each test.
 _EMBEDDED_FLAGS = (
@@ -29,6 +31,8 @@ _EMBEDDED_FLAGS = (
     "embedded_scope",
     "embedded_store_dir",
     "embedded_eviction",
+    "embedded_simm_release",
+    "embedded_get_bound",
     "embedded_capacity_bytes",
     "embedded_error_rate",
     "embedded_error_code",
@@ -126,6 +130,19 @@ def faults(kv):
     if not getattr(kv, "__simm_embedded__", False):
         pytest.skip("fault injection needs the embedded store")
     return kv.get_server(kv.get_flag("cm_primary_node_ip")).faults
+
+
+@pytest.fixture(params=["head", "v0.1.0.post1"])
+def release(request, kv):
+    """The SiMM release whose client semantics a test pins down, where HEAD
+    and the tag differ. The embedded store follows either
+    (``embedded_simm_release``); a real cluster's client is what it was
+    built from (``SGLANG_SIMM_TEST_SIMM_RELEASE``, "head" by default)."""
+    if getattr(kv, "__simm_embedded__", False):
+        assert kv.set_flag("embedded_simm_release", request.param)
+    elif os.environ.get(RELEASE_ENV, "head") != request.param:
+        pytest.skip(f"the real client is {os.environ.get(RELEASE_ENV, 'head')} ({RELEASE_ENV})")
+    return request.param
 
 
 @pytest.fixture

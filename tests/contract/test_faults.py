@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from sglang_simm.errors import OK, TARGET_UNAVAILABLE, TIMEOUT
+from sglang_simm.errors import OK, SEND_RPC_FAILED, TARGET_UNAVAILABLE
 
 
 def run(coro):
@@ -52,7 +52,7 @@ def all_readable(store, mem, keys, datas):
         assert torch.equal(out, data)
 
 
-@pytest.mark.parametrize("code", [TIMEOUT, TARGET_UNAVAILABLE], ids=["timeout", "target-unavailable"])
+@pytest.mark.parametrize("code", [SEND_RPC_FAILED, TARGET_UNAVAILABLE], ids=["send-rpc-failed", "target-unavailable"])
 def test_error_rate_one_fails_every_entry(store, mem, faults, stored, code):
     keys, datas = stored
     faults.configure(error_rate=1.0, error_code=code)
@@ -82,7 +82,7 @@ def test_seeded_partial_rate_is_deterministic(kv, mem, key, rand):
 
     first, second = pattern("seeded-a"), pattern("seeded-b")
     assert first == second
-    failed = first.count(TIMEOUT)
+    failed = first.count(SEND_RPC_FAILED)
     assert failed + first.count(OK) == 200
     assert 60 < failed < 140, f"rate 0.5 failed {failed} of 200"
     assert kv.get_server("seeded-a").stats()["injected_errors"] == failed
@@ -113,7 +113,7 @@ def test_down_fails_calls_and_store_creation(kv, store, mem, faults, stored):
     faults.configure(down=True)
     with pytest.raises(RuntimeError):
         kv.Store()
-    every_call(store, mem, keys, TIMEOUT)
+    every_call(store, mem, keys, SEND_RPC_FAILED)
     assert faults.injected > 0
 
     faults.configure(down=False)
@@ -129,7 +129,7 @@ def test_fault_flags_apply_to_the_current_server(kv, store, mem, server, stored)
     assert server.faults.down is True
     with pytest.raises(RuntimeError):
         kv.Store()
-    assert store.get(keys[0], mem.view(2048)[0]) == TIMEOUT
+    assert store.get(keys[0], mem.view(2048)[0]) == SEND_RPC_FAILED
     assert kv.set_flag("embedded_down", "false")
 
     assert kv.set_flag("embedded_error_code", "-1901")
@@ -162,7 +162,7 @@ def test_faults_are_per_server(kv, store, mem, faults, stored):
     other = kv.Store()
     view = mem.holding(torch.ones(16, dtype=torch.uint8))[0]
     assert other.put(keys[0], view) == OK
-    assert store.put(keys[0], view) == TIMEOUT
+    assert store.put(keys[0], view) == SEND_RPC_FAILED
 
 
 def test_fault_settings_are_validated(faults):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_simm.errors import INVALID_ARGUMENT, OK, REGISTER_MR_FAILED
+from sglang_simm.errors import GET_OBJECT_FAILED, INVALID_ARGUMENT, OK, REGISTER_MR_FAILED
 
 
 def test_register_and_deregister(kv):
@@ -157,4 +157,35 @@ def test_registered_memory_outlives_the_callers_reference(kv, store, key, embedd
     out = store.allocate(4096)
     assert store.get(k, out.view()) == 4096
     assert bool((out.as_ref() == 42).all())
+    assert kv.deregister_mr(mr)
+
+
+def test_region_bound_writes_past_the_view_like_simm(kv, store, mem, key, rand, embedded_only):
+    """``embedded_get_bound=region``: SiMM's client bounds a get by the view's
+    registered region, not by the view, so a longer object runs over the
+    memory after the view and get answers the object's length."""
+    data = rand(4096, seed=3)
+    k = key()
+    assert store.put(k, mem.holding(data)[0]) == OK
+    view, chunk = mem.view(1024, fill=0)
+    after, tail = mem.view(3072, fill=0xEE)  # the next 3 KiB of the same region
+    assert store.get(k, view) == GET_OBJECT_FAILED  # the default bound: the view
+    assert bool((tail == 0xEE).all())
+
+    assert kv.set_flag("embedded_get_bound", "region")
+    assert store.get(k, view) == 4096
+    assert torch.equal(chunk, data[:1024]) and torch.equal(tail, data[1024:])  # overwritten
+
+
+def test_region_bound_stops_at_the_regions_end(kv, store, key, rand, embedded_only):
+    region = torch.zeros(2048, dtype=torch.uint8)
+    mr = kv.register_mr(region)
+    k = key()
+    src = store.allocate(4096)
+    src.as_ref().copy_(rand(4096))
+    assert store.put(k, src.view()) == OK
+    assert kv.set_flag("embedded_get_bound", "region")
+    view = kv.BlockView.from_buffer(region.data_ptr() + 1024, 512, mr)
+    assert store.get(k, view) == GET_OBJECT_FAILED  # on SiMM, an RDMA access error
+    assert bool((region == 0).all())
     assert kv.deregister_mr(mr)

@@ -117,13 +117,21 @@ def test_get_into_smaller_view_fails_and_leaves_it_alone(store, mem, key, rand):
     assert bool((small.as_ref() == 0x5A).all())
 
 
+def test_delete_codes(store, mem, key, rand, release):
+    """HEAD passes the server's code (775cea9); the tag's sync delete answered 0 always."""
+    k = key()
+    assert store.put(k, mem.holding(rand(64))[0]) == OK
+    assert store.delete(k) == OK
+    assert store.delete(k) == (DS_KEY_NOT_FOUND if release == "head" else OK)
+    assert run(store.delete_async(k)) == DS_KEY_NOT_FOUND  # the async path passes it on both
+
+
 def test_missing_key_codes(store, mem, key):
     dst, out = mem.view(64, fill=0x11)
     k = key("absent")
     assert store.exists(k) is False
     assert store.get(k, dst) == GET_OBJECT_FAILED
     assert store.mget([k], [dst]) == [GET_OBJECT_FAILED]
-    assert store.delete(k) == DS_KEY_NOT_FOUND
     assert run(store.get_async(k, dst)) == DS_KEY_NOT_FOUND
     assert run(store.delete_async(k)) == DS_KEY_NOT_FOUND
     assert run(store.exists_async(k)) is False
@@ -138,7 +146,6 @@ def test_delete_then_get_misses(store, mem, key, rand):
     assert store.delete(k) == OK
     assert store.exists(k) is False
     assert store.get(k, dst) == GET_OBJECT_FAILED
-    assert store.delete(k) == DS_KEY_NOT_FOUND
 
 
 def test_sync_put_overwrites(store, mem, key, rand):
@@ -151,16 +158,21 @@ def test_sync_put_overwrites(store, mem, key, rand):
     assert torch.equal(out[:1200], second)
 
 
-def test_mput_leaves_existing_objects_alone(store, mem, key, rand):
+def test_mput_on_an_existing_key(store, mem, key, rand, release):
+    """HEAD (dfe269a) deletes and re-puts it; the tag answered -4005 and kept the old object."""
     old, new = rand(2048, seed=1), rand(2048, seed=2)
     k_old, k_new = key("old"), key("new")
     assert store.put(k_old, mem.holding(old)[0]) == OK
 
     results = store.mput([k_old, k_new], [mem.holding(new)[0], mem.holding(new)[0]])
-    assert results == [DS_DATA_ALREADY_EXISTS, OK]
     dst, out = mem.view(2048)
     assert store.get(k_old, dst) == 2048
-    assert torch.equal(out, old)
+    if release == "head":
+        assert results == [OK, OK]
+        assert torch.equal(out, new)
+    else:
+        assert results == [DS_DATA_ALREADY_EXISTS, OK]
+        assert torch.equal(out, old)
 
 
 def test_put_async_leaves_existing_object_alone(store, mem, key, rand):

@@ -2,37 +2,60 @@
 
 Same names, signatures, return types and codes as SiMM's Python client
 (``python/simm/kv/__init__.py`` over the native ``_kv`` extension,
-``src/client/clnt_kv.cc`` and ``clnt_messenger.cc`` in the SiMM repository).
-Where the real client's code differs from its documentation, the code wins;
-the places that matter to a caller:
+``src/client/clnt_kv.cc`` and ``clnt_messenger.cc``), as of SiMM's HEAD
+(3b0d7ae, 2026-04-20) by default; ``embedded_simm_release=v0.1.0.post1``
+follows the only tag where it differs. Where the real client's code differs
+from its documentation, the code wins. Line numbers below are HEAD's:
 
 * Sync ``get``/``mget`` report every server-side failure (absent key, buffer
-  smaller than the object) as ``GET_OBJECT_FAILED`` (-2101); the async
-  ``get_async`` passes the server's code through (``DS_KEY_NOT_FOUND`` -4003,
-  ``INVALID_ARGUMENT`` -1000).
-* Only the sync ``put`` overwrites (the real client deletes and re-puts on
-  ``DS_DATA_ALREADY_EXISTS``). ``mput`` and ``put_async`` leave an existing
-  object alone and return ``DS_DATA_ALREADY_EXISTS`` (-4005) for it.
+  smaller than the object) as ``GET_OBJECT_FAILED`` (-2101,
+  ``clnt_messenger.cc:822-825``); ``get_async`` passes the server's code
+  through (``DS_KEY_NOT_FOUND`` -4003, ``INVALID_ARGUMENT`` -1000; 877-882).
+* Sync ``put`` overwrites (the real client deletes and re-puts on -4005,
+  ``clnt_kv.cc:91-111``; here the swap is atomic). Sync ``mput`` does too at
+  HEAD (dfe269a, ``clnt_kv.cc:310-334``); at the tag it answers
+  ``DS_DATA_ALREADY_EXISTS`` (-4005) and keeps the old object. ``put_async``
+  never overwrites (-4005, ``clnt_messenger.cc:747-753``).
 * A failed sync ``put``/``mput`` on the server side (no room) is
-  ``PUT_OBJECT_FAILED`` (-2100); ``put_async`` passes the server's
-  ``DS_CACHE_POOL_ALLOC_FAILED`` (-4006) through.
-* ``delete`` and ``exists`` pass the server's code through.
-* Transport failures (``embedded_down``, injected errors) pass through
-  unchanged on every path.
-* Keys and batches are converted like the native binding converts them: a
-  key that is not a ``str`` raises ``TypeError``. Key length is checked in
-  UTF-8 bytes.
+  ``PUT_OBJECT_FAILED`` (-2100, ``clnt_messenger.cc:692-700``); ``put_async``
+  passes the server's ``DS_CACHE_POOL_ALLOC_FAILED`` (-4006) through.
+* ``exists`` passes the server's code (any non-zero reads False,
+  ``python/simm/kv/__init__.py:182,234``). ``delete`` passes it at HEAD
+  (-4003 for a missing key, ``clnt_messenger.cc:926-928``) and answers 0 on
+  every path at the tag.
+* Transport failures (``embedded_down``, injected errors, a host store that
+  is gone) pass through unchanged on every path: SendRPCFailed (-2300) by
+  default, as HEAD reports a lost or timed-out request; the client never
+  produces Timeout (-1002).
+* Get's bound is the view (``embedded_get_bound=view``, the default, safe);
+  ``region`` reproduces the real client, which sends the registered region's
+  size as the bound (``clnt_messenger.cc:799-801``), so an object longer
+  than its view is written past it and get returns the object's length.
+* Keys: at most 256 UTF-8 bytes, checked by every call; an empty key is an
+  ordinary key (``clnt_kv.cc:49-52`` and kin, ``consts.h:16``). Values: at
+  most 64 MiB - 20 KiB, checked on puts only (``clnt_kv.cc:73-78``); zero
+  bytes are not refused. One bad key or value fails a whole batch with -1000
+  (``clnt_kv.cc:294-302``).
+* Arguments are converted as the binding converts them: a key that is not a
+  ``str`` (or not valid UTF-8) raises ``TypeError`` (nanobind's caster); a
+  block that is not a ``BlockView`` raises ``AttributeError`` (the wrapper
+  reads ``block._data``, ``__init__.py:247-249``); lists of different
+  lengths answer -1000 for every key (``clnt_kv.cc:288-291``).
+
+Not modelled: the real overwrite's window in which readers miss (delete,
+then put), and ``exists`` answering True while a put is still copying
+(``kv_rpc_service.cc:855-860``): here objects appear only when whole.
 
 Embedded-only extras, absent from the real client (probe with ``hasattr``):
 ``get_flag``, ``Store.server`` and ``Store.delete_prefix``.
 
 Checks done before the network, per the real client: batch-wide key and value
-limits (one bad entry fails the whole batch with ``INVALID_ARGUMENT``), then
-per entry the view's memory region: a view made from a deregistered
-``MrExt`` has no region (``INVALID_ARGUMENT``, as the real client's "no descr
-ptr"); a view outside its live region, or whose region was deregistered after
-it was made, fails with ``REGISTER_MR_FAILED`` (-2203). (On the real client
-that last case is an RDMA access error, not a defined code.)
+limits, then per entry the view's memory region: a view made from a
+deregistered ``MrExt`` has no region (``INVALID_ARGUMENT``, as the real
+client's "no descr ptr", ``clnt_messenger.cc:658-660``); a view outside its
+live region, or whose region was deregistered after it was made, fails with
+``REGISTER_MR_FAILED`` (-2203). (On the real client that last case is an
+RDMA access error, not a defined code.)
 """
 
 from __future__ import annotations
@@ -62,7 +85,7 @@ from sglang_simm.errors import (
     OK,
     PUT_OBJECT_FAILED,
     REGISTER_MR_FAILED,
-    TIMEOUT,
+    SEND_RPC_FAILED,
     code_name,
 )
 
@@ -80,6 +103,11 @@ logger = logging.getLogger("sglang_simm.embedded")
 
 #: Where a Store's server lives (flag ``embedded_scope``).
 SCOPES = ("process", "host")
+#: SiMM's releases whose client semantics the store follows (flag
+#: ``embedded_simm_release``): HEAD (3b0d7ae, 2026-04-20) or the only tag.
+HEAD = "head"
+TAG = "v0.1.0.post1"
+RELEASES = (HEAD, TAG)
 
 _BOOL_TRUE = frozenset({"1", "t", "true", "y", "yes"})
 _BOOL_FALSE = frozenset({"0", "f", "false", "n", "no"})
@@ -155,6 +183,14 @@ _FLAG_SPECS: dict[str, tuple] = {
     # the real client's
     "cm_primary_node_ip": (_string, ""),
     "cm_rpc_inter_port": (_int32, "30001"),
+    "cm_rpc_intra_port": (_int32, "30000"),
+    "cm_rpc_admin_port": (_int32, "30002"),
+    "shard_total_num": (_uint32, "16384"),
+    "hash_seed": (_uint32, "0"),
+    "default_logging_file": (_string, "/var/log/simm/simm.log"),
+    "default_logging_level": (_string, "INFO"),
+    "k8s_api_server": (_string, ""),
+    "k8s_service_account": (_string, ""),
     "cm_namespace": (_string, "default"),
     "cm_svc_name": (_string, "simm-clustermanager-svc"),
     "cm_port_name": (_string, "simm-clustermanager-port"),
@@ -174,8 +210,13 @@ _FLAG_SPECS: dict[str, tuple] = {
     "embedded_store_dir": (_string, ""),  # host scope; "" = $SGLANG_SIMM_STORE_DIR or /dev/shm/sglang-simm-<uid>
     "embedded_capacity_bytes": (_capacity, ""),  # "" = 4 GiB capped at RAM/4
     "embedded_eviction": (_choice(*EVICTION_POLICIES), "fifo"),
+    # the SiMM release whose client semantics to follow (see the module docstring)
+    "embedded_simm_release": (_choice(*RELEASES), HEAD),
+    # "region": a get may write up to the end of the view's registered
+    # region, as SiMM's client does; "view" (safe): only into the view
+    "embedded_get_bound": (_choice("view", "region"), "view"),
     "embedded_error_rate": (_rate, "0.0"),
-    "embedded_error_code": (_error_code, str(TIMEOUT)),
+    "embedded_error_code": (_error_code, str(SEND_RPC_FAILED)),
     "embedded_latency_us": (_latency, "0.0"),
     "embedded_down": (_parse_bool, "false"),
     "embedded_seed": (_seed, ""),  # "" = unseeded
@@ -477,39 +518,42 @@ class Block:
 
 
 def _key_ok(key: str) -> bool:
-    size = len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
-    return 0 < size <= MAX_KEY_BYTES
+    """SiMM's one key limit (``clnt_kv.cc``, every call): at most 256 UTF-8
+    bytes. An empty key is an ordinary key (neither client nor data server
+    checks for it)."""
+    return (len(key) if key.isascii() else len(key.encode("utf-8"))) <= MAX_KEY_BYTES
 
 
 def _as_key(key: object) -> str:
+    """nanobind's ``std::string`` caster: a ``str`` that encodes as UTF-8, else TypeError."""
     if not isinstance(key, str):
-        raise TypeError(f"key must be a str, got {type(key).__name__}")
+        raise TypeError(f"incompatible function arguments: key must be a str, got {type(key).__name__}")
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TypeError("incompatible function arguments: key is not valid UTF-8 (a lone surrogate)") from None
     return key
 
 
-def _as_list(items: object, kind: type, what: str) -> list:
-    """The native binding's argument check: a sequence of ``kind``, else TypeError."""
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-        raise TypeError(f"{what} must be a list of {kind.__name__}, got {type(items).__name__}")
-    out = list(items)
-    for item in out:
-        if not isinstance(item, kind):
-            raise TypeError(f"{what} must be a list of {kind.__name__}, found {type(item).__name__}")
-    return out
-
-
 def _as_keys(keys: object) -> list[str]:
-    return _as_list(keys, str, "keys")
+    """nanobind's ``std::vector<std::string>`` caster: a sequence (not a
+    ``str`` or ``bytes``) of such strings, else TypeError."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise TypeError(f"incompatible function arguments: keys must be a list of str, got {type(keys).__name__}")
+    return [_as_key(k) for k in keys]
 
 
 def _as_view(view: object) -> BlockView:
+    """The Python wrapper reads ``block._data``: anything else is an AttributeError."""
     if not isinstance(view, BlockView):
-        raise TypeError(f"expected a BlockView, got {type(view).__name__}")
+        raise AttributeError(f"{type(view).__name__!r} object has no attribute '_data'")
     return view
 
 
 def _as_views(views: object) -> list[BlockView]:
-    return _as_list(views, BlockView, "views")
+    """Any iterable of BlockViews (the wrapper loops over it in Python)."""
+    return [_as_view(v) for v in views]
 
 
 def _region_code(view: BlockView, pins: list) -> int:
@@ -523,6 +567,24 @@ def _region_code(view: BlockView, pins: list) -> int:
         return REGISTER_MR_FAILED
     pins.append(region)
     return OK
+
+
+def _view_bound(view: BlockView) -> int:
+    return view._size
+
+
+def _region_bound(view: BlockView) -> int:
+    """SiMM's own get bound: the client sends the registered region's size,
+    not the view's (``clnt_messenger.cc`` Get: ``set_buf_len(mem_desc->getSize())``),
+    so an object longer than its view is written past it, over whatever the
+    region holds next, and get returns the object's length. Past the
+    region's end the real write fails in the NIC; here it is refused."""
+    region = _regions.get(view._desc)
+    return region.end - view._ptr if region is not None else view._size
+
+
+def _release() -> str:
+    return get_flag("embedded_simm_release")
 
 
 # -- the store ------------------------------------------------------------------------
@@ -542,7 +604,7 @@ class Store:
             raise RuntimeError(f"Init client messenger failed: {exc}") from exc
         if server.faults.down:
             raise RuntimeError(
-                f"Init client messenger failed: {code_name(TIMEOUT)} "
+                f"Init client messenger failed: {code_name(SEND_RPC_FAILED)} "
                 f"(embedded SiMM server {server.name!r} is down)"
             )
         self._server = server
@@ -573,11 +635,18 @@ class Store:
 
     def delete(self, key: str) -> int:
         key = _as_key(key)
+        code = self._delete(key)
+        # At the v0.1.0.post1 tag the sync delete answered 0 past the key
+        # check, on every path (clnt_messenger.cc Delete); HEAD passes the
+        # server's code (775cea9).
+        return code if _release() == HEAD or not _key_ok(key) else OK
+
+    def _delete(self, key: str) -> int:
         if not _key_ok(key):
             return INVALID_ARGUMENT
         faults = self._server.faults
         if faults.outage(1):
-            return TIMEOUT
+            return SEND_RPC_FAILED
         faults.delay()
         injected = faults.draw(1)
         if injected is not None:
@@ -604,7 +673,9 @@ class Store:
             return 0
 
     def mput(self, keys: list[str], blocks: list[BlockView]) -> list[int]:
-        return self._put(_as_keys(keys), _as_views(blocks), overwrite=False, passthrough=False)
+        # SiMM HEAD (dfe269a) deletes and re-puts an existing key in mput; the
+        # v0.1.0.post1 tag kept the old object and answered -4005.
+        return self._put(_as_keys(keys), _as_views(blocks), overwrite=_release() == HEAD, passthrough=False)
 
     def mget(self, keys: list[str], blocks: list[BlockView]) -> list[int]:
         return self._get(_as_keys(keys), _as_views(blocks), passthrough=False)
@@ -624,7 +695,7 @@ class Store:
         return await _in_executor(self._put_passthrough, key, block)
 
     async def delete_async(self, key: str) -> int:
-        return await _in_executor(self.delete, key)
+        return await _in_executor(self._delete, _as_key(key))
 
     def _get_passthrough(self, key: str, block: BlockView) -> int:
         return self._get([_as_key(key)], [_as_view(block)], passthrough=True)[0]
@@ -640,7 +711,7 @@ class Store:
         faults = self._server.faults
         if faults.outage(len(live)):
             for i in live:
-                results[i] = TIMEOUT
+                results[i] = SEND_RPC_FAILED
             return []
         faults.delay()
         injected = faults.draw(len(live))
@@ -678,7 +749,7 @@ class Store:
         if n != len(views):
             return [INVALID_ARGUMENT] * n
         for key, view in zip(keys, views):
-            if not _key_ok(key) or not 0 < view._size <= MAX_VALUE_BYTES:
+            if not _key_ok(key) or view._size > MAX_VALUE_BYTES:
                 return [INVALID_ARGUMENT] * n
         results = [OK] * n
         live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
@@ -709,8 +780,9 @@ class Store:
         live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
             return results
+        bound = _region_bound if get_flag("embedded_get_bound") == "region" else _view_bound
         try:
-            codes = self._server.get_into([(keys[i], views[i]._ptr, views[i]._size) for i in live])
+            codes = self._server.get_into([(keys[i], views[i]._ptr, bound(views[i])) for i in live])
         except StoreUnreachable as exc:
             for i in live:
                 results[i] = exc.code

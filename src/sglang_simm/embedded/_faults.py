@@ -9,7 +9,9 @@ once per call, whether the call reaches the server at all (``down``), waits
 The failures it produces stand for transport-level failures (an RPC that
 timed out or could not be sent): the real client returns those codes
 unchanged on every path, sync and async alike, so the embedded client does
-too.
+too. The default is SendRPCFailed (-2300): at SiMM's HEAD a timed-out or
+lost request surfaces as that code; the client never produces Timeout
+(-1002) (``clnt_messenger.cc``, ``call_sync``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import random
 import threading
 import time
 
-from sglang_simm.errors import TIMEOUT, code_name
+from sglang_simm.errors import SEND_RPC_FAILED, code_name
 
 
 class FaultInjector:
@@ -44,7 +46,7 @@ class FaultInjector:
         self,
         *,
         error_rate: float = 0.0,
-        error_code: int = TIMEOUT,
+        error_code: int = SEND_RPC_FAILED,
         latency_us: float = 0.0,
         down: bool = False,
         seed: int | None = None,
@@ -54,10 +56,10 @@ class FaultInjector:
         self._rng = random.Random()
         self.error_rate = 0.0
         #: The code an entry fails with when the error-rate draw hits it.
-        self.error_code = TIMEOUT
+        self.error_code = SEND_RPC_FAILED
         #: Added to every call that reaches the network, in microseconds.
         self.latency_us = 0.0
-        #: The server cannot be reached: calls fail with Timeout, ``Store()`` raises.
+        #: The server cannot be reached: calls fail with SendRPCFailed, ``Store()`` raises.
         self.down = False
         #: Entries failed by this injector so far (outage and error rate).
         self.injected = 0
@@ -105,7 +107,7 @@ class FaultInjector:
 
     def reset(self) -> None:
         """No faults; the seed (if any) restarts."""
-        self.configure(error_rate=0.0, error_code=TIMEOUT, latency_us=0.0, down=False, seed=self._seed)
+        self.configure(error_rate=0.0, error_code=SEND_RPC_FAILED, latency_us=0.0, down=False, seed=self._seed)
 
     # -- used by the client, once per call --------------------------------
 
