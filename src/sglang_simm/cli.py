@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="draw a PNG chart (needs matplotlib)")
+    from sglang_simm.tools.store import add_arguments as add_store_arguments
+
+    add_store_arguments(sub)
     return parser
 
 
@@ -104,6 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sglang_simm.demo import run_demo
 
             return run_demo(console, args, _extra_from_args(args))
+        if args.command == "store":
+            from sglang_simm.tools.store import run_store
+
+            return run_store(console, args)
         if args.command == "bench":
             from sglang_simm.bench import run_bench
 

@@ -244,7 +244,7 @@ class StoreDaemon:
             conn.started = True
             return frame(op, pack_json(self.describe()))
         if op == Op.ADMIN:
-            return frame(op, pack_json(self._admin(r.json())))
+            return frame(op, pack_json(self._admin(r.json(), conn)))
         raise ProtocolError(f"op {op.name} is not a request")
 
     def describe(self) -> dict[str, Any]:
@@ -260,22 +260,24 @@ class StoreDaemon:
             "version": wire.PROTOCOL_VERSION,
         }
 
-    def status(self) -> dict[str, Any]:
+    def status(self, asking: _Conn | None = None) -> dict[str, Any]:
+        """Everything ``sglang-simm store status`` shows; ``clients`` are the
+        pids connected, the asker left out."""
         out = self.describe()
         out.update(self.index.snapshot())
         out["committed_bytes"] = self.arena.committed
-        out["clients"] = sorted({c.pid for c in self.conns.values() if c.started})
+        out["clients"] = sorted({c.pid for c in self.conns.values() if c.started and c is not asking})
         out["connections"] = len(self.conns)
         out["connections_served"] = self.served
         out["uptime_s"] = round(time.time() - self.started, 3)
         out["memory_error"] = self.arena.commit_error or ""
         return out
 
-    def _admin(self, cmd: dict[str, Any]) -> dict[str, Any]:
+    def _admin(self, cmd: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         what = cmd.get("cmd")
         index = self.index
         if what == "status":
-            return self.status()
+            return self.status(conn)
         if what == "clear":
             return {"removed": index.clear()}
         if what == "keys":

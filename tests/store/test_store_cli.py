@@ -1,0 +1,84 @@
+"""``sglang-simm store``: start, status, clear, stop."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import uuid
+
+import pytest
+
+pytest.importorskip("rich")
+
+from sglang_simm.cli import main  # noqa: E402
+from sglang_simm.embedded._host import HostServer, pid_alive  # noqa: E402
+from sglang_simm.embedded._paths import StorePaths  # noqa: E402
+
+pytestmark = pytest.mark.host
+
+
+def store(capsys, *args):
+    code = main(["store", *args])
+    return code, capsys.readouterr().out
+
+
+@pytest.fixture
+def name():
+    return f"cli-{uuid.uuid4().hex[:8]}"
+
+
+def test_status_of_nothing_starts_nothing(capsys, host_store_dir, name):
+    code, out = store(capsys, "status", name, "--dir", host_store_dir)
+    assert code == 1 and "not running" in out
+    assert not os.path.exists(StorePaths(host_store_dir, name).socket)
+
+
+def test_start_status_clear_stop(capsys, host_store_dir, name):
+    code, out = store(capsys, "start", name, "--capacity", "64MiB", "--eviction", "lru", "--dir", host_store_dir)
+    assert code == 0 and "64.0 MiB" in out and "lru" in out
+    client = HostServer(name, root=host_store_dir, capacity=1 << 20, spawn=False)
+    client.open()
+    buf = ctypes.create_string_buffer(4096)
+    assert client.put_from([("a", ctypes.addressof(buf), 4096), ("b", ctypes.addressof(buf), 4096)], True) == [0, 0]
+    assert client.get_into([("a", ctypes.addressof(buf), 4096), ("zz", ctypes.addressof(buf), 4096)])[0] == 4096
+
+    code, out = store(capsys, "status", name, "--dir", host_store_dir, "--json")
+    (status,) = json.loads(out)
+    assert code == 0 and status["running"]
+    assert (status["capacity_bytes"], status["policy"], status["objects"]) == (64 << 20, "lru", 2)
+    assert (status["hits"], status["misses"]) == (1, 1)
+    assert status["clients"] == [os.getpid()]  # the asking connection is not counted
+
+    code, out = store(capsys, "status", "--dir", host_store_dir)  # every store, as text
+    assert code == 0 and f"store {name!r}" in out and "2 objects" in out and "50% hit rate" in out
+
+    code, out = store(capsys, "start", name, "--capacity", "128MiB", "--dir", host_store_dir)
+    assert code == 1 and "already running" in out and "store stop" in out
+
+    code, out = store(capsys, "clear", name, "--dir", host_store_dir)
+    assert code == 0 and "removed 2 objects" in out
+    assert client.lookup(["a", "b"]) == [-4003, -4003]
+
+    pid = client.pid
+    client.close()
+    code, out = store(capsys, "stop", name, "--dir", host_store_dir)
+    assert code == 0 and "stopped" in out and not pid_alive(pid)
+
+
+def test_stop_all(capsys, host_store_dir):
+    root = os.path.join(host_store_dir, f"all-{uuid.uuid4().hex[:6]}")
+    pids = []
+    for n in ("one", "two"):
+        s = HostServer(n, root=root, capacity=1 << 20)
+        s.open()
+        pids.append(s.pid)
+        s.close()
+    code, out = store(capsys, "stop", "--all", "--dir", root)
+    assert code == 0 and out.count("stopped") == 2
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_stop_needs_a_name(capsys, host_store_dir):
+    code, out = store(capsys, "stop", "--dir", host_store_dir)
+    assert code == 2 and "--all" in out
