@@ -88,6 +88,26 @@ class ExtentAllocator:
             self._add(start + need, length - need)
         return start
 
+    def alloc_run(self, nbytes: int, count: int) -> list[int]:
+        """Offsets for up to ``count`` extents of ``nbytes`` each (fewer when
+        the arena has no more room), carved best fit: a batch of one page
+        size from the tail is one split, not ``count``."""
+        need = aligned(max(nbytes, 1), self.align)
+        out: list[int] = []
+        lengths = self._lengths
+        while len(out) < count:
+            i = bisect.bisect_left(lengths, need)
+            if i == len(lengths):
+                break
+            length = lengths[i]
+            start = self._lowest_start(length)
+            self._remove(start)
+            k = min(count - len(out), length // need)
+            out.extend(range(start, start + k * need, need))
+            if length > k * need:
+                self._add(start + k * need, length - k * need)
+        return out
+
     def free(self, start: int, nbytes: int) -> None:
         """Give back an extent ``alloc`` returned for ``nbytes``."""
         end = start + aligned(max(nbytes, 1), self.align)

@@ -140,6 +140,35 @@ class StoreIndex:
                 return True
         return False
 
+    def _evict_bytes(self, nbytes: int) -> bool:
+        """Evict the oldest unpinned objects until ``nbytes`` of them are
+        gone (True) or none is left (False). Their extents are freed as merged
+        runs: a batch evicted is usually a batch stored side by side."""
+        objects = self.objects
+        victims: list[tuple[bytes, _Object]] = []
+        freed = 0
+        for key, obj in objects.items():
+            if freed >= nbytes:
+                break
+            if not obj.pins:
+                victims.append((key, obj))
+                freed += obj.size
+        for key, _ in victims:
+            del objects[key]
+        self.used -= freed
+        self.stats["evictions"] += len(victims)
+        align = self.alloc.align
+        run_start = run_end = -1
+        for offset, size in sorted((obj.offset, aligned(obj.size, align)) for _, obj in victims):
+            if offset != run_end:
+                if run_end > run_start:
+                    self.alloc.free(run_start, run_end - run_start)
+                run_start = offset
+            run_end = offset + size
+        if run_end > run_start:
+            self.alloc.free(run_start, run_end - run_start)
+        return freed >= nbytes
+
     def _place(self, size: int) -> tuple[int, int]:
         """``(offset, OK)`` of room for ``size`` object bytes, evicting the
         oldest unpinned objects for it; else ``(-1, code)``."""
@@ -182,28 +211,62 @@ class StoreIndex:
         codes = [OK] * n
         offsets = [-1] * n
         stats = self.stats
-        items = []
         objects = self.objects
+        todo = []
         for i, (key, size) in enumerate(zip(keys, sizes)):
             if not overwrite and key in objects:
                 codes[i] = DS_DATA_ALREADY_EXISTS
                 stats["already_exists"] += 1
-                continue
-            if size > self.capacity:
+            elif size > self.capacity:
                 codes[i] = DS_CACHE_POOL_ALLOC_FAILED
                 stats["rejected"] += 1
-                continue
-            offset, code = self._place(size)
+            else:
+                todo.append(i)
+        items = self._place_run(todo, keys, sizes, offsets)
+        for i in todo[len(items):]:  # one at a time, each evicting what it needs
+            offset, code = self._place(sizes[i])
             if code:
                 codes[i] = code
                 stats["out_of_memory" if code == OUT_OF_MEMORY else "rejected"] += 1
                 continue
-            self.reserved += size
+            self.reserved += sizes[i]
             offsets[i] = offset
-            items.append((i, key, _Object(offset, size)))
+            items.append((i, keys[i], _Object(offset, sizes[i])))
         if not items:
             return 0, codes, offsets
         return self._lease(_Lease(owner, items, overwrite, True)), codes, offsets
+
+    def _place_run(self, todo: list[int], keys: Sequence[bytes], sizes: Sequence[int],
+                   offsets: list[int]) -> list[tuple[int, bytes, _Object]]:
+        """The common backup, placed in one step: a batch of objects of one
+        size, with room for all of it. Places a leading part of ``todo``
+        (possibly none); the rest goes through ``_place``."""
+        if len(todo) < 2:
+            return []
+        size = sizes[todo[0]]
+        if any(sizes[i] != size for i in todo):
+            return []
+        total = size * len(todo)
+        excess = self.used + self.reserved + total - self.capacity
+        if excess > 0 and not self._evict_bytes(excess):
+            return []
+        run = self.alloc.alloc_run(size, len(todo))
+        while len(run) < len(todo) and self._evict_one():
+            run += self.alloc.alloc_run(size, len(todo) - len(run))
+        if run:
+            end = max(run) + aligned(size)
+            if end > self._committed:
+                self._committed = max(self._committed, self._commit(end))
+            if end > self._committed:  # out of memory: let _place sort it out
+                for offset in run:
+                    self.alloc.free(offset, size)
+                return []
+        self.reserved += size * len(run)
+        items = []
+        for i, offset in zip(todo, run):
+            offsets[i] = offset
+            items.append((i, keys[i], _Object(offset, size)))
+        return items
 
     def commit_put(self, lease_id: int) -> list[tuple[int, int]]:
         """Publish a put lease: ``(entry index, code)`` for each reserved
@@ -212,21 +275,23 @@ class StoreIndex:
         lease = self._end_lease(lease_id, is_put=True)
         out = []
         objects = self.objects
-        stats = self.stats
+        published = published_bytes = 0
         for i, key, obj in lease.items:
             self.reserved -= obj.size
             if key in objects:
                 if not lease.overwrite:
                     self.alloc.free(obj.offset, obj.size)
-                    stats["already_exists"] += 1
+                    self.stats["already_exists"] += 1
                     out.append((i, DS_DATA_ALREADY_EXISTS))
                     continue
                 self._unpublish(key)
             objects[key] = obj
-            self.used += obj.size
-            stats["puts"] += 1
-            stats["bytes_in"] += obj.size
+            published += 1
+            published_bytes += obj.size
             out.append((i, OK))
+        self.used += published_bytes
+        self.stats["puts"] += published
+        self.stats["bytes_in"] += published_bytes
         return out
 
     # -- gets -----------------------------------------------------------------
