@@ -1,0 +1,275 @@
+"""``sglang-simm bench --store``: the host store against what a single host has.
+
+Three measurements, each side by side in one run (candidates alternate
+within every repetition; medians), timed the way serving uses the store:
+backups write fresh page keys, a restore's lookup is new and its get follows
+an exists on the same keys.
+
+1. bandwidth: our backend's v1 set and get (real SGLang host pool, the host
+   store in its own process, data copied by this process through shared
+   memory) against a same-run memcpy of the same bytes;
+2. against SGLang's ``file`` backend on /dev/shm (one file per page, the
+   single-host alternative), same pages, same host pool, each through the
+   path SGLang's controller takes with it;
+3. per-batch control cost: the same calls with tiny pages, where copying
+   costs nothing, host store against the in-process store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+
+@dataclass
+class Sample:
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.median / 1e9 if self.seconds and self.nbytes else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "median_s": self.median, "gbps": self.gbps, "bytes": self.nbytes,
+                "repeats": len(self.seconds)}
+
+
+class _Buffers:
+    """Two private, pre-faulted buffers and a memcpy between them."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = (ctypes.c_char * nbytes)()
+        self.dst = (ctypes.c_char * nbytes)()
+        ctypes.memset(self.src, 1, nbytes)
+        ctypes.memset(self.dst, 2, nbytes)
+        self.nbytes = nbytes
+
+    def copy(self, object_bytes: int) -> int:
+        src, dst = ctypes.addressof(self.src), ctypes.addressof(self.dst)
+        for off in range(0, self.nbytes - object_bytes + 1, object_bytes):
+            ctypes.memmove(dst + off, src + off, object_bytes)
+        return self.nbytes
+
+
+def _storage_config(extra: dict[str, Any], geom: Any) -> Any:
+    from sglang_simm.pools import storage_config
+
+    return storage_config(extra_config=extra, is_mla_model=geom.is_mla, model_name=geom.name)
+
+
+@contextlib.contextmanager
+def _simm_backend(manager: str, geom: Any, host: Any, capacity: int) -> Iterator[Any]:
+    from sglang_simm.backend import HiCacheSiMM
+
+    cfg = _storage_config({"manager_address": manager, "embedded_capacity_bytes": capacity}, geom)
+    backend = HiCacheSiMM(cfg, host)
+    try:
+        yield backend
+    finally:
+        backend.close()
+        from sglang_simm.embedded import reset_servers
+
+        reset_servers(manager.split("://", 1)[-1])
+
+
+@contextlib.contextmanager
+def _file_backend(geom: Any) -> Iterator[Any]:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    root = tempfile.mkdtemp(prefix="sglang-simm-bench-file-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    previous = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
+    os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = root
+    try:
+        yield HiCacheFile(_storage_config({}, geom))
+    finally:
+        if previous is None:
+            os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
+        else:
+            os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = previous
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _keys(tag: str, rep: int, n: int) -> list[str]:
+    return [f"{tag}-{rep}-{uuid.uuid4().hex}" for _ in range(n)]
+
+
+def _ours(backend: Any, write_idx: Any, read_idx: Any, pages: int, page_bytes: int):
+    """set(rep) on fresh keys; get(rep) after an exists on keys stored just before."""
+    stored: dict[int, list[str]] = {}
+
+    def prepare(rep: int) -> None:
+        keys = _keys("get", rep, pages)
+        assert all(backend.batch_set_v1(keys, write_idx))
+        stored[rep] = keys
+
+    def set_(rep: int) -> int:
+        keys = _keys("set", rep, pages)
+        ok = backend.batch_set_v1(keys, write_idx)
+        assert all(ok), "the backend refused a backup"
+        return pages * page_bytes
+
+    def get(rep: int) -> int:
+        keys = stored.pop(rep)
+        assert backend.batch_exists(keys) == pages
+        assert all(backend.batch_get_v1(keys, read_idx))
+        return pages * page_bytes
+
+    return prepare, set_, get
+
+
+def _file(backend: Any, host: Any, write_idx: Any, read_idx: Any, pages: int, page_bytes: int, page_size: int):
+    """The controller's generic page path, the one SGLang takes with ``file``
+    (``_generic_page_set`` / ``_generic_page_get``)."""
+    stored: dict[int, list[str]] = {}
+
+    def put(keys: list[str]) -> None:
+        data = [host.get_data_page(write_idx[i * page_size]) for i in range(len(keys))]
+        assert backend.batch_set(keys, data)
+
+    def prepare(rep: int) -> None:
+        stored[rep] = _keys("fget", rep, pages)
+        put(stored[rep])
+
+    def set_(rep: int) -> int:
+        put(_keys("fset", rep, pages))
+        return pages * page_bytes
+
+    def get(rep: int) -> int:
+        keys = stored.pop(rep)
+        assert backend.batch_exists(keys) == pages
+        dummies = [host.get_dummy_flat_data_page() for _ in keys]
+        data = backend.batch_get(keys, dummies)
+        for i in range(len(keys)):
+            assert data[i] is not None
+            host.set_from_flat_data_page(read_idx[i * page_size], data[i])
+        return pages * page_bytes
+
+    return prepare, set_, get
+
+
+def _timed_pair(prepare_fns: list[Callable[[int], None]], fns: dict[str, Callable[[int], int]],
+                repeat: int) -> dict[str, Sample]:
+    out = {name: Sample(name) for name in fns}
+    for rep in range(repeat):
+        for prepare in prepare_fns:
+            prepare(rep)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            moved = fn(rep)
+            out[name].seconds.append(time.perf_counter() - t0)
+            out[name].nbytes = moved
+    return out
+
+
+def measure(*, repeat: int = 15, pages: int = 128, bandwidth_page_size: int = 16,
+            control_pages: int = 128) -> dict[str, Any]:
+    import torch
+
+    from sglang_simm.pools import PRESETS, build_host_pool
+
+    results: dict[str, Any] = {"pages": pages, "repeat": repeat}
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+
+    # 1 + 2: llama3-8b pages of bandwidth_page_size tokens (objects of 1 MiB at 16)
+    geom = PRESETS["llama3-8b"]
+    geom = type(geom)(**{**asdict(geom), "page_size": bandwidth_page_size})
+    page_bytes = geom.page_bytes()
+    host = build_host_pool(geom, tokens=2 * pages * geom.page_size, layout="page_first")
+    host.kv_buffer.view(torch.uint8).fill_(7)  # every page touched once, like a warm server
+    ps = geom.page_size
+    write_idx = torch.arange(0, pages * ps, dtype=torch.int64)
+    read_idx = torch.arange(pages * ps, 2 * pages * ps, dtype=torch.int64)
+    results["page_bytes"] = page_bytes
+    results["object_bytes"] = page_bytes // 2
+    capacity = 6 * pages * page_bytes
+    buffers = _Buffers(pages * page_bytes)
+    with _simm_backend(f"local://{name}", geom, host, capacity) as ours, _file_backend(geom) as file:
+        o_prep, o_set, o_get = _ours(ours, write_idx, read_idx, pages, page_bytes)
+        f_prep, f_set, f_get = _file(file, host, write_idx, read_idx, pages, page_bytes, ps)
+        # A warm server's store: every byte of its memory committed and mapped
+        # once (fill it past capacity), so timed calls see steady state.
+        for warm in range(capacity // (pages * page_bytes) + 2):
+            o_prep(-1 - warm)
+            o_get(-1 - warm)
+        samples = _timed_pair(
+            [o_prep, f_prep],
+            {
+                "memcpy": lambda rep: buffers.copy(page_bytes // 2),
+                "ours set": o_set,
+                "ours get": o_get,
+                "file set": f_set,
+                "file get": f_get,
+            },
+            repeat,
+        )
+    results["bandwidth"] = {k: v.as_dict() for k, v in samples.items()}
+    del buffers, host
+
+    # 3: control cost, tiny pages (copying costs ~nothing)
+    tiny = PRESETS["tiny"]
+    host = build_host_pool(tiny, tokens=2 * control_pages * tiny.page_size, layout="page_first")
+    tps = tiny.page_size
+    w = torch.arange(0, control_pages * tps, dtype=torch.int64)
+    r = torch.arange(control_pages * tps, 2 * control_pages * tps, dtype=torch.int64)
+    with _simm_backend(f"local://{name}-c", tiny, host, 256 << 20) as hostb, \
+            _simm_backend(f"inprocess://{name}-c", tiny, host, 256 << 20) as inproc:
+        h_prep, h_set, h_get = _ours(hostb, w, r, control_pages, tiny.page_bytes())
+        i_prep, i_set, i_get = _ours(inproc, w, r, control_pages, tiny.page_bytes())
+
+        def exists_of(backend: Any) -> Callable[[int], int]:
+            def fn(rep: int) -> int:
+                assert backend.batch_exists(_keys("miss", rep, control_pages)) == 0
+                return 0
+            return fn
+
+        control = _timed_pair(
+            [h_prep, i_prep],
+            {
+                "host exists": exists_of(hostb), "in-process exists": exists_of(inproc),
+                "host set": h_set, "in-process set": i_set,
+                "host get": h_get, "in-process get": i_get,
+            },
+            max(repeat, 30),
+        )
+    results["control"] = {k: v.as_dict() for k, v in control.items()}
+    results["control_pages"] = control_pages
+    return results
+
+
+def render(console: Any, results: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    bw = results["bandwidth"]
+    memcpy = bw["memcpy"]["gbps"]
+    t = Table(title=f"Bandwidth, {results['pages']} pages of {results['page_bytes'] >> 20} MiB a call "
+                    f"(objects of {results['object_bytes'] >> 20} MiB), medians of {results['repeat']}")
+    for col in ("call", "GB/s", "vs memcpy", "vs file"):
+        t.add_column(col, justify="right" if col != "call" else "left")
+    for op in ("set", "get"):
+        ours, file = bw[f"ours {op}"]["gbps"], bw[f"file {op}"]["gbps"]
+        t.add_row(f"ours {op} (host store)", f"{ours:.2f}", f"{ours / memcpy:.0%}", f"{ours / file:.2f}x")
+        t.add_row(f"file {op} (/dev/shm)", f"{file:.2f}", f"{file / memcpy:.0%}", "")
+    t.add_row("memcpy (same bytes)", f"{memcpy:.2f}", "100%", "")
+    console.print(t)
+    c = results["control"]
+    t = Table(title=f"Control cost per call, {results['control_pages']} tiny pages (copies ~free)")
+    for col in ("call", "host store us", "in-process us", "host / in-process"):
+        t.add_column(col, justify="right" if col != "call" else "left")
+    for op in ("exists", "set", "get"):
+        h, i = c[f"host {op}"]["median_s"] * 1e6, c[f"in-process {op}"]["median_s"] * 1e6
+        t.add_row(op, f"{h:.0f}", f"{i:.0f}", f"{h / i:.2f}x")
+    console.print(t)
