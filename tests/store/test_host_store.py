@@ -414,3 +414,21 @@ def test_handles_are_one_per_store_per_process(host_store_dir):
     assert a is b and _host.existing(name, host_store_dir) is a
     _host.forget(name, root=host_store_dir)
     assert _host.existing(name, host_store_dir) is None and not pid_alive(a.pid or 0)
+
+
+def test_a_writer_stalled_mid_batch_blocks_nobody(store):
+    """A writer stopped (SIGSTOP) between reserving and publishing holds only
+    its own room: other writers and readers go on (a store with one global
+    write lock, such as LMDB's, would make them all wait)."""
+    proc = start_child("hold-put", root=store.root, name=store.name, keys=[f"s-{i}" for i in range(4)],
+                       size=1 << 20)
+    wait_ready(proc)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        data = Buf(1 << 20, fill=8)
+        assert store.put_from([(f"other-{i}", data.ptr, data.size) for i in range(8)], True) == [OK] * 8
+        assert get(store, "other-3", 1 << 20) == (1 << 20, b"\x08" * (1 << 20))
+        assert store.status()["open_leases"] == 1  # the stalled writer's, still held
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        kill(proc)
