@@ -20,7 +20,8 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from sglang_simm import cli, demo  # noqa: E402
+from sglang_simm.tools import cli  # noqa: E402
+from sglang_simm.tools.demo import kv as demo  # noqa: E402
 from sglang_simm.embedded import reset_servers, server_names  # noqa: E402
 from sglang_simm.embedded._server import EmbeddedServer  # noqa: E402
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_simm.pools import ModelGeometry
+from sglang_simm.tools.pools import ModelGeometry
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class HybridDemo:
     """The phases; ``run()`` raises DemoFailure on any wrong byte or hit."""
 
     def __init__(self, console: Any, opts: Any, extra: dict[str, Any]):
-        from sglang_simm import demo
+        from sglang_simm.tools.demo import kv as demo
 
         self.demo = demo
         self.console = console
@@ -139,7 +139,8 @@ class HybridDemo:
         from sglang.srt.mem_cache.hicache_storage import PoolName
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-        from sglang_simm import plugin, pools
+        from sglang_simm import plugin
+        from sglang_simm.tools import pools
 
         config = self.resolved.config
         if config.is_embedded and self.resolved.sources.get("embedded_capacity_bytes") == "default":
@@ -347,7 +348,7 @@ def _short(stops: list[int]) -> str:
 
 def list_rows() -> list[tuple[str, str, str, str, str, str, str, str]]:
     """Rows for ``--list-models``: the KV part of each hybrid preset."""
-    from sglang_simm.demo import _human
+    from sglang_simm.tools.demo.kv import _human
 
     rows = []
     for key, p in HYBRID_PRESETS.items():
@@ -359,7 +360,7 @@ def list_rows() -> list[tuple[str, str, str, str, str, str, str, str]]:
 
 
 def run_hybrid_demo(console: Any, opts: Any, extra: dict[str, Any]) -> int:
-    from sglang_simm import demo
+    from sglang_simm.tools.demo import kv as demo
 
     try:
         runner = HybridDemo(console, opts, extra)

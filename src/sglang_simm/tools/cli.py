@@ -97,15 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = _console()
     try:
         if args.command == "doctor":
-            from sglang_simm.doctor import run_doctor
+            from sglang_simm.tools.doctor import run_doctor
 
             return run_doctor(console, _extra_from_args(args), sysfs_root=args.sysfs_root)
         if args.command == "demo":
-            from sglang_simm.demo import run_demo
+            from sglang_simm.tools.demo.kv import run_demo
 
             return run_demo(console, args, _extra_from_args(args))
         if args.command == "bench":
-            from sglang_simm.bench import run_bench
+            from sglang_simm.tools.bench import run_bench
 
             return run_bench(console, args)
     except (ValueError, OSError) as exc:

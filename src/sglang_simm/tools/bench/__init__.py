@@ -7,7 +7,7 @@ Three measurements over real SGLang host pools on the CPU:
    SGLang's in-tree ``HiCacheSiMM``, on two clients, both reached through the
    ``simm.kv`` surface so each backend takes its real-client code path:
 
-   * the **null client** (``sglang_simm.nullkv``), which answers every batch
+   * the **null client** (``sglang_simm.tools.nullkv``), which answers every batch
      call at once without touching memory, so only the backends' own work is
      timed (keys, pointers, views, result handling);
    * the **embedded store** (``sglang_simm.embedded``), the whole data path.
@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from sglang_simm.pools import PRESETS, ModelGeometry, build_host_pool, storage_config
+from sglang_simm.tools.pools import PRESETS, ModelGeometry, build_host_pool, storage_config
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def load_intree_class(kv_module: Any) -> type:
         if getattr(kv_module, "__simm_embedded__", False):
             from sglang_simm.embedded import alias_as_simm_kv
         else:
-            from sglang_simm.nullkv import alias_as_simm_kv as _alias
+            from sglang_simm.tools.nullkv import alias_as_simm_kv as _alias
 
             alias_as_simm_kv = lambda: _alias(kv_module)  # noqa: E731
         with alias_as_simm_kv():
@@ -242,7 +242,7 @@ def make_ours(pool: Any, geom: ModelGeometry, client: str, *, capacity: int | No
     sc = _storage_config(geom, extra)
     with _quiet("sglang_simm.backend", "sglang_simm.embedded"):
         if client == "null":
-            from sglang_simm import nullkv
+            from sglang_simm.tools import nullkv
             from sglang_simm.client import KVClient
 
             kv = KVClient(nullkv, nullkv.Store(), description="null client", embedded=True)
@@ -254,7 +254,7 @@ def make_intree(pool: Any, geom: ModelGeometry, client: str) -> Any:
     """SGLang's in-tree backend with ``simm.kv`` = the null client or the
     embedded store (its ``manager_address`` ``bench:0`` names server ``bench``)."""
     if client == "null":
-        from sglang_simm import nullkv as kv_module
+        from sglang_simm.tools import nullkv as kv_module
     else:
         from sglang_simm import embedded as kv_module
     cls = load_intree_class(kv_module)
@@ -361,7 +361,7 @@ class OverheadRig:
         if self._stored_done:
             return
         # both backends talk to the client under test through the simm.kv surface
-        expected = "sglang_simm.nullkv" if self.client == "null" else "sglang_simm.embedded._client"
+        expected = "sglang_simm.tools.nullkv" if self.client == "null" else "sglang_simm.embedded._client"
         for name, store in (("ours", self.backends["ours"].client.store),
                             ("in-tree", self.backends["in-tree"].store)):
             module = type(store).__module__

@@ -372,7 +372,7 @@ class DemoResult:
 def _build_pools(geom: Any, layout: str, host_pages: int) -> tuple[Any, Any]:
     """A small CPU device pool (two pages: the controller needs one, the
     L2 copies never run) and a host pool of at least ``host_pages`` pages."""
-    from sglang_simm import pools
+    from sglang_simm.tools import pools
 
     device_tokens = 2 * geom.page_size
     device_pool = pools.build_device_pool(geom, device_tokens)
@@ -434,7 +434,8 @@ class DirectDriver(_Driver):
     mode = "direct"
 
     def __init__(self, geom: Any, layout: str, host_pages: int, extra: dict[str, Any]):
-        from sglang_simm import plugin, pools
+        from sglang_simm import plugin
+        from sglang_simm.tools import pools
 
         with _quiet_imports():
             from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -529,7 +530,8 @@ class ControllerDriver(_Driver):
                  timeout_s: float):
         import torch.distributed as dist
 
-        from sglang_simm import plugin, pools
+        from sglang_simm import plugin
+        from sglang_simm.tools import pools
 
         with _quiet_imports():
             from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -726,7 +728,7 @@ class DemoOptions:
 
 
 def resolve_geometry(model: str, page_size: int | None) -> Any:
-    from sglang_simm.pools import PRESETS
+    from sglang_simm.tools.pools import PRESETS
 
     if model not in PRESETS:
         raise ValueError(f"unknown model preset {model!r}; choose one of: {', '.join(PRESETS)} (--list-models)")
@@ -765,7 +767,7 @@ def _resolve_extra(extra: dict[str, Any]) -> tuple[dict[str, Any], Any]:
 def list_models(console: Any) -> int:
     from rich.table import Table
 
-    from sglang_simm.pools import PRESETS
+    from sglang_simm.tools.pools import PRESETS
 
     table = Table(title="geometry presets (one TP rank)")
     for col in ("preset", "model", "layers", "KV heads", "head dim", "page", "dtype", "page bytes"):
@@ -775,7 +777,7 @@ def list_models(console: Any) -> int:
         dim = f"{g.kv_lora_rank}+{g.qk_rope_head_dim}" if g.is_mla else str(g.head_dim)
         table.add_row(key, g.name, str(g.layer_num), heads, dim, str(g.page_size),
                       str(g.dtype).replace("torch.", ""), _human(g.page_bytes()))
-    from sglang_simm.demo_hybrid import list_rows
+    from sglang_simm.tools.demo.hybrid import list_rows
 
     for row in list_rows():
         table.add_row(*row)
@@ -1090,7 +1092,7 @@ def run_demo(console: Any, args: Any, extra: dict[str, Any]) -> int:
     if getattr(args, "list_models", False):
         return list_models(console)
     opts = DemoOptions.from_args(args)
-    from sglang_simm.demo_hybrid import is_hybrid_preset, run_hybrid_demo
+    from sglang_simm.tools.demo.hybrid import is_hybrid_preset, run_hybrid_demo
 
     if is_hybrid_preset(opts.model):  # a KV pool plus a Mamba state pool (v2)
         return run_hybrid_demo(console, opts, extra)

@@ -1,0 +1,1 @@
+"""Operator tools behind the ``sglang-simm`` command; the backend never imports them."""
