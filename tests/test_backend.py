@@ -233,11 +233,12 @@ def test_client_exceptions_are_caught_counted_and_answered_as_misses(attach):
         (hashes(2), torch.arange(0, 3), 1),  # fewer slots than pages
         (hashes(2), torch.arange(2, 10), 1),  # not page-aligned
         (hashes(1), torch.tensor([4, 5, 7, 6]), 1),  # scrambled page
+        (hashes(1), torch.tensor([4, 6, 5, 7]), 1),  # first and last slot right, reordered inside
         (hashes(2), torch.arange(10_000, 10_008), 1),  # outside the pool
         ([None, 5], torch.arange(0, 8), 0),  # not strings
         (["x" * 300, hashes(1)[0]], torch.arange(0, 8), 0),  # key over SiMM's limit
     ],
-    ids=["empty", "short", "misaligned", "scrambled", "outside", "non-str", "too-long"],
+    ids=["empty", "short", "misaligned", "scrambled", "reordered-inside", "outside", "non-str", "too-long"],
 )
 def test_bad_inputs_never_raise_and_never_touch_the_pool(attach, keys, indices, stored_leading):
     backend, host = attach(tiny())
@@ -397,9 +398,9 @@ def test_head_groups_let_different_tp_sizes_share_pages(attach):
 
 
 def test_key_cache_overflow_and_non_ascii_keys_stay_correct(attach, monkeypatch):
-    from sglang_simm import backend as backend_module
+    from sglang_simm import binding as binding_module
 
-    monkeypatch.setattr(backend_module, "KEY_CACHE_LIMIT", 3)
+    monkeypatch.setattr(binding_module, "KEY_CACHE_LIMIT", 3)
     backend, host = attach(tiny())
     fill_random(host, 19)
     keys = hashes(3) + ["页面-ключ-ü"]  # a non-ASCII page key within the byte budget

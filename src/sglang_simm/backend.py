@@ -10,332 +10,31 @@ there are counted by code and logged rate-limited.
 from __future__ import annotations
 
 import logging
-import operator
-from itertools import chain
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from dataclasses import replace
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from sglang_simm import errors, hybrid, keys as keyspace
+from sglang_simm.binding import Plan, PoolBinding
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, log_resolved
 from sglang_simm.errors import UnsupportedPoolError
-from sglang_simm.geometry import (
-    SUPPORTED_LAYOUTS,
-    PageGeometry,
-    derive_geometry,
-    derive_region_geometry,
-    page_starts,
-)
+from sglang_simm.geometry import SUPPORTED_LAYOUTS
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
 
 logger = logging.getLogger(__name__)
-
-#: Above this many objects per pool, views are built per call instead of
-#: once for the pool's lifetime (memory over speed).
-VIEW_TABLE_LIMIT = 1 << 21
-
-#: Page keys whose object keys are kept (about 200 bytes each per object).
-KEY_CACHE_LIMIT = 1 << 16
 
 #: Codes that mean "not there": the synchronous client folds every server
 #: answer of a get, a plain miss included, into GetObjectFailed.
 _MISS_CODES = (errors.DS_KEY_NOT_FOUND, errors.GET_OBJECT_FAILED)
 #: A concurrent writer stored the object first (same key, same bytes).
 _ALREADY_EXISTS = errors.DS_DATA_ALREADY_EXISTS
-
-
-@dataclass
-class _Plan:
-    """One batch resolved to SiMM objects."""
-
-    #: indices (into the caller's keys) of the pages the objects belong to;
-    #: None: every page, in order
-    pages: np.ndarray | None
-    keys: list[str]
-    views: list[Any]
-
-    @property
-    def rows(self) -> Any:
-        """Index of the planned pages among the caller's keys."""
-        return slice(None) if self.pages is None else self.pages
-
-
-class PoolBinding:
-    """One host pool bound to SiMM: its memory regions, geometry and keys.
-
-    Everything per pool that does not change per call is computed here once.
-    A pool is one region (its ``kv_buffer``) unless ``regions`` names several
-    host tensors (a Mamba pool's temporal and conv states); each object is
-    then viewed through the region that holds it. ``part_names`` names a
-    side pool's objects when they are not K/V halves (``keys.named_part_suffixes``).
-    """
-
-    def __init__(
-        self,
-        *,
-        client: KVClient,
-        pool: Any,
-        identity: keyspace.PageIdentity,
-        scheme: str,
-        meta: Callable[[Any], tuple[list[int], list[int]]],
-        regions: Sequence[torch.Tensor] | None = None,
-        part_names: Sequence[str] | None = None,
-    ):
-        self.pool = pool
-        self.page_size = int(pool.page_size)
-        if regions is None:
-            buffer = pool.kv_buffer
-            if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
-                raise UnsupportedPoolError(
-                    f"{type(pool).__name__}.kv_buffer is not one host tensor; "
-                    "this backend registers the host pool as one memory region"
-                )
-            regions = [buffer]
-        regions = list(regions)
-        if not regions or any(
-            not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0 for t in regions
-        ):
-            raise UnsupportedPoolError(f"{type(pool).__name__}: every region must be a non-empty host tensor")
-        self.buffers = regions
-        self.buffer = regions[0]
-        spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in regions]
-        make_indices = lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64)  # noqa: E731
-        try:
-            if len(regions) == 1:
-                self.geometry: PageGeometry = derive_geometry(
-                    meta,
-                    page_size=self.page_size,
-                    pool_tokens=int(pool.size),
-                    buffer_start=spans[0][0],
-                    buffer_bytes=spans[0][1],
-                    make_indices=make_indices,
-                )
-                part_region = np.zeros(self.geometry.parts, dtype=np.int64)
-            else:
-                self.geometry, part_region = derive_region_geometry(
-                    meta,
-                    page_size=self.page_size,
-                    pool_tokens=int(pool.size),
-                    regions=spans,
-                    make_indices=make_indices,
-                )
-        except UnsupportedPoolError:
-            raise
-        except Exception as exc:
-            raise UnsupportedPoolError(
-                f"cannot read the page geometry of {type(pool).__name__} "
-                f"(layout {getattr(pool, 'layout', '?')!r}): {type(exc).__name__}: {exc}"
-            ) from exc
-        self.identity = identity = _with_object_bytes(identity, self.geometry.object_bytes)
-        if scheme == "legacy":
-            refusal = keyspace.legacy_refusal(identity)
-            if refusal:
-                raise UnsupportedPoolError(
-                    f"key_scheme 'legacy' cannot be used here: {refusal}; use key_scheme 'namespaced'"
-                )
-            self.prefix = keyspace.legacy_prefix(identity)
-            self.suffixes = keyspace.legacy_suffixes(identity, self.geometry.chunks)
-        else:
-            self.prefix = keyspace.namespaced_prefix(identity)
-            if part_names is not None:
-                self.suffixes = keyspace.named_part_suffixes(identity, part_names, self.geometry.chunks)
-            else:
-                self.suffixes = keyspace.namespaced_suffixes(identity, self.geometry.chunks)
-        if len(self.suffixes) != self.geometry.parts:
-            raise UnsupportedPoolError(
-                f"{type(pool).__name__} reports {self.geometry.parts // self.geometry.chunks} "
-                f"objects per page, expected {len(self.suffixes) // self.geometry.chunks} "
-                f"for {'MLA' if identity.is_mla else 'MHA'}"
-            )
-        self.key_budget = keyspace.max_page_key_bytes(self.prefix, self.suffixes)
-        self.parts = self.geometry.parts
-        self.sizes = self.geometry.sizes
-        self.sizes_list = self.sizes.tolist()
-        self.page_bytes = self.geometry.page_bytes
-        self.client = client
-        self.mrs: list[Any] = []
-        try:
-            for t in regions:
-                self.mrs.append(client.register(t))
-        except BaseException:
-            for mr in self.mrs:
-                client.deregister(mr)
-            raise
-        self.mr = self.mrs[0]
-        #: the memory region of each part, in part order
-        self.part_mrs = [self.mrs[r] for r in part_region.tolist()]
-        self._view = client.view
-        self._table: list[Any] | None = None
-        self._page_views: dict[int, tuple[Any, ...]] | None = None
-        total = self.geometry.num_pages * self.parts
-        if total <= VIEW_TABLE_LIMIT:
-            ptrs = self.geometry.pointers(
-                np.arange(self.geometry.num_pages, dtype=np.int64) * self.page_size
-            ).tolist()
-            sizes = self.sizes_list * self.geometry.num_pages
-            mrs = self.part_mrs * self.geometry.num_pages
-            self._table = [self._view(p, s, m) for p, s, m in zip(ptrs, sizes, mrs)]
-            parts = self.parts
-            self._page_views = {
-                page * self.page_size: tuple(self._table[page * parts:(page + 1) * parts])
-                for page in range(self.geometry.num_pages)
-            }
-        self._key_cache: dict[str, tuple[str, ...]] = {}
-
-    def fast_keys(self, page_keys: Sequence[str], *, remember: bool = True) -> list[str] | None:
-        """Object keys of every page, or None when any page key is unusable.
-
-        Lookups repeat page keys (exists, then get, then other requests
-        sharing the prefix), so their object keys are cached, validated once
-        on insert. Writes pass ``remember=False``: a page this server backs
-        up stays in its own host tiers, so it rarely looks it up again soon.
-        """
-        cache = self._key_cache
-        try:
-            return list(chain.from_iterable([cache[k] for k in page_keys]))
-        except (KeyError, TypeError):  # a new (or unhashable) page key
-            return self._new_keys(page_keys, remember)
-
-    def _new_keys(self, page_keys: Sequence[str], remember: bool = True) -> list[str] | None:
-        """Validate a batch of page keys with C-level checks, build their
-        object keys, and cache them (``remember``)."""
-        try:
-            joined = "".join(page_keys)  # TypeError: a key that is not a str
-        except TypeError:
-            return None
-        if not page_keys or min(map(len, page_keys)) == 0:
-            return None
-        budget = self.key_budget
-        if max(map(len, page_keys)) > budget or (
-            not joined.isascii() and not all(keyspace.key_fits(k, budget) for k in page_keys)
-        ):
-            return None
-        parts = self.parts
-        out = keyspace.object_keys(self.prefix, page_keys, self.suffixes)
-        if not remember:
-            return out
-        cache = self._key_cache
-        if len(cache) + len(page_keys) > KEY_CACHE_LIMIT:
-            cache.clear()
-        cache.update(zip(page_keys, zip(*[out[i::parts] for i in range(parts)])))
-        return out
-
-    def fast_views(self, host_indices: Any, n: int) -> list[Any] | None:
-        """Views of ``n`` pages from their first slots, or None when the
-        indices are not whole pages of this pool (then ``plan`` decides).
-
-        A page is named by its first slot, as SGLang's own
-        ``get_page_buffer_meta`` does; the last slot is checked too, so a
-        short or reordered page is refused.
-        """
-        views = self._page_views
-        ps = self.page_size
-        if views is None or not isinstance(host_indices, torch.Tensor):
-            return None
-        try:
-            slots = host_indices.numpy()  # a view, cheaper to inspect and slice than the tensor
-        except (TypeError, RuntimeError):  # not on the CPU, or not plain memory
-            return None
-        if slots.ndim != 1 or len(slots) != n * ps:
-            return None
-        firsts_arr = slots[::ps]
-        firsts = firsts_arr.tolist()
-        if ps > 1:
-            step = ps - 1
-            if n > 32:
-                if (slots[step::ps] - firsts_arr != step).any():
-                    return None
-            elif any(last - first != step for first, last in zip(firsts, slots[step::ps].tolist())):
-                return None
-        try:
-            return list(chain.from_iterable(map(views.__getitem__, firsts)))
-        except (KeyError, TypeError):
-            return None
-
-    def plan(
-        self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog, *, remember: bool = True
-    ) -> _Plan | None:
-        """Resolve a batch; None (all misses) when the indices are unusable.
-
-        ``pages`` is None when every page is usable (the common case, served
-        without numpy); otherwise it lists the usable pages.
-        """
-        n = len(page_keys)
-        obj_keys = self.fast_keys(page_keys, remember=remember)
-        if obj_keys is not None:
-            views = self.fast_views(host_indices, n)
-            if views is not None:
-                return _Plan(pages=None, keys=obj_keys, views=views)
-        indices = _as_numpy(host_indices)
-        starts = page_starts(indices, self.page_size, n) if indices is not None else None
-        if starts is None:
-            log(
-                "bad_indices",
-                "SiMM: host_indices do not hold %d whole, page-aligned pages of %d slots "
-                "(got %s); treating the batch as misses",
-                n, self.page_size, None if indices is None else indices.shape,
-            )
-            return None
-        if np.any(starts + self.page_size > self.geometry.num_pages * self.page_size) or np.any(starts < 0):
-            log("bad_indices", "SiMM: host_indices outside the host pool; treating the batch as misses")
-            return None
-        pages, obj_keys = self.page_object_keys(page_keys)
-        if len(pages) != n:
-            log("bad_key", "SiMM: %d page keys are not strings within %d bytes; those pages miss",
-                n - len(pages), self.key_budget)
-            starts = starts[pages]
-        valid = len(pages)
-        if self._table is not None:
-            ids = self.geometry.object_ids(starts // self.page_size).tolist()
-            views = list(operator.itemgetter(*ids)(self._table)) if len(ids) > 1 else [self._table[i] for i in ids]
-        else:
-            ptrs = self.geometry.pointers(starts).tolist()
-            sizes = self.sizes_list * valid
-            mrs = self.part_mrs * valid
-            view = self._view
-            views = [view(p, s, m) for p, s, m in zip(ptrs, sizes, mrs)]
-        return _Plan(pages=pages, keys=obj_keys, views=views)
-
-    def page_object_keys(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-        fits = [keyspace.key_fits(k, self.key_budget) for k in page_keys]
-        pages = np.flatnonzero(fits) if not all(fits) else np.arange(len(page_keys))
-        valid = page_keys if len(pages) == len(page_keys) else [page_keys[i] for i in pages.tolist()]
-        return pages, keyspace.object_keys(self.prefix, valid, self.suffixes)
-
-    def close(self) -> None:
-        self._table = None
-        self._page_views = None
-        mrs, self.mrs, self.mr = self.mrs, [], None
-        self.part_mrs = [None] * len(self.part_mrs)
-        for mr in mrs:
-            if mr is not None:
-                self.client.deregister(mr)
-
-
-def _with_object_bytes(identity: keyspace.PageIdentity, object_bytes: tuple[int, ...]) -> keyspace.PageIdentity:
-    from dataclasses import replace
-
-    return replace(identity, object_bytes=object_bytes)
-
-
-def _as_numpy(host_indices: Any) -> np.ndarray | None:
-    if isinstance(host_indices, torch.Tensor):
-        if host_indices.device.type != "cpu":
-            host_indices = host_indices.cpu()
-        return host_indices.numpy()
-    if isinstance(host_indices, np.ndarray):
-        return host_indices
-    try:
-        return np.asarray(host_indices, dtype=np.int64)
-    except (TypeError, ValueError):
-        return None
 
 
 class HiCacheSiMM(HiCacheStorage):
@@ -474,7 +173,7 @@ class HiCacheSiMM(HiCacheStorage):
                 self._log("unbound", "SiMM: batch_exists before a host pool was registered")
                 return 0
             self.counters.record_exists()
-            obj_keys = b.fast_keys(keys)
+            obj_keys = b.keys.of_all(keys)
             if obj_keys is not None:
                 found_list = self.client.mexists(obj_keys)
                 if len(found_list) != len(obj_keys):
@@ -495,7 +194,7 @@ class HiCacheSiMM(HiCacheStorage):
 
     def _planned(
         self, where: str, keys: Sequence[str], host_indices: Any, *, remember: bool = True
-    ) -> tuple[PoolBinding, _Plan] | None:
+    ) -> tuple[PoolBinding, Plan] | None:
         """The KV binding and the batch's objects, or None when it can only miss."""
         b = self._kv
         if b is None:
@@ -583,7 +282,7 @@ class HiCacheSiMM(HiCacheStorage):
             self._fault("batch_set_v1", exc)
             return [False] * n
 
-    def _pages_read(self, b: PoolBinding, plan: _Plan, n: int, codes: np.ndarray) -> tuple[list[bool], int]:
+    def _pages_read(self, b: PoolBinding, plan: Plan, n: int, codes: np.ndarray) -> tuple[list[bool], int]:
         """One bool per caller page from mget's codes for ``plan``: True where
         every object read back exactly its size; and how many were. Faults
         among the rest are counted."""
@@ -717,7 +416,6 @@ class HiCacheSiMM(HiCacheStorage):
         anchor (``"kv"``) is already bound by ``register_mem_pool_host``.
         Raises UnsupportedPoolError (failing the attach) on a pool we refuse."""
         name = hybrid.pool_name(host_pool_name)
-        self.__dict__.setdefault("registered_pools", {})[host_pool_name] = host_pool
         if name == hybrid.KV:
             if self._kv is None:
                 self.register_mem_pool_host(host_pool)
@@ -832,7 +530,7 @@ class HiCacheSiMM(HiCacheStorage):
 
     def _plan_v2(
         self, transfers: list[Any], results: dict[Any, list[bool]], op: str
-    ) -> list[tuple[Any, PoolBinding, int, _Plan]]:
+    ) -> list[tuple[Any, PoolBinding, int, Plan]]:
         """Resolve every transfer; results start as all-False, one per key."""
         plans = []
         for t in transfers:

@@ -188,13 +188,34 @@ def max_page_key_bytes(prefix: str, suffixes: Sequence[str]) -> int:
     return MAX_KEY_BYTES - len(prefix.encode()) - longest
 
 
-def key_fits(page_key: object, budget: int) -> bool:
-    """A page hash we can store: a non-empty str whose keys fit the limit.
+def key_fits(key: object, budget: int = MAX_KEY_BYTES) -> bool:
+    """The one rule for a usable key: a non-empty ``str`` of at most
+    ``budget`` bytes in UTF-8 (SiMM counts key bytes; text with no UTF-8 form,
+    such as a lone surrogate, is no key). ``budget`` is SiMM's limit for an
+    object key, or ``max_page_key_bytes`` for a page key.
 
-    ``len`` counts characters; only non-ASCII text needs the byte count.
+    ``len`` counts characters, never more than the bytes: only non-ASCII
+    text needs encoding.
     """
-    if not isinstance(page_key, str) or not page_key:
+    if not isinstance(key, str) or not key or len(key) > budget:
         return False
-    if len(page_key) > budget:
+    if key.isascii():
+        return True
+    try:
+        return len(key.encode("utf-8")) <= budget
+    except UnicodeEncodeError:
         return False
-    return page_key.isascii() or len(page_key.encode()) <= budget
+
+
+def keys_fit(keys: Sequence[object], budget: int = MAX_KEY_BYTES) -> bool:
+    """``key_fits`` for every key of a batch, with C-level checks for the
+    common case (every key an ASCII string)."""
+    try:
+        joined = "".join(keys)  # type: ignore[arg-type]  # TypeError: a key that is not a str
+    except TypeError:
+        return False
+    if not keys:
+        return True
+    if min(map(len, keys)) == 0 or max(map(len, keys)) > budget:  # type: ignore[arg-type]
+        return False
+    return joined.isascii() or all(key_fits(k, budget) for k in keys)
