@@ -309,6 +309,33 @@ def test_legacy_copying_path_round_trips_with_the_same_objects(attach):
     assert backend.get(hashes(1, salt="nope")[0], host.get_dummy_flat_data_page()) is None
 
 
+def test_copying_path_writes_like_v1_only_the_missing_objects(attach, store_name):
+    backend, host = attach(tiny())
+    fill_random(host, 21)
+    keys = hashes(4)
+    assert all(backend.batch_set_v1(keys[:2], slots(host, 0, 2)))
+    puts_before = get_server(store_name).stats()["puts"]
+    values = [host.get_data_page(p * host.page_size, flat=True) for p in range(4)]
+    assert backend.batch_set(keys, values) is True
+    assert get_server(store_name).stats()["puts"] - puts_before == 2 * 2  # K and V of the 2 new pages
+    stats = backend.stats()
+    assert stats["pages_written"] == 2 + 2 and stats["pages_skipped_existing"] == 2
+    assert stats["bytes_written"] == 4 * values[0].numel() * values[0].element_size()
+    assert backend.batch_exists(keys) == 4
+
+
+def test_copying_path_failed_puts_are_counted_by_code(attach, store_name):
+    backend, host = attach(tiny())
+    fill_random(host, 22)
+    values = [host.get_data_page(0, flat=True)]
+    get_server(store_name).faults.configure(error_rate=1.0)
+    try:
+        assert backend.batch_set(hashes(1), values) is False
+    finally:
+        get_server(store_name).faults.configure(error_rate=0.0)
+    assert backend.stats()["errors"] and backend.stats()["pages_write_failed"] == 1
+
+
 def test_get_stats_returns_sglangs_storage_metrics_drained_per_call(attach):
     from sglang_simm.metrics import storage_metrics_class
 

@@ -409,6 +409,24 @@ def test_set_skips_objects_already_stored(hybrid_attach):
     assert stats["pages_written"] == 4 and stats["pages_skipped_existing"] == 3
 
 
+def test_writes_leave_the_key_cache_alone_on_v1_and_v2_alike(hybrid_attach):
+    """A page this server backs up stays in its own host tiers: neither write
+    path keeps its keys; a lookup does, on either path."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend, pools = hybrid_attach(side=("swa",))
+    kv, swa = backend._kv, backend._side["swa"]
+    keys = hashes(3)
+    assert all(backend.batch_set_v1(keys, slots(pools["kv"], 0, 3)))
+    t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 0, 3))
+    assert backend.batch_set_v2([t]) == {PoolName.SWA: [True] * 3}
+    assert len(kv.keys) == 0 and len(swa.keys) == 0
+    assert all(backend.batch_get_v1(keys, slots(pools["kv"], 4, 3)))
+    t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 4, 3))
+    assert backend.batch_get_v2([t]) == {PoolName.SWA: [True] * 3}
+    assert len(kv.keys) == 3 and len(swa.keys) == 3
+
+
 # ------------------------------------------------ hit query, hand-worked cases
 
 

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -192,19 +192,24 @@ class HiCacheSiMM(HiCacheStorage):
             self._fault("batch_exists", exc)
             return 0
 
-    def _planned(
-        self, where: str, keys: Sequence[str], host_indices: Any, *, remember: bool = True
-    ) -> tuple[PoolBinding, Plan] | None:
+    def _planned(self, where: str, keys: Sequence[str], host_indices: Any, *, write: bool) -> tuple[PoolBinding, Plan] | None:
         """The KV binding and the batch's objects, or None when it can only miss."""
         b = self._kv
         if b is None:
             self._log("unbound", "SiMM: %s before a host pool was registered", where)
             return None
-        plan = b.plan(keys, host_indices, self._log, remember=remember)
+        plan = self._plan(b, keys, host_indices, write=write)
+        return None if plan is None else (b, plan)
+
+    def _plan(self, b: PoolBinding, keys: Sequence[str], host_indices: Any, *, write: bool) -> Plan | None:
+        """One batch of one pool resolved to objects (v1 and v2 alike), or
+        None (counted) when its indices are unusable. Writes do not fill the
+        key cache: a page this server backs up stays in its own host tiers,
+        so it rarely looks it up again soon."""
+        plan = b.plan(keys, host_indices, self._log, remember=not write)
         if plan is None:
             self.counters.record_error("bad_indices")
-            return None
-        return b, plan
+        return plan
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool; True only where every object of the
@@ -213,7 +218,7 @@ class HiCacheSiMM(HiCacheStorage):
         if n == 0:
             return []
         try:
-            planned = self._planned("batch_get_v1", keys, host_indices)
+            planned = self._planned("batch_get_v1", keys, host_indices, write=False)
             if planned is None:
                 return [False] * n
             b, plan = planned
@@ -245,39 +250,15 @@ class HiCacheSiMM(HiCacheStorage):
         if n == 0:
             return []
         try:
-            planned = self._planned("batch_set_v1", keys, host_indices, remember=False)
+            planned = self._planned("batch_set_v1", keys, host_indices, write=True)
             if planned is None:
                 return [False] * n
             b, plan = planned
-            t0 = time.perf_counter()
-            present_list = self.client.mexists(plan.keys)
-            if len(present_list) != len(plan.keys):
-                raise RuntimeError(f"mexists answered {len(present_list)} results for {len(plan.keys)} keys")
-            if plan.pages is None and not any(present_list):
-                # the common backup: nothing stored yet, so one mput of it all
-                put_codes = self.client.mput(plan.keys, plan.views)
-                if len(put_codes) == len(plan.keys) and not any(put_codes):
-                    dt = time.perf_counter() - t0
-                    self.counters.record_set(n, 0, 0, n * b.page_bytes, dt)
-                    if self._profile:
-                        self._profile_set(n, 0, n, dt)
-                    return [True] * n
-            else:
-                put_codes = None
-            present = np.asarray(present_list, dtype=bool)
-            skipped = int(present.reshape(-1, b.parts).all(axis=1).sum())
-            sizes = np.tile(b.sizes, len(plan.keys) // b.parts)
-            # put_codes: the mput above already covered every object
-            written_bytes = self._put_missing(plan.keys, plan.views, present, sizes, put_codes)
-            dt = time.perf_counter() - t0
-            ok = present.reshape(-1, b.parts).all(axis=1)
-            result = np.zeros(n, dtype=bool)
-            result[plan.rows] = ok
-            good = int(ok.sum())
-            self.counters.record_set(good - skipped, skipped, n - good, written_bytes, dt)
+            w = self._write([(b, plan, n)])
             if self._profile:
-                self._profile_set(n, skipped, good - skipped, dt)
-            return result.tolist()
+                logger.info("SiMM batch_set_v1: %d pages, %d already stored, %d written, %.1f us",
+                            n, w.skipped, w.written, w.seconds * 1e6)
+            return w.rows[0]
         except Exception as exc:
             self._fault("batch_set_v1", exc)
             return [False] * n
@@ -294,6 +275,62 @@ class HiCacheSiMM(HiCacheStorage):
         if hits != ok.size:
             self._count_codes(got[~ok], b.sizes)
         return result.tolist(), hits
+
+    def _write(self, segments: Sequence[tuple[PoolBinding, Plan, int]]) -> _Written:
+        """The one write step of every path (v1, v2 and copying): one
+        ``mexists`` for the objects of every ``(binding, plan, pages asked)``
+        segment, one ``mput`` of those not stored yet, counted. A page is
+        stored when every object of it is, from before or now."""
+        if len(segments) == 1:
+            keys, views = segments[0][1].keys, segments[0][1].views
+        else:
+            keys = [k for _, plan, _ in segments for k in plan.keys]
+            views = [v for _, plan, _ in segments for v in plan.views]
+        t0 = time.perf_counter()
+        present_list = self.client.mexists(keys)
+        if len(present_list) != len(keys):
+            raise RuntimeError(f"mexists answered {len(present_list)} results for {len(keys)} keys")
+        put_codes = None
+        if not any(present_list):
+            # the common backup: nothing stored yet, so one mput of it all
+            put_codes = self.client.mput(keys, views if views.__class__ is list else list(views))
+            if len(put_codes) == len(keys) and not any(put_codes):
+                return self._written_all(segments, time.perf_counter() - t0)
+        present = np.asarray(present_list, dtype=bool)
+        already = present.copy()
+        sizes = np.concatenate([np.tile(b.sizes, len(plan.keys) // b.parts) for b, plan, _ in segments])
+        nbytes = self._put_missing(keys, views, present, sizes, put_codes)
+        seconds = time.perf_counter() - t0
+        rows, good, skipped, total, start = [], 0, 0, 0, 0
+        for b, plan, n in segments:
+            stop = start + len(plan.keys)
+            ok = present[start:stop].reshape(-1, b.parts).all(axis=1)
+            skipped += int(already[start:stop].reshape(-1, b.parts).all(axis=1).sum())
+            start = stop
+            row = np.zeros(n, dtype=bool)
+            row[plan.rows] = ok
+            rows.append(row.tolist())
+            good += int(ok.sum())
+            total += n
+        self.counters.record_set(good - skipped, skipped, total - good, nbytes, seconds)
+        return _Written(rows, good - skipped, skipped, nbytes, seconds)
+
+    def _written_all(self, segments: Sequence[tuple[PoolBinding, Plan, int]], seconds: float) -> _Written:
+        """``_write``'s answer when every planned object was new and is now stored."""
+        rows, written, total, nbytes = [], 0, 0, 0
+        for b, plan, n in segments:
+            pages = len(plan.keys) // b.parts
+            if plan.pages is None:
+                rows.append([True] * n)
+            else:
+                row = np.zeros(n, dtype=bool)
+                row[plan.pages] = True
+                rows.append(row.tolist())
+            written += pages
+            total += n
+            nbytes += pages * b.page_bytes
+        self.counters.record_set(written, 0, total - written, nbytes, seconds)
+        return _Written(rows, written, 0, nbytes, seconds)
 
     def _put_missing(
         self, keys: Sequence[str], views: Sequence[Any], present: np.ndarray, sizes: np.ndarray,
@@ -320,10 +357,6 @@ class HiCacheSiMM(HiCacheStorage):
     def _profile_get(self, n: int, hits: int, dt: float, b: PoolBinding) -> None:
         logger.info("SiMM batch_get_v1: %d pages, %d hits, %.1f us, %.2f GiB/s",
                     n, hits, dt * 1e6, hits * b.page_bytes / (1 << 30) / dt if dt else 0.0)
-
-    def _profile_set(self, n: int, skipped: int, written: int, dt: float) -> None:
-        logger.info("SiMM batch_set_v1: %d pages, %d already stored, %d written, %.1f us",
-                    n, skipped, written, dt * 1e6)
 
     # ------------------------------------------------- legacy (copying) path
 
@@ -383,27 +416,8 @@ class HiCacheSiMM(HiCacheStorage):
             pages, obj_keys = b.page_object_keys(keys)
             if len(pages) != n or not all(_fits_flat(v, b.page_bytes) for v in vals):
                 return False
-            present = np.asarray(self.client.mexists(obj_keys), dtype=bool)
-            missing = np.flatnonzero(~present).tolist()
-            if missing:
-                offsets = np.concatenate([[0], np.cumsum(b.sizes)[:-1]]).tolist()
-                put_keys, put_views = [], []
-                for i in missing:
-                    page, part = divmod(i, b.parts)
-                    src = vals[page].contiguous().view(torch.uint8).reshape(-1)
-                    size = b.sizes_list[part]
-                    blk = self.client.allocate(size)
-                    blk.as_ref().copy_(src[offsets[part]:offsets[part] + size])
-                    put_keys.append(obj_keys[i])
-                    put_views.append(blk.view())
-                codes = np.asarray(self.client.mput(put_keys, put_views), dtype=np.int64)
-                stored = (codes == 0) | (codes == _ALREADY_EXISTS)
-                if not stored.all():
-                    self._count_failed_puts(codes[~stored])
-                present[missing] = stored
-            ok = present.reshape(-1, b.parts).all(axis=1)
-            self.counters.record_set(int(ok.sum()), 0, int((~ok).sum()), 0, 0.0)
-            return bool(ok.all())
+            plan = Plan(pages=None, keys=obj_keys, views=_Staged(self.client, b, vals))
+            return all(self._write([(b, plan, n)]).rows[0])
         except Exception as exc:
             self._fault("batch_set", exc)
             return False
@@ -529,7 +543,7 @@ class HiCacheSiMM(HiCacheStorage):
                 return None
 
     def _plan_v2(
-        self, transfers: list[Any], results: dict[Any, list[bool]], op: str
+        self, transfers: list[Any], results: dict[Any, list[bool]], op: str, *, write: bool
     ) -> list[tuple[Any, PoolBinding, int, Plan]]:
         """Resolve every transfer; results start as all-False, one per key."""
         plans = []
@@ -544,11 +558,9 @@ class HiCacheSiMM(HiCacheStorage):
                 self._log("unregistered", "SiMM %s: pool %r was never registered; its pages miss",
                           op, hybrid.pool_name(t.name))
                 continue
-            plan = b.plan(keys, t.host_indices, self._log)
-            if plan is None:
-                self.counters.record_error("bad_indices")
-                continue
-            plans.append((t.name, b, len(keys), plan))
+            plan = self._plan(b, keys, t.host_indices, write=write)
+            if plan is not None:
+                plans.append((t.name, b, len(keys), plan))
         return plans
 
     def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
@@ -558,7 +570,7 @@ class HiCacheSiMM(HiCacheStorage):
         transfers = list(transfers or [])
         results: dict[Any, list[bool]] = {}
         try:
-            plans = self._plan_v2(transfers, results, "batch_get_v2")
+            plans = self._plan_v2(transfers, results, "batch_get_v2", write=False)
             if not plans:
                 return results
             all_keys = [k for _, _, _, plan in plans for k in plan.keys]
@@ -591,35 +603,15 @@ class HiCacheSiMM(HiCacheStorage):
         transfers = list(transfers or [])
         results: dict[Any, list[bool]] = {}
         try:
-            plans = self._plan_v2(transfers, results, "batch_set_v2")
+            plans = self._plan_v2(transfers, results, "batch_set_v2", write=True)
             if not plans:
                 return results
-            all_keys = [k for _, _, _, plan in plans for k in plan.keys]
-            all_views = [v for _, _, _, plan in plans for v in plan.views]
-            all_sizes = np.concatenate([np.tile(b.sizes, len(plan.keys) // b.parts) for _, b, _, plan in plans])
-            t0 = time.perf_counter()
-            present = np.asarray(self.client.mexists(all_keys), dtype=bool)
-            if present.size != len(all_keys):
-                raise RuntimeError(f"mexists answered {present.size} results for {len(all_keys)} keys")
-            already = present.copy()
-            written_bytes = self._put_missing(all_keys, all_views, present, all_sizes)
-            dt = time.perf_counter() - t0
-            good = skipped = total = 0
-            start = 0
-            for name, b, n, plan in plans:
-                stop = start + len(plan.keys)
-                ok = present[start:stop].reshape(-1, b.parts).all(axis=1)
-                skipped += int(already[start:stop].reshape(-1, b.parts).all(axis=1).sum())
-                start = stop
-                row = np.zeros(n, dtype=bool)
-                row[plan.rows] = ok
-                results[name] = row.tolist()
-                good += int(ok.sum())
-                total += n
-            self.counters.record_set(good - skipped, skipped, total - good, written_bytes, dt)
+            w = self._write([(b, plan, n) for _, b, n, plan in plans])
+            for (name, _, _, _), row in zip(plans, w.rows):
+                results[name] = row
             if self._profile:
                 logger.info("SiMM batch_set_v2: %d pages in %d pools, %d already stored, %d written, %.1f us",
-                            total, len(plans), skipped, good - skipped, dt * 1e6)
+                            sum(n for _, _, n, _ in plans), len(plans), w.skipped, w.written, w.seconds * 1e6)
             return results
         except Exception as exc:
             self._fault("batch_set_v2", exc)
@@ -701,6 +693,49 @@ class HiCacheSiMM(HiCacheStorage):
         self.counters.record_codes(counts)
         self._log("put", "SiMM write errors: %s",
                   ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counts.items()))
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What one write did."""
+
+    #: per segment, one bool per page asked for: stored (before or now)
+    rows: list[list[bool]]
+    #: pages put now, pages found already stored
+    written: int
+    skipped: int
+    #: bytes put, and the seconds from mexists to the last mput
+    nbytes: int
+    seconds: float
+
+
+class _Staged:
+    """The copying path's objects as views: object ``i`` is copied out of
+    its flat page into a client-owned block when first asked for, so only
+    the objects not stored yet are copied."""
+
+    def __init__(self, client: KVClient, b: PoolBinding, pages: list[torch.Tensor]):
+        self._client = client
+        self._parts = b.parts
+        self._sizes = b.sizes_list
+        self._offsets = np.concatenate([[0], np.cumsum(b.sizes)[:-1]]).tolist()
+        self._pages = pages
+        self._blocks: list[Any] = []  # held until the put is done
+
+    def __len__(self) -> int:
+        return len(self._pages) * self._parts
+
+    def __getitem__(self, i: int) -> Any:
+        page, part = divmod(i, self._parts)
+        src = self._pages[page].contiguous().view(torch.uint8).reshape(-1)
+        size, offset = self._sizes[part], self._offsets[part]
+        block = self._client.allocate(size)
+        block.as_ref().copy_(src[offset:offset + size])
+        self._blocks.append(block)
+        return block.view()
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self)))
 
 
 def _all_false(transfers: list[Any]) -> dict[Any, list[bool]]:

@@ -206,6 +206,10 @@ class KeyCache:
         self.budget = keyspace.max_page_key_bytes(prefix, suffixes)
         self._cache: dict[str, tuple[str, ...]] = {}
 
+    def __len__(self) -> int:
+        """Page keys kept."""
+        return len(self._cache)
+
     def of_all(self, page_keys: Sequence[str], *, remember: bool = True) -> list[str] | None:
         """Object keys of every page, or None when any page key is unusable.
         ``remember``: keep them for the next lookup."""
