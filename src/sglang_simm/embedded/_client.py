@@ -54,7 +54,6 @@ from sglang_simm.errors import (
     DS_DATA_ALREADY_EXISTS,
     GET_OBJECT_FAILED,
     INVALID_ARGUMENT,
-    MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
     OK,
     PUT_OBJECT_FAILED,
@@ -62,6 +61,8 @@ from sglang_simm.errors import (
     TIMEOUT,
     code_name,
 )
+from sglang_simm.keys import key_fits, keys_fit
+from sglang_simm.values import parse_bool
 
 logger = logging.getLogger("sglang_simm.embedded")
 
@@ -75,18 +76,14 @@ logger = logging.getLogger("sglang_simm.embedded")
 # a new ``Store()`` joins. The manager port flag is ``cm_rpc_inter_port``;
 # there is no ``cm_primary_node_port`` in the real client, so it is refused.
 
-_BOOL_TRUE = frozenset({"1", "t", "true", "y", "yes"})
-_BOOL_FALSE = frozenset({"0", "f", "false", "n", "no"})
 _INT_RE = re.compile(r"[+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)\Z")
 
 
 def _parse_bool(value: str) -> str | None:
-    lowered = value.lower()
-    if lowered in _BOOL_TRUE:
-        return "true"
-    if lowered in _BOOL_FALSE:
-        return "false"
-    return None
+    try:
+        return "true" if parse_bool(value) else "false"
+    except ValueError:
+        return None
 
 
 def _parse_int(value: str, lo: int, hi: int) -> str | None:
@@ -413,11 +410,6 @@ class Block:
 # -- checks before the network -----------------------------------------------------
 
 
-def _key_ok(key: str) -> bool:
-    size = len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
-    return 0 < size <= MAX_KEY_BYTES
-
-
 def _as_key(key: object) -> str:
     if not isinstance(key, str):
         raise TypeError(f"key must be a str, got {type(key).__name__}")
@@ -507,7 +499,7 @@ class Store:
 
     def delete(self, key: str) -> int:
         key = _as_key(key)
-        if not _key_ok(key):
+        if not key_fits(key):
             return INVALID_ARGUMENT
         faults = self._server.faults
         if faults.outage(1):
@@ -605,9 +597,8 @@ class Store:
         n = len(keys)
         if n != len(views):
             return [INVALID_ARGUMENT] * n
-        for key, view in zip(keys, views):
-            if not _key_ok(key) or not 0 < view._size <= MAX_VALUE_BYTES:
-                return [INVALID_ARGUMENT] * n
+        if not keys_fit(keys) or not all(0 < view._size <= MAX_VALUE_BYTES for view in views):
+            return [INVALID_ARGUMENT] * n
         results = [OK] * n
         live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
@@ -625,9 +616,8 @@ class Store:
         n = len(keys)
         if n != len(views):
             return [INVALID_ARGUMENT] * n
-        for key in keys:
-            if not _key_ok(key):
-                return [INVALID_ARGUMENT] * n
+        if not keys_fit(keys):
+            return [INVALID_ARGUMENT] * n
         results = [OK] * n
         live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
@@ -641,9 +631,8 @@ class Store:
 
     def _lookup(self, keys: list[str]) -> list[int]:
         n = len(keys)
-        for key in keys:
-            if not _key_ok(key):
-                return [INVALID_ARGUMENT] * n
+        if not keys_fit(keys):
+            return [INVALID_ARGUMENT] * n
         results = [OK] * n
         live = self._network(results, list(range(n)))
         if live:
