@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_doctor(console, _extra_from_args(args), sysfs_root=args.sysfs_root)
         if args.command == "demo":
-            from sglang_simm.tools.demo.kv import run_demo
+            from sglang_simm.tools.demo import run_demo
 
             return run_demo(console, args, _extra_from_args(args))
         if args.command == "bench":

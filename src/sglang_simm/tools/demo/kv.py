@@ -1,4 +1,4 @@
-"""``sglang-simm demo``: HiCache's L3 write-back and restore, on a CPU.
+"""The KV demo: HiCache's L3 write-back and restore of a real model's pages, on a CPU.
 
 What SGLang does with an L3 storage backend while it serves, replayed with
 SGLang's own pieces and a real model's page geometry:
@@ -35,19 +35,36 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import random
-import resource
-import sys
 import tempfile
 import threading
 import time
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from queue import Empty
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
+
+from sglang_simm.tools.demo.common import (
+    VOCAB_SIZE,
+    DemoFailure,
+    DemoOptions,
+    DemoResult,
+    DemoSetupError,
+    PageHasher,
+    PagePattern,
+    Phase,
+    Progress,
+    human,
+    own_embedded_store,
+    python_page_hashes,
+    quiet_imports,
+    resolve_extra,
+    run_command,
+    sglang_version,
+    storage_batch_size,
+    wipe,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,53 +73,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_PAGES = 192
 #: The share of request B's pages that it has in common with request A.
 SHARED_FRACTION = 0.75
-#: The controller's batch size (SGLang's ``STORAGE_BATCH_SIZE``), when the
-#: installed SGLang does not export it.
-FALLBACK_BATCH_SIZE = 128
-#: Poison written over the host pool before every restore: a page that is
-#: not really loaded cannot pass the byte comparison.
-POISON_BYTE = 0xA5
-#: A vocabulary size for the synthetic prompts (Llama 3's).
-VOCAB_SIZE = 128_256
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_SETUP = 2
-
-
-class DemoFailure(Exception):
-    """A check failed: a page is missing, a lookup is wrong or a byte differs."""
-
-
-class DemoSetupError(Exception):
-    """The demo cannot run with these options on this machine."""
-
-
-# ---------------------------------------------------------------- utilities
-
-
-def _quiet_imports() -> contextlib.AbstractContextManager[Any]:
-    """SGLang warns at import about GPU-only quantization methods; on a CPU
-    that is expected noise."""
-    cm = warnings.catch_warnings()
-
-    class _Quiet:
-        def __enter__(self) -> None:
-            cm.__enter__()
-            warnings.simplefilter("ignore")
-
-        def __exit__(self, *exc: Any) -> None:
-            cm.__exit__(*exc)
-
-    return _Quiet()
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _available_memory() -> int | None:
@@ -114,256 +84,6 @@ def _available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def _peak_rss_bytes() -> int:
-    usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return usage if sys.platform == "darwin" else usage * 1024
-
-
-def _sglang_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:
-        return "unknown"
-
-
-def storage_batch_size() -> int:
-    try:
-        from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
-
-        return int(STORAGE_BATCH_SIZE)
-    except Exception:
-        return FALLBACK_BATCH_SIZE
-
-
-# ------------------------------------------------------------- page hashes
-
-
-def python_page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str | None = None) -> list[str]:
-    """SGLang's page hash chain in pure Python: per whole page, SHA-256 over
-    the previous page's digest (if any) and the page's token ids as
-    little-endian uint32 (``hash_binding.cpp``, token ids below 2**32)."""
-    import hashlib
-    from array import array
-
-    prior = bytes.fromhex(prior_hash) if prior_hash else None
-    out: list[str] = []
-    for start in range(0, len(token_ids) - len(token_ids) % page_size, page_size):
-        page = array("I", token_ids[start:start + page_size])
-        if sys.byteorder != "little":
-            page.byteswap()
-        h = hashlib.sha256()
-        if prior is not None:
-            h.update(prior)
-        h.update(page.tobytes())
-        prior = h.digest()
-        out.append(h.hexdigest())
-    return out
-
-
-def sglang_hash_function() -> tuple[Callable[..., Any] | None, str]:
-    """SGLang's own ``get_storage_hash_str`` if it imports and its native
-    extension loads; else None and why."""
-    try:
-        with _quiet_imports():
-            from sglang.srt.mem_cache.utils import get_storage_hash_str
-        get_storage_hash_str([1, 2], None, page_size=2)
-        return get_storage_hash_str, "sglang.srt.mem_cache.utils.get_storage_hash_str"
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-
-
-class PageHasher:
-    """Page keys the way SGLang computes them (its function when it works)."""
-
-    def __init__(self) -> None:
-        self.fn, detail = sglang_hash_function()
-        if self.fn is not None:
-            self.source = detail
-            self.fallback_reason = None
-        else:
-            self.source = "python re-implementation of SGLang's page hash"
-            self.fallback_reason = detail
-
-    def __call__(self, token_ids: Sequence[int], page_size: int, prior_hash: str | None = None) -> list[str]:
-        if self.fn is not None:
-            return list(self.fn(list(token_ids), prior_hash, page_size=page_size))
-        return python_page_hashes(token_ids, page_size, prior_hash)
-
-
-# ---------------------------------------------------------------- patterns
-
-
-class PagePattern:
-    """A deterministic byte pattern per page, tied to the page's key.
-
-    One random block the size of a page (fixed seed), XORed word by word
-    with 64 bits of the page's key: every page differs from every other,
-    and every word of a page from its neighbours, so a lost, swapped,
-    shifted or partly written page cannot compare equal.
-    """
-
-    def __init__(self, page_bytes: int, seed: int = 0x51AA):
-        import torch
-
-        self.page_bytes = page_bytes
-        words = (page_bytes + 7) // 8
-        gen = torch.Generator().manual_seed(seed)
-        self._base = torch.randint(0, 256, (words * 8,), dtype=torch.uint8, generator=gen).view(torch.int64)
-
-    @staticmethod
-    def key_seed(key: str) -> int:
-        value = int(key[:16], 16) if len(key) >= 16 else hash(key) & (2**64 - 1)
-        return value - 2**64 if value >= 2**63 else value
-
-    def _words(self, key: str) -> Any:
-        return self._base ^ self.key_seed(key)
-
-    def expected(self, key: str) -> Any:
-        """The page's bytes (uint8)."""
-        import torch
-
-        return self._words(key).view(torch.uint8)[: self.page_bytes]
-
-    def fill(self, host: Any, slot: int, key: str) -> None:
-        import torch
-
-        words = self._words(key)
-        data = words if self.page_bytes % 8 == 0 else words.view(torch.uint8)[: self.page_bytes]
-        host.set_from_flat_data_page(slot, data.view(host.dtype))
-
-    def check(self, host: Any, slot: int, key: str) -> int | None:
-        """None when the page at ``slot`` holds exactly ``key``'s pattern;
-        else the offset of the first differing byte."""
-        import torch
-
-        got = host.get_data_page(slot, flat=True).reshape(-1).view(torch.uint8)
-        if got.numel() != self.page_bytes:
-            return min(got.numel(), self.page_bytes)
-        if self.page_bytes % 8 == 0:
-            # word by word: the same bytes, an eighth of the comparisons
-            if torch.equal(got.view(torch.int64) ^ self.key_seed(key), self._base):
-                return None
-        want = self.expected(key)
-        if torch.equal(got, want):
-            return None
-        return int((got != want).nonzero()[0].item())
-
-
-def _wipe(host: Any) -> None:
-    import torch
-
-    buffers = [getattr(host, name, None) for name in ("kv_buffer", "k_buffer", "v_buffer")]
-    for buf in buffers:
-        if isinstance(buf, torch.Tensor):
-            buf.view(-1).view(torch.uint8).fill_(POISON_BYTE)
-
-
-# ---------------------------------------------------------------- progress
-
-
-class _Progress:
-    """rich progress bars on a terminal; nothing otherwise."""
-
-    def __init__(self, console: Any):
-        self._progress = None
-        if console is not None and getattr(console, "is_terminal", False):
-            try:
-                from rich.progress import (
-                    BarColumn,
-                    MofNCompleteColumn,
-                    Progress,
-                    SpinnerColumn,
-                    TextColumn,
-                    TimeElapsedColumn,
-                )
-
-                self._progress = Progress(
-                    SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                    MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True,
-                )
-            except ImportError:
-                self._progress = None
-
-    @contextlib.contextmanager
-    def task(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
-        """Yields ``update(completed)``."""
-        if self._progress is None:
-            yield lambda _completed: None
-            return
-        progress = self._progress
-        progress.start()
-        tid = progress.add_task(description, total=max(total, 1))
-        try:
-            yield lambda completed: progress.update(tid, completed=completed)
-        finally:
-            progress.remove_task(tid)
-            progress.stop()
-
-
-# ------------------------------------------------------------------ results
-
-
-@dataclass
-class Phase:
-    name: str
-    request: str
-    kind: str  # "write" or "read"
-    pages: int  # pages offered (write) or looked up (read)
-    hits: int | None = None  # pages the lookup found (read)
-    pages_moved: int = 0  # pages stored (write) or loaded (read)
-    page_bytes: int = 0
-    seconds: float = 0.0  # the storage work: enqueue to last acknowledgement
-    lookup_seconds: float | None = None
-    verified_pages: int = 0
-    relocated_pages: int | None = None
-
-    @property
-    def bytes(self) -> int:
-        return self.pages_moved * self.page_bytes
-
-    @property
-    def hit_rate(self) -> float | None:
-        if self.kind != "read" or self.hits is None or not self.pages:
-            return None
-        return self.hits / self.pages
-
-    @property
-    def gbps(self) -> float | None:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 and self.bytes else None
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.update(bytes=self.bytes, hit_rate=self.hit_rate, gbps=self.gbps)
-        return d
-
-
-@dataclass
-class DemoResult:
-    info: dict[str, Any] = field(default_factory=dict)
-    phases: list[Phase] = field(default_factory=list)
-    verified_pages: int = 0
-    verified_bytes: int = 0
-    expected_verified_bytes: int = 0
-    ok: bool = False
-    error: str | None = None
-    total_seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            **self.info,
-            "phases": [p.as_dict() for p in self.phases],
-            "verified_pages": self.verified_pages,
-            "verified_bytes": self.verified_bytes,
-            "expected_verified_bytes": self.expected_verified_bytes,
-            "ok": self.ok,
-            "error": self.error,
-            "total_seconds": self.total_seconds,
-            "peak_rss_bytes": _peak_rss_bytes(),
-        }
 
 
 # ------------------------------------------------------------------ drivers
@@ -437,7 +157,7 @@ class DirectDriver(_Driver):
         from sglang_simm import plugin
         from sglang_simm.tools import pools
 
-        with _quiet_imports():
+        with quiet_imports():
             from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
         if not plugin.register():
@@ -533,7 +253,7 @@ class ControllerDriver(_Driver):
         from sglang_simm import plugin
         from sglang_simm.tools import pools
 
-        with _quiet_imports():
+        with quiet_imports():
             from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
             from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
             from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -603,7 +323,7 @@ class ControllerDriver(_Driver):
             self.close()
             raise DemoSetupError("SGLang's controller did not choose the zero-copy page path for 'simm'")
         self.description = (
-            f"SGLang {_sglang_version()}'s {type(self.cc).__name__} (backup, prefetch and "
+            f"SGLang {sglang_version()}'s {type(self.cc).__name__} (backup, prefetch and "
             f"prefetch-IO threads, {storage_batch_size()} pages a batch)"
         )
 
@@ -702,31 +422,6 @@ def _remove_quietly(path: str) -> None:
 # --------------------------------------------------------------------- demo
 
 
-@dataclass
-class DemoOptions:
-    model: str = "llama3-8b"
-    pages: int | None = None
-    page_size: int | None = None
-    layout: str = "page_first"
-    direct: bool = False
-    json_path: str | None = None
-    seed: int | None = None
-    timeout_s: float | None = None
-
-    @classmethod
-    def from_args(cls, args: Any) -> DemoOptions:
-        return cls(
-            model=getattr(args, "model", None) or "llama3-8b",
-            pages=getattr(args, "pages", None),
-            page_size=getattr(args, "page_size", None),
-            layout=getattr(args, "layout", None) or "page_first",
-            direct=bool(getattr(args, "direct", False)),
-            json_path=getattr(args, "json", None),
-            seed=getattr(args, "seed", None),
-            timeout_s=getattr(args, "timeout", None),
-        )
-
-
 def resolve_geometry(model: str, page_size: int | None) -> Any:
     from sglang_simm.tools.pools import PRESETS
 
@@ -746,43 +441,49 @@ def split_request(pages: int) -> tuple[int, int]:
     return shared, pages - shared
 
 
-def _resolve_extra(extra: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """The extra config with ``manager_address`` defaulting to ``local``
-    (when no source sets it), and the resolved SiMM config."""
-    from sglang_simm import config as cfg
-
-    extra = dict(extra)
-    if "manager_address" not in extra:
-        named = False
-        for _name, source in cfg.SOURCES:
-            try:
-                named = named or "manager_address" in source(extra, os.environ)
-            except Exception:
-                named = True  # a broken source: let load_config report it
-        if not named:
-            extra["manager_address"] = "local"
-    return extra, cfg.load_config(extra)
-
-
-def list_models(console: Any) -> int:
-    from rich.table import Table
-
+def list_rows() -> list[tuple[str, ...]]:
+    """Rows for ``--list-models``: the KV presets."""
     from sglang_simm.tools.pools import PRESETS
 
-    table = Table(title="geometry presets (one TP rank)")
-    for col in ("preset", "model", "layers", "KV heads", "head dim", "page", "dtype", "page bytes"):
-        table.add_column(col, justify="left" if col in ("preset", "model", "dtype") else "right")
+    rows = []
     for key, g in PRESETS.items():
         heads = "MLA" if g.is_mla else str(g.head_num)
         dim = f"{g.kv_lora_rank}+{g.qk_rope_head_dim}" if g.is_mla else str(g.head_dim)
-        table.add_row(key, g.name, str(g.layer_num), heads, dim, str(g.page_size),
-                      str(g.dtype).replace("torch.", ""), _human(g.page_bytes()))
-    from sglang_simm.tools.demo.hybrid import list_rows
+        rows.append((key, g.name, str(g.layer_num), heads, dim, str(g.page_size),
+                     str(g.dtype).replace("torch.", ""), human(g.page_bytes())))
+    return rows
 
-    for row in list_rows():
-        table.add_row(*row)
-    console.print(table)
-    return EXIT_OK
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """One phase of the run, as data: the pages ``[first, stop)`` of a
+    request, written back (``write``) or looked up and loaded into fresh
+    host slots (``read``); the run and its table are built from a list of
+    these."""
+
+    name: str
+    request: str
+    kind: str
+    first: int
+    stop: int
+    #: pages a write must store, or a read must find and load
+    want: int
+    #: how messages name the phase
+    label: str
+    #: what the progress bar says
+    progress: str
+    #: read: the request id SGLang's controller sees
+    rid: str = ""
+    #: read: a restore must land in other slots than this write's
+    relocated_from: str | None = None
+    #: read: its slots stay taken until the run ends
+    hold: bool = False
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    keys: list[str]
 
 
 class Demo:
@@ -807,13 +508,12 @@ class Demo:
             # so it needs at least as many pages as layers.
             self.host_pages = max(self.host_pages, self.geom.layer_num)
         self.store_pages = self.pages + self.new
-        self.extra, self.resolved = _resolve_extra(extra)
+        self.extra, self.resolved = resolve_extra(extra)
         self.config = self.resolved.config
         self.result = DemoResult()
-        self.progress = _Progress(console)
+        self.progress = Progress(console)
         self.seed = opts.seed if opts.seed is not None else random.SystemRandom().randrange(2**32)
         self.timeout_s = opts.timeout_s or max(120.0, self.pages * 1.0)
-        self._created_store: str | None = None
 
     # -- setup ---------------------------------------------------------------
 
@@ -828,10 +528,10 @@ class Demo:
         available = _available_memory()
         if available is not None and need > 0.9 * available:
             raise DemoSetupError(
-                f"{self.pages} pages of {_human(self.page_bytes)} need about {_human(need)} "
-                f"(host pool {_human(host_bytes)}"
-                + (f", embedded store {_human(store_bytes)}" if store_bytes else "")
-                + f"), more than the {_human(available)} available: use fewer --pages"
+                f"{self.pages} pages of {human(self.page_bytes)} need about {human(need)} "
+                f"(host pool {human(host_bytes)}"
+                + (f", embedded store {human(store_bytes)}" if store_bytes else "")
+                + f"), more than the {human(available)} available: use fewer --pages"
             )
 
     def _build_driver(self, hasher: PageHasher) -> _Driver:
@@ -902,12 +602,25 @@ class Demo:
     def _page_starts(self, indices: Any) -> list[int]:
         return indices[:: self.geom.page_size].tolist()
 
-    def _fetch(self, driver: _Driver, rid: str, tokens: list[int], keys: list[str], last_hash: str | None,
-               what: str) -> tuple[int, int, Any, float, float]:
-        with self.progress.task(what, len(keys)) as update:
-            return driver.fetch(rid, tokens, keys, last_hash, update)
-
     # -- the run -------------------------------------------------------------
+
+    def phases(self) -> list[PhaseSpec]:
+        """A's write-back and cold restore; B, sharing a prefix with A: the
+        prefix hit, the write-back of its new pages and their fetch after the
+        prefix (chained keys, as a radix cache asks after matching the prefix
+        in host memory)."""
+        N, S, M = self.pages, self.shared, self.new
+        return [
+            PhaseSpec("write-back", "A", "write", 0, N, N, "request A's pages", "write-back: host pool -> store"),
+            PhaseSpec("cold restore", "A", "read", 0, N, N, "cold restore", "cold restore: store -> host pool",
+                      rid="request-A", relocated_from="write-back"),
+            PhaseSpec("prefix hit", "B", "read", 0, N, S, "request B's shared prefix",
+                      "request B: lookup and load of the prefix", rid="request-B", hold=True),
+            PhaseSpec("write new", "B", "write", S, N, M, "request B's new pages",
+                      "request B: write-back of the new pages"),
+            PhaseSpec("read new", "B", "read", S, N, M, "request B's new pages after the prefix",
+                      "request B: fetch of the new pages", rid="request-B-rest", relocated_from="write new"),
+        ]
 
     def run(self) -> DemoResult:
         t_run = time.perf_counter()
@@ -921,35 +634,27 @@ class Demo:
                           page_size=ps, dtype=str(geom.dtype).replace("torch.", ""), is_mla=geom.is_mla,
                           kv_lora_rank=geom.kv_lora_rank, qk_rope_head_dim=geom.qk_rope_head_dim),
             page_bytes=self.page_bytes, pages=N, shared_pages=S, new_pages=M, host_pool_pages=self.host_pages,
-            batch_size=storage_batch_size(), seed=self.seed, sglang_version=_sglang_version(),
+            batch_size=storage_batch_size(), seed=self.seed, sglang_version=sglang_version(),
             manager_address=self.config.manager_address,
         )
-
-        from sglang_simm.embedded import server_names
-
-        stores_before = set(server_names())
-        if self.config.is_embedded and self.config.embedded_name not in stores_before:
-            # the demo's own store: dropped at the end, its memory with it
-            self._created_store = self.config.embedded_name
         driver = None
         try:
-            with _quiet_imports():
-                hasher = PageHasher()
-                driver = self._build_driver(hasher)
-            self._announce(driver, hasher)
-            res.info.update(mode=driver.mode, driver=driver.description, hash_function=hasher.source,
-                            hash_fallback_reason=hasher.fallback_reason,
-                            store=getattr(getattr(driver.backend, "client", None), "description", None))
-            self._phases(driver, hasher)
-            res.ok = True
+            with own_embedded_store(self.config):
+                try:
+                    with quiet_imports():
+                        hasher = PageHasher()
+                        driver = self._build_driver(hasher)
+                    self._announce(driver, hasher)
+                    res.info.update(mode=driver.mode, driver=driver.description, hash_function=hasher.source,
+                                    hash_fallback_reason=hasher.fallback_reason,
+                                    store=getattr(getattr(driver.backend, "client", None), "description", None))
+                    self._run_phases(driver, self._requests(hasher))
+                    res.ok = True
+                finally:
+                    if driver is not None:
+                        res.info["backend_stats"] = driver.backend_stats()
+                        driver.close()
         finally:
-            if driver is not None:
-                res.info["backend_stats"] = driver.backend_stats()
-                driver.close()
-            if self._created_store is not None:
-                from sglang_simm.embedded import reset_servers
-
-                reset_servers(self._created_store)
             res.total_seconds = time.perf_counter() - t_run
         return res
 
@@ -962,16 +667,16 @@ class Demo:
         c.print(f"[bold]sglang-simm demo[/bold]: HiCache L3 write-back and restore on {store}")
         c.print(f"  model     {g.name} ({shape}, {str(g.dtype).replace('torch.', '')}, "
                 f"{g.page_size} tokens a page)")
-        c.print(f"  page      {_human(self.page_bytes)} = {objects} object(s) of "
-                f"{_human(self.page_bytes // objects)}, layout {self.opts.layout}")
+        c.print(f"  page      {human(self.page_bytes)} = {objects} object(s) of "
+                f"{human(self.page_bytes // objects)}, layout {self.opts.layout}")
         c.print(f"  requests  A: {self.pages} pages; B: {self.shared} shared with A + {self.new} new")
         c.print(f"  driver    {driver.description}")
         c.print(f"  keys      {hasher.source}"
                 + (f" (SGLang's: {hasher.fallback_reason})" if hasher.fallback_reason else ""))
 
-    def _phases(self, driver: _Driver, hasher: PageHasher) -> None:
-        res, ps, pb = self.result, self.geom.page_size, self.page_bytes
-        N, S, M = self.pages, self.shared, self.new
+    def _requests(self, hasher: PageHasher) -> dict[str, _Request]:
+        """A's tokens, and B's: A's first ``shared`` pages, then new ones."""
+        ps, N, S, M = self.geom.page_size, self.pages, self.shared, self.new
         rng = random.Random(self.seed)
         tokens_a = [rng.randrange(VOCAB_SIZE) for _ in range(N * ps)]
         tokens_b = tokens_a[: S * ps] + [rng.randrange(VOCAB_SIZE) for _ in range(M * ps)]
@@ -981,150 +686,71 @@ class Demo:
         self._check(keys_b[:S] == keys_a[:S] and keys_b[S] != keys_a[S],
                     "the page keys of the shared prefix differ between the two requests")
         self._check(len(set(keys_a + keys_b[S:])) == N + M, "two pages got the same key")
-        pattern = PagePattern(pb)
+        return {"A": _Request(tokens_a, keys_a), "B": _Request(tokens_b, keys_b)}
 
-        # 1. write-back of request A
-        slots_a = driver.alloc(N * ps)
-        self._check(slots_a is not None, f"the host pool has no room for {N} pages")
-        starts_a = self._page_starts(slots_a)
-        self._fill(driver, pattern, starts_a, keys_a, "request A's pages in the host pool")
-        with self.progress.task("write-back: host pool -> store", N) as update:
-            stored, seconds = driver.write(keys_a, tokens_a, slots_a, update)
-        phase = Phase("write-back", "A", "write", N, pages_moved=stored, page_bytes=pb, seconds=seconds)
-        res.phases.append(phase)
-        self._check(stored == N, f"write-back stored {stored} of {N} pages")
-        self._ok(f"write-back: {N} pages ({_human(N * pb)}) stored")
+    def _run_phases(self, driver: _Driver, requests: dict[str, _Request]) -> None:
+        pattern = PagePattern(self.page_bytes)
+        written: dict[str, list[int]] = {}
+        held: list[Any] = []
+        for spec in self.phases():
+            req = requests[spec.request]
+            if spec.kind == "write":
+                written[spec.name] = self._write_phase(driver, pattern, spec, req)
+            else:
+                slots = self._read_phase(driver, pattern, spec, req, written)
+                if spec.hold:
+                    held.append(slots)
+                else:
+                    driver.free(slots)
+        for slots in held:
+            driver.free(slots)
 
-        # 2. cold restore of request A into other host slots
-        driver.free(slots_a)
-        _wipe(driver.host)
-        hits, loaded, slots, lookup, load = self._fetch(driver, "request-A", tokens_a, keys_a, None,
-                                                        "cold restore: store -> host pool")
-        phase = Phase("cold restore", "A", "read", N, hits=hits, pages_moved=loaded, page_bytes=pb,
-                      seconds=lookup + load, lookup_seconds=lookup)
-        res.phases.append(phase)
-        self._check(hits == N, f"cold restore: the lookup found {hits} of {N} pages (hit rate {hits / N:.2f})")
-        self._check(loaded == N, f"cold restore: {loaded} of {N} pages loaded")
+    def _write_phase(self, driver: _Driver, pattern: PagePattern, spec: PhaseSpec, req: _Request) -> list[int]:
+        """Fill fresh host slots with the pages' patterns and write them back;
+        the slots' page starts."""
+        ps, n = self.geom.page_size, spec.stop - spec.first
+        slots = driver.alloc(n * ps)
+        self._check(slots is not None, f"the host pool has no room for {n} more pages")
         starts = self._page_starts(slots)
-        phase.relocated_pages = sum(a != b for a, b in zip(starts, starts_a))
-        phase.verified_pages = self._verify(driver, pattern, starts, keys_a, range(N), "cold restore")
-        self._ok(f"cold restore: {N}/{N} pages found and loaded into other host slots "
-                 f"({phase.relocated_pages} moved), every byte checked")
+        keys = req.keys[spec.first:spec.stop]
+        self._fill(driver, pattern, starts, keys, spec.label)
+        with self.progress.task(spec.progress, n) as update:
+            stored, seconds = driver.write(keys, req.tokens[spec.first * ps:spec.stop * ps], slots, update)
+        self.result.phases.append(Phase(spec.name, spec.request, "write", n, pages_moved=stored,
+                                        page_bytes=self.page_bytes, seconds=seconds))
+        self._check(stored == spec.want, f"{spec.label}: write-back stored {stored} of {spec.want} pages")
+        self._ok(f"{spec.label}: {n} pages ({human(n * self.page_bytes)}) written back")
         driver.free(slots)
-        _wipe(driver.host)
+        return starts
 
-        # 3. request B: the shared prefix hits, the rest is new
-        hits, loaded, slots, lookup, load = self._fetch(driver, "request-B", tokens_b, keys_b, None,
-                                                        "request B: lookup and load of the prefix")
-        phase = Phase("prefix hit", "B", "read", N, hits=hits, pages_moved=loaded, page_bytes=pb,
+    def _read_phase(self, driver: _Driver, pattern: PagePattern, spec: PhaseSpec, req: _Request,
+                    written: dict[str, list[int]]) -> Any:
+        """Look the pages up on a poisoned host pool, load the hit into fresh
+        slots and compare every byte; the slots."""
+        ps, n = self.geom.page_size, spec.stop - spec.first
+        wipe(driver.host)
+        keys = req.keys[spec.first:spec.stop]
+        after = req.keys[spec.first - 1] if spec.first else None
+        with self.progress.task(spec.progress, n) as update:
+            hits, loaded, slots, lookup, load = driver.fetch(
+                spec.rid, req.tokens[spec.first * ps:spec.stop * ps], keys, after, update)
+        phase = Phase(spec.name, spec.request, "read", n, hits=hits, pages_moved=loaded, page_bytes=self.page_bytes,
                       seconds=lookup + load, lookup_seconds=lookup)
-        res.phases.append(phase)
-        self._check(hits == S, f"request B: the lookup found {hits} pages, expected exactly the {S} shared ones")
-        self._check(loaded == S, f"request B: {loaded} of {S} shared pages loaded")
-        phase.verified_pages = self._verify(driver, pattern, self._page_starts(slots), keys_b[:S], range(S),
-                                            "request B's shared prefix")
-        self._ok(f"request B: lookup found exactly the {S} shared pages of {N}; loaded, every byte checked")
-
-        slots_new = driver.alloc(M * ps)
-        self._check(slots_new is not None, f"the host pool has no room for {M} more pages")
-        starts_new = self._page_starts(slots_new)
-        self._fill(driver, pattern, starts_new, keys_b[S:], "request B's new pages")
-        with self.progress.task("request B: write-back of the new pages", M) as update:
-            stored, seconds = driver.write(keys_b[S:], tokens_b[S * ps:], slots_new, update)
-        phase = Phase("write new", "B", "write", M, pages_moved=stored, page_bytes=pb, seconds=seconds)
-        res.phases.append(phase)
-        self._check(stored == M, f"request B: write-back stored {stored} of {M} new pages")
-        self._ok(f"request B: {M} new pages stored")
-        driver.free(slots_new)
-        _wipe(driver.host)
-
-        # ... and fetched back by their chained keys, after the prefix.
-        hits, loaded, slots_back, lookup, load = self._fetch(
-            driver, "request-B-rest", tokens_b[S * ps:], keys_b[S:], keys_b[S - 1],
-            "request B: fetch of the new pages")
-        phase = Phase("read new", "B", "read", M, hits=hits, pages_moved=loaded, page_bytes=pb,
-                      seconds=lookup + load, lookup_seconds=lookup)
-        res.phases.append(phase)
-        self._check(hits == M, f"request B: the lookup after the prefix found {hits} of {M} new pages")
-        self._check(loaded == M, f"request B: {loaded} of {M} new pages loaded")
-        starts = self._page_starts(slots_back)
-        phase.relocated_pages = sum(a != b for a, b in zip(starts, starts_new))
-        phase.verified_pages = self._verify(driver, pattern, starts, keys_b[S:], range(S, N),
-                                            "request B's new pages")
-        self._ok(f"request B: the {M} new pages read back after the prefix, every byte checked")
-        driver.free(slots_back)
-        driver.free(slots)
+        self.result.phases.append(phase)
+        self._check(hits == spec.want, f"{spec.label}: the lookup found {hits} of {n} pages "
+                                       f"(hit rate {hits / n:.2f}), expected {spec.want}")
+        self._check(loaded == spec.want, f"{spec.label}: {loaded} of {spec.want} pages loaded")
+        starts = self._page_starts(slots)
+        moved = ""
+        if spec.relocated_from is not None:
+            phase.relocated_pages = sum(a != b for a, b in zip(starts, written[spec.relocated_from]))
+            moved = f" into other host slots ({phase.relocated_pages} moved)"
+        phase.verified_pages = self._verify(driver, pattern, starts, keys[:hits],
+                                            range(spec.first, spec.first + hits), spec.label)
+        self._ok(f"{spec.label}: the lookup found {hits} of {n} pages, all loaded{moved}, every byte checked")
+        return slots
 
 
-def _rate(gbps: float | None) -> str:
-    if gbps is None:
-        return "-"
-    return f"{gbps:.2f} GB/s" if gbps >= 0.1 else f"{gbps * 1e3:.1f} MB/s"
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms"
-
-
-def render_table(console: Any, result: DemoResult) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"HiCache L3 phases ({result.info.get('mode', '?')} path)")
-    for col in ("phase", "pages", "hit rate", "bytes", "time", "speed"):
-        table.add_column(col, justify="left" if col == "phase" else "right", no_wrap=True)
-    for p in result.phases:
-        rate = "-" if p.hit_rate is None else f"{p.hit_rate:.2f} ({p.hits}/{p.pages})"
-        pages = f"{p.pages_moved}/{p.pages}" if p.kind == "write" else f"{p.pages_moved}"
-        table.add_row(f"{p.request}: {p.name}", pages, rate, _human(p.bytes), _duration(p.seconds),
-                      _rate(p.gbps))
-    console.print(table)
-
-
-def _write_json(path: str, result: DemoResult) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(result.as_dict(), fh, indent=2, default=str)
-        fh.write("\n")
-
-
-def run_demo(console: Any, args: Any, extra: dict[str, Any]) -> int:
-    """The ``demo`` command. 0: every check passed; 1: a check failed;
-    2: the demo could not run with these options here."""
-    if getattr(args, "list_models", False):
-        return list_models(console)
-    opts = DemoOptions.from_args(args)
-    from sglang_simm.tools.demo.hybrid import is_hybrid_preset, run_hybrid_demo
-
-    if is_hybrid_preset(opts.model):  # a KV pool plus a Mamba state pool (v2)
-        return run_hybrid_demo(console, opts, extra)
-    try:
-        demo = Demo(console, opts, extra)
-    except (ValueError, DemoSetupError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return EXIT_SETUP
-    code = EXIT_OK
-    try:
-        demo.run()
-    except DemoFailure as exc:
-        demo.result.error = str(exc)
-        console.print(f"[red]FAILED:[/red] {exc}")
-        code = EXIT_FAILED
-    except DemoSetupError as exc:
-        demo.result.error = str(exc)
-        console.print(f"[red]error:[/red] {exc}")
-        code = EXIT_SETUP
-    except Exception as exc:  # a bug or an SGLang this demo does not know: show it, keep the JSON
-        demo.result.error = f"{type(exc).__name__}: {exc}"
-        console.print_exception()
-        code = EXIT_FAILED
-    result = demo.result
-    if result.phases:
-        render_table(console, result)
-    if code == EXIT_OK:
-        console.print(
-            f"[green]all checks passed[/green]: {result.verified_pages} restored pages "
-            f"({_human(result.verified_bytes)}) match what was written, byte for byte; "
-            f"{result.total_seconds:.1f} s, peak memory {_human(_peak_rss_bytes())}")
-    if opts.json_path:
-        _write_json(opts.json_path, result)
-        console.print(f"results written to {opts.json_path}")
-    return code
+def run(console: Any, opts: DemoOptions, extra: dict[str, Any]) -> int:
+    """The KV demo, reported (``common.run_command``)."""
+    return run_command(console, lambda: Demo(console, opts, extra), opts.json_path, verified="restored pages")
