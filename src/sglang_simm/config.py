@@ -367,7 +367,10 @@ def _merge(partials: list[Sourced]) -> Sourced:
     for partial in partials:
         for name, (value, source) in partial.items():
             if name == "client_flags":
-                flag_parts.append((_parse_client_flags(value, source), source))
+                try:
+                    flag_parts.append((_parse_client_flags(value), source))
+                except InvalidValue as exc:
+                    raise ValueError(_problem(name, value, source, exc)) from None
             elif name not in merged:
                 merged[name] = (value, source)
     if flag_parts:
@@ -479,12 +482,12 @@ def _parse_log_file(value: Any) -> str | None:
     return value.strip()
 
 
-def _parse_client_flags(value: Any, source: str) -> dict[str, str]:
-    """A flag dict (or a JSON object string) -> ``{name: text}``; errors name the source."""
+def _parse_client_flags(value: Any) -> dict[str, str]:
+    """A flag dict (or a JSON object string) -> ``{name: text}``."""
     accepted = 'a JSON object of SiMM client flags, e.g. {"clnt_syncreq_enable_retry": true}'
 
-    def fail(problem: str) -> ValueError:
-        return ValueError(f"SiMM config: client_flags={value!r} (from {source}) {problem}; accepted: {accepted}")
+    def fail(problem: str) -> InvalidValue:
+        return InvalidValue(problem, accepted)
 
     data = value
     if isinstance(value, str):
@@ -584,7 +587,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "numa_node": _parse_optional_node,
     "request_timeout_ms": lambda v: _parse_int(v, 1, 3_600_000),
     "log_file": _parse_log_file,
-    "client_flags": lambda v: FlagMap(_parse_client_flags(v, "?")),
+    "client_flags": lambda v: FlagMap(_parse_client_flags(v)),
     "embedded_capacity_bytes": parse_byte_size,
     "key_scheme": _parse_key_scheme,
     "warmup": parse_bool,
@@ -599,6 +602,11 @@ _MISSING_ADDRESS = (
     f"(3) the env var {MANAGER_ENV} (or {env_var_name('manager_address')}). "
     'Use "local" (or "local://NAME") to run the embedded in-process store instead of a cluster.'
 )
+
+
+def _problem(name: str, value: Any, source: str, exc: InvalidValue) -> str:
+    """The one wording of a refused value: field, value, source, what is accepted."""
+    return f"SiMM config: {name}={value!r} (from {source}) {exc.problem}; accepted: {exc.accepted}"
 
 
 def _validate(raw: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
@@ -623,9 +631,7 @@ def _validate(raw: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
         try:
             out[name] = _PARSERS[name](value)
         except InvalidValue as exc:
-            errors.append(f"SiMM config: {name}={value!r} (from {source}) {exc.problem}; accepted: {exc.accepted}")
-        except ValueError as exc:  # client_flags words its own message
-            errors.append(str(exc).replace("(from ?)", f"(from {source})"))
+            errors.append(_problem(name, value, source, exc))
     if len(errors) == 1:
         raise ValueError(errors[0])
     if errors:

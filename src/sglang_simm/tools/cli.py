@@ -1,6 +1,7 @@
-"""``sglang-simm`` (also ``python -m sglang_simm``): doctor, demo, bench.
+"""``sglang-simm`` (also ``python -m sglang_simm``): the one door into the tools (doctor, demo, bench).
 
-The only module that imports rich, and only when a command runs.
+Each command's module is imported when it runs, and rich with it, so
+importing this module stays cheap.
 """
 
 from __future__ import annotations
