@@ -1,4 +1,4 @@
-"""``HiCacheSiMM``: SGLang's L3 storage backend on SiMM.
+"""``HiCacheSiMM``: SGLang's L3 storage backend on SiMM (attach, v1, v2, the copying path, faults).
 
 Attach-time work (config, connection, warm-up, memory registration, page
 geometry, per-pool object tables) may raise: a wrong setup must stop the

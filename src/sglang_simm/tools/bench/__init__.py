@@ -1,4 +1,4 @@
-"""``sglang-simm bench``: our backend against SGLang's in-tree one, in one process.
+"""``sglang-simm bench``: the command (plan, run, JSON) measuring our backend against SGLang's in-tree one.
 
 Three measurements over real SGLang host pools on the CPU:
 

@@ -1,8 +1,9 @@
-"""``sglang-simm demo``: HiCache's L3 write-back and restore, replayed on a CPU.
+"""``sglang-simm demo``: the command (``run_demo``, ``--list-models``), dispatching to the KV or the hybrid demo.
 
-``kv`` runs a KV-only model's pages through SGLang's own cache controller
-(or the backend directly); ``hybrid`` runs a hybrid model's KV pages and
-Mamba states through v1 and v2; ``common`` holds what both share.
+HiCache's L3 write-back and restore, replayed on a CPU. ``kv`` runs a
+KV-only model's pages through SGLang's own cache controller or the backend
+directly (``drivers``); ``hybrid`` runs a hybrid model's KV pages and Mamba
+states through v1 and v2; ``common`` holds what both share.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``sglang-simm demo --model <hybrid preset>``: a hybrid model's L3 path.
+"""The hybrid demo (``--model <hybrid preset>``): a hybrid model's KV pages and Mamba states through v1 and v2.
 
 A hybrid (linear-attention / Mamba) model keeps, beside its KV pages, one
 recurrent state per radix-tree node. SGLang's hybrid cache controller
