@@ -149,3 +149,25 @@ def test_no_import_cycle():
 def test_the_cycle_finder_finds_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_readme_layout_names_every_module():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("Layout of `src/sglang_simm/`"):]
+    section = section[: section.index("\n## ")]
+    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| `")}
+    missing = []
+    for module, path in MODULES.items():
+        rel = path.relative_to(ROOT).as_posix()
+        parts = rel.split("/")
+        if len(parts) == 1 or (parts[0] == "tools" and len(parts) == 2):
+            if rel != "tools/__init__.py" and f"`{rel}`" not in rows:
+                missing.append(rel)
+        else:  # a subpackage: its row names it, and a tool package's row names its modules
+            folder = "/".join(parts[:-1]) + "/"
+            row = rows.get(f"`{folder}`")
+            if row is None:
+                missing.append(folder)
+            elif folder.startswith("tools/") and parts[-1] != "__init__.py" and f"`{parts[-1]}`" not in row:
+                missing.append(rel)
+    assert sorted(set(missing)) == []
