@@ -291,7 +291,7 @@ class HiCacheSiMM(HiCacheStorage):
         if len(present_list) != len(keys):
             raise RuntimeError(f"mexists answered {len(present_list)} results for {len(keys)} keys")
         put_codes = None
-        if not any(present_list):
+        if keys and not any(present_list):
             # the common backup: nothing stored yet, so one mput of it all
             put_codes = self.client.mput(keys, views if views.__class__ is list else list(views))
             if len(put_codes) == len(keys) and not any(put_codes):
