@@ -4,7 +4,8 @@ A binding is built at attach, in steps that each stand alone here:
 
 1. ``host_regions``: the pool's host tensors, checked;
 2. ``pool_geometry``: where every object of a page lies (``geometry``);
-3. ``key_layout``: the key prefix and part suffixes of its objects (``keys``);
+3. ``keys.key_layout`` and ``check_parts``: the key prefix and the suffix of
+   every object, one per object the pool reports;
 4. ``register_regions``: the tensors registered with the client, once;
 5. ``ViewTable``: a ``BlockView`` per object, built once for the pool's life;
 
@@ -101,36 +102,14 @@ def pool_geometry(pool: Any, meta: Meta, regions: Sequence[torch.Tensor]) -> tup
         ) from exc
 
 
-def key_layout(
-    pool: Any,
-    identity: keyspace.PageIdentity,
-    scheme: str,
-    geometry: PageGeometry,
-    part_names: Sequence[str] | None = None,
-) -> tuple[str, tuple[str, ...]]:
-    """The key prefix and the suffix of every part, checked against the
-    number of objects the pool reports per page."""
-    if scheme == "legacy":
-        refusal = keyspace.legacy_refusal(identity)
-        if refusal:
-            raise UnsupportedPoolError(
-                f"key_scheme 'legacy' cannot be used here: {refusal}; use key_scheme 'namespaced'"
-            )
-        prefix = keyspace.legacy_prefix(identity)
-        suffixes = keyspace.legacy_suffixes(identity, geometry.chunks)
-    else:
-        prefix = keyspace.namespaced_prefix(identity)
-        if part_names is not None:
-            suffixes = keyspace.named_part_suffixes(identity, part_names, geometry.chunks)
-        else:
-            suffixes = keyspace.namespaced_suffixes(identity, geometry.chunks)
+def check_parts(pool: Any, identity: keyspace.PageIdentity, geometry: PageGeometry, suffixes: Sequence[str]) -> None:
+    """The key layout names exactly the objects the pool reports per page."""
     if len(suffixes) != geometry.parts:
         raise UnsupportedPoolError(
             f"{type(pool).__name__} reports {geometry.parts // geometry.chunks} "
             f"objects per page, expected {len(suffixes) // geometry.chunks} "
             f"for {'MLA' if identity.is_mla else 'MHA'}"
         )
-    return prefix, suffixes
 
 
 def register_regions(client: KVClient, regions: Sequence[torch.Tensor]) -> list[Any]:
@@ -266,7 +245,8 @@ class PoolBinding:
         self.geometry, part_region = pool_geometry(pool, meta, tensors)
         g = self.geometry
         self.identity = replace(identity, object_bytes=g.object_bytes)
-        self.prefix, self.suffixes = key_layout(pool, self.identity, scheme, g, part_names)
+        self.prefix, self.suffixes = keyspace.key_layout(self.identity, scheme, g.chunks, part_names)
+        check_parts(pool, self.identity, g, self.suffixes)
         self.keys = KeyCache(self.prefix, self.suffixes)
         self.page_size = g.page_size
         self.parts = g.parts

@@ -26,7 +26,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Literal, Sequence
 
-from sglang_simm.errors import MAX_KEY_BYTES
+from sglang_simm.errors import MAX_KEY_BYTES, UnsupportedPoolError
 
 KeyScheme = Literal["namespaced", "legacy"]
 KEY_SCHEMES: tuple[str, ...] = ("namespaced", "legacy")
@@ -169,6 +169,25 @@ def legacy_refusal(identity: PageIdentity) -> str | None:
     if identity.dcp_size > 1 or identity.attn_cp_size > 1:
         return "decode/attention context parallelism has no in-tree key"
     return None
+
+
+def key_layout(
+    identity: PageIdentity, scheme: str, chunks: int = 1, part_names: Sequence[str] | None = None
+) -> tuple[str, tuple[str, ...]]:
+    """The key prefix of a pool and the suffix of every object of its pages
+    under ``scheme``; ``part_names`` names a side pool's objects when they
+    are not K/V halves. Raises UnsupportedPoolError where the scheme has no
+    key for the pool."""
+    if scheme == "legacy":
+        refusal = legacy_refusal(identity)
+        if refusal:
+            raise UnsupportedPoolError(
+                f"key_scheme 'legacy' cannot be used here: {refusal}; use key_scheme 'namespaced'"
+            )
+        return legacy_prefix(identity), legacy_suffixes(identity, chunks)
+    if part_names is not None:
+        return namespaced_prefix(identity), named_part_suffixes(identity, part_names, chunks)
+    return namespaced_prefix(identity), namespaced_suffixes(identity, chunks)
 
 
 def _chunked(parts: Sequence[str], chunks: int) -> tuple[str, ...]:
