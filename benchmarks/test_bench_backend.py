@@ -3,7 +3,7 @@
 Run with ``pytest benchmarks`` (needs ``pip install pytest-benchmark``).
 Each group holds ours and SGLang's in-tree backend for one client, operation
 and batch size, so ``--benchmark-compare`` and the group table read as
-in-tree against ours. The rigs and checks are ``sglang_simm.bench``'s::
+in-tree against ours. The rigs and checks are ``sglang_simm.tools.bench``'s::
 
     pytest benchmarks --benchmark-group-by=group --benchmark-columns=median,iqr,ops
     pytest benchmarks -k "null and 128"          # one slice
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("pytest_benchmark")
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-from sglang_simm import bench  # noqa: E402
+from sglang_simm.tools import bench  # noqa: E402
 
 PAGES = (1, 8, 32, 128, 1024)
 BACKENDS = ("ours", "in-tree")
@@ -24,7 +24,7 @@ BACKENDS = ("ours", "in-tree")
 
 @pytest.fixture(scope="module")
 def pool():
-    from sglang_simm.pools import build_host_pool
+    from sglang_simm.tools.pools import build_host_pool
 
     p = build_host_pool(bench.OVERHEAD_GEOMETRY, tokens=max(PAGES) * bench.OVERHEAD_GEOMETRY.page_size)
     bench.fill_pool(p)

@@ -233,11 +233,12 @@ def test_client_exceptions_are_caught_counted_and_answered_as_misses(attach):
         (hashes(2), torch.arange(0, 3), 1),  # fewer slots than pages
         (hashes(2), torch.arange(2, 10), 1),  # not page-aligned
         (hashes(1), torch.tensor([4, 5, 7, 6]), 1),  # scrambled page
+        (hashes(1), torch.tensor([4, 6, 5, 7]), 1),  # first and last slot right, reordered inside
         (hashes(2), torch.arange(10_000, 10_008), 1),  # outside the pool
         ([None, 5], torch.arange(0, 8), 0),  # not strings
         (["x" * 300, hashes(1)[0]], torch.arange(0, 8), 0),  # key over SiMM's limit
     ],
-    ids=["empty", "short", "misaligned", "scrambled", "outside", "non-str", "too-long"],
+    ids=["empty", "short", "misaligned", "scrambled", "reordered-inside", "outside", "non-str", "too-long"],
 )
 def test_bad_inputs_never_raise_and_never_touch_the_pool(attach, keys, indices, stored_leading):
     backend, host = attach(tiny())
@@ -308,6 +309,33 @@ def test_legacy_copying_path_round_trips_with_the_same_objects(attach):
     assert backend.get(hashes(1, salt="nope")[0], host.get_dummy_flat_data_page()) is None
 
 
+def test_copying_path_writes_like_v1_only_the_missing_objects(attach, store_name):
+    backend, host = attach(tiny())
+    fill_random(host, 21)
+    keys = hashes(4)
+    assert all(backend.batch_set_v1(keys[:2], slots(host, 0, 2)))
+    puts_before = get_server(store_name).stats()["puts"]
+    values = [host.get_data_page(p * host.page_size, flat=True) for p in range(4)]
+    assert backend.batch_set(keys, values) is True
+    assert get_server(store_name).stats()["puts"] - puts_before == 2 * 2  # K and V of the 2 new pages
+    stats = backend.stats()
+    assert stats["pages_written"] == 2 + 2 and stats["pages_skipped_existing"] == 2
+    assert stats["bytes_written"] == 4 * values[0].numel() * values[0].element_size()
+    assert backend.batch_exists(keys) == 4
+
+
+def test_copying_path_failed_puts_are_counted_by_code(attach, store_name):
+    backend, host = attach(tiny())
+    fill_random(host, 22)
+    values = [host.get_data_page(0, flat=True)]
+    get_server(store_name).faults.configure(error_rate=1.0)
+    try:
+        assert backend.batch_set(hashes(1), values) is False
+    finally:
+        get_server(store_name).faults.configure(error_rate=0.0)
+    assert backend.stats()["errors"] and backend.stats()["pages_write_failed"] == 1
+
+
 def test_get_stats_returns_sglangs_storage_metrics_drained_per_call(attach):
     from sglang_simm.metrics import storage_metrics_class
 
@@ -368,7 +396,7 @@ def test_bad_config_fails_attach_naming_the_field(attach):
 
 def test_dynamic_route_without_interface_v1_warns_with_the_fix(store_name, caplog):
     from sglang_simm.backend import HiCacheSiMM
-    from sglang_simm.pools import storage_config
+    from sglang_simm.tools.pools import storage_config
 
     cfg = storage_config(extra_config={"manager_address": f"local://{store_name}"})
     backend = HiCacheSiMM(cfg, {})
@@ -397,9 +425,9 @@ def test_head_groups_let_different_tp_sizes_share_pages(attach):
 
 
 def test_key_cache_overflow_and_non_ascii_keys_stay_correct(attach, monkeypatch):
-    from sglang_simm import backend as backend_module
+    from sglang_simm import binding as binding_module
 
-    monkeypatch.setattr(backend_module, "KEY_CACHE_LIMIT", 3)
+    monkeypatch.setattr(binding_module, "KEY_CACHE_LIMIT", 3)
     backend, host = attach(tiny())
     fill_random(host, 19)
     keys = hashes(3) + ["页面-ключ-ü"]  # a non-ASCII page key within the byte budget

@@ -15,7 +15,7 @@ pytest.importorskip("rich")
 
 from rich.console import Console  # noqa: E402
 
-from sglang_simm import bench, nullkv  # noqa: E402
+from sglang_simm.tools import bench, nullkv  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ PYTHONS = os.environ.get("SGLANG_SIMM_COMPAT_PYTHONS", "").split()
 PROBE = r'''
 import json, torch
 from importlib.metadata import version
-from sglang_simm.pools import PRESETS, build_host_pool, storage_config
+from sglang_simm.tools.pools import PRESETS, build_host_pool, storage_config
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 import sglang_simm
 
@@ -31,7 +31,7 @@ except ImportError:
 for route in routes:
     for name in ("tiny", "mla"):
         if name == "mla":
-            from sglang_simm.pools import ModelGeometry
+            from sglang_simm.tools.pools import ModelGeometry
             geom = ModelGeometry("tiny-mla", 2, 1, 48, 4, is_mla=True, kv_lora_rank=32, qk_rope_head_dim=16)
         else:
             geom = PRESETS["tiny"]

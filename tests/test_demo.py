@@ -20,7 +20,9 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from sglang_simm import cli, demo  # noqa: E402
+from sglang_simm.tools import cli  # noqa: E402
+from sglang_simm.tools import demo  # noqa: E402
+from sglang_simm.tools.demo import common, kv  # noqa: E402
 from sglang_simm.embedded import reset_servers, server_names  # noqa: E402
 from sglang_simm.embedded._server import EmbeddedServer  # noqa: E402
 
@@ -33,10 +35,10 @@ PATHS = [pytest.param([], id="controller"), pytest.param(["--direct"], id="direc
 def sglang_ready():
     """Import SGLang's HiCache modules and build its native page hash once,
     so that cost is not charged to the first test."""
-    with demo._quiet_imports():
+    with common.quiet_imports():
         import sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller  # noqa: F401
         import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401
-    demo.sglang_hash_function()
+    common.sglang_hash_function()
 
 
 def run(tmp_path, *argv, extra=None, store="local"):
@@ -65,7 +67,7 @@ def check_success(code, data, text, *, pages, mode):
     assert code == 0, text
     assert data["ok"] is True and data["error"] is None
     assert data["mode"] == mode, data.get("controller_error")
-    shared, new = demo.split_request(pages)
+    shared, new = kv.split_request(pages)
     assert (data["pages"], data["shared_pages"], data["new_pages"]) == (pages, shared, new)
     # every restored byte was compared: request A, B's prefix, B's new pages
     assert data["verified_pages"] == pages + shared + new
@@ -184,7 +186,7 @@ def test_lost_page_fails(tmp_path, monkeypatch, path):
 
 def test_store_refusing_writes_fails(tmp_path):
     """An embedded store too small for even one batch: the write-back fails."""
-    page_bytes = demo.resolve_geometry("tiny", None).page_bytes()
+    page_bytes = kv.resolve_geometry("tiny", None).page_bytes()
     code, data, text = run(tmp_path, "--model", "tiny", "--pages", "16",
                            extra={"embedded_capacity_bytes": 8 * page_bytes})
     assert code == 1, text
@@ -193,13 +195,13 @@ def test_store_refusing_writes_fails(tmp_path):
 
 
 def test_python_page_hash_matches_sglang():
-    fn, why = demo.sglang_hash_function()
+    fn, why = common.sglang_hash_function()
     if fn is None:
         pytest.skip(f"SGLang's native page hash is not available: {why}")
     tokens = list(range(1000, 1000 + 4 * 16)) + [2**32 - 1] * 4
-    assert demo.python_page_hashes(tokens, 4) == list(fn(tokens, None, page_size=4))
-    prior = demo.python_page_hashes(tokens[:8], 4)[-1]
-    assert demo.python_page_hashes(tokens[8:], 4, prior) == demo.python_page_hashes(tokens, 4)[2:]
+    assert common.python_page_hashes(tokens, 4) == list(fn(tokens, None, page_size=4))
+    prior = common.python_page_hashes(tokens[:8], 4)[-1]
+    assert common.python_page_hashes(tokens[8:], 4, prior) == common.python_page_hashes(tokens, 4)[2:]
 
 
 def test_list_models_and_bad_options(tmp_path):
@@ -236,7 +238,7 @@ def test_controller_with_python_page_hash(tmp_path, monkeypatch):
     from sglang.srt.mem_cache.hybrid_cache import hybrid_cache_controller as hcc
 
     original = hcc.get_storage_hash_str
-    monkeypatch.setattr(demo, "sglang_hash_function", lambda: (None, "disabled by the test"))
+    monkeypatch.setattr(common, "sglang_hash_function", lambda: (None, "disabled by the test"))
     code, data, text = run(tmp_path, "--model", "tiny", "--pages", "12")
     check_success(code, data, text, pages=12, mode="controller")
     assert data["hash_fallback_reason"] == "disabled by the test"

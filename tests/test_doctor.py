@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from sglang_simm.cli import main
+from sglang_simm.tools.cli import main
 
 
 def doctor(capsys, *args, sysfs=None):

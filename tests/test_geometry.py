@@ -79,10 +79,27 @@ def test_objects_outside_the_buffer_are_refused():
         (np.arange(9, 17), 2, None),
         (np.array([8, 9, 10, 11, 4, 5, 6, 7]), 2, [8, 4]),
         (np.array([8, 9, 11, 10]), 1, None),
+        (np.array([8, 10, 9, 11]), 1, None),
         (np.arange(0, 8), 3, None),
+        (np.arange(8, 16, dtype=np.int32), 2, [8, 12]),
+        (np.arange(8, 16).astype(np.float64), 2, None),
     ],
-    ids=["aligned", "short", "misaligned", "pages-out-of-order", "scrambled-page", "count-mismatch"],
+    ids=["aligned", "short", "misaligned", "pages-out-of-order", "scrambled-page", "reordered-inside",
+         "count-mismatch", "int32", "float"],
 )
 def test_page_starts_accepts_only_whole_aligned_pages(indices, n, ok):
     got = page_starts(indices, PAGE, n)
     assert (got is None) if ok is None else got.tolist() == ok
+
+
+@pytest.mark.parametrize("pages", [8, 100, 3000], ids=["few", "many", "past-the-byte-compare"])
+def test_page_starts_checks_every_slot_of_every_page(pages):
+    order = np.random.default_rng(pages).permutation(2 * pages)[:pages]
+    indices = (order[:, None] * PAGE + np.arange(PAGE)[None, :]).ravel()
+    assert page_starts(indices, PAGE, pages).tolist() == (order * PAGE).tolist()
+    for where in (1, pages // 2 * PAGE + 2, indices.size - 2):  # two slots of one page swapped
+        bad = indices.copy()
+        bad[[where, where + 1]] = bad[[where + 1, where]]
+        assert page_starts(bad, PAGE, pages) is None
+    shifted = indices + 1  # every page one slot off
+    assert page_starts(shifted, PAGE, pages) is None

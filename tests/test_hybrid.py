@@ -24,13 +24,13 @@ from sglang_simm.geometry import derive_region_geometry
 
 
 def tiny(**changes):
-    from sglang_simm.pools import PRESETS
+    from sglang_simm.tools.pools import PRESETS
 
     return dataclasses.replace(PRESETS["tiny"], **changes)
 
 
 def tiny_mla(**changes):
-    from sglang_simm.pools import ModelGeometry
+    from sglang_simm.tools.pools import ModelGeometry
 
     base = ModelGeometry("tiny-mla", 2, 1, 48, 4, is_mla=True, kv_lora_rank=32, qk_rope_head_dim=16)
     return dataclasses.replace(base, **changes)
@@ -246,7 +246,7 @@ def mamba_pool(*, temporal=(2, 4, 4), convs=((3, 8), (5,)), extra=()):
 
 
 def kv_side_pool(geom, tokens=32, layout="page_first"):
-    from sglang_simm.pools import build_host_pool
+    from sglang_simm.tools.pools import build_host_pool
 
     return build_host_pool(geom, tokens=tokens, layout=layout)
 
@@ -407,6 +407,24 @@ def test_set_skips_objects_already_stored(hybrid_attach):
     assert len(puts) == 1 and len(puts[0]) == 2  # only page 3's K and V
     stats = backend.stats()
     assert stats["pages_written"] == 4 and stats["pages_skipped_existing"] == 3
+
+
+def test_writes_leave_the_key_cache_alone_on_v1_and_v2_alike(hybrid_attach):
+    """A page this server backs up stays in its own host tiers: neither write
+    path keeps its keys; a lookup does, on either path."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend, pools = hybrid_attach(side=("swa",))
+    kv, swa = backend._kv, backend._side["swa"]
+    keys = hashes(3)
+    assert all(backend.batch_set_v1(keys, slots(pools["kv"], 0, 3)))
+    t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 0, 3))
+    assert backend.batch_set_v2([t]) == {PoolName.SWA: [True] * 3}
+    assert len(kv.keys) == 0 and len(swa.keys) == 0
+    assert all(backend.batch_get_v1(keys, slots(pools["kv"], 4, 3)))
+    t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 4, 3))
+    assert backend.batch_get_v2([t]) == {PoolName.SWA: [True] * 3}
+    assert len(kv.keys) == 3 and len(swa.keys) == 3
 
 
 # ------------------------------------------------ hit query, hand-worked cases
@@ -586,7 +604,7 @@ def dsa_attach(attach):
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerHostPoolBuilder, DSAIndexerPoolHost
 
-    from sglang_simm.pools import build_host_pool
+    from sglang_simm.tools.pools import build_host_pool
 
     geom = dsa_geometry()
     device = DSATokenToKVPool(
@@ -859,7 +877,7 @@ def test_close_releases_every_region_and_clear_removes_side_objects(hybrid_attac
 def test_the_hybrid_demo_preset_restores_states_and_pages(store_name, tmp_path, capsys):
     import json
 
-    from sglang_simm.cli import main
+    from sglang_simm.tools.cli import main
 
     out = tmp_path / "hybrid.json"
     code = main(["demo", "--model", "tiny-hybrid", "--pages", "12", "--manager", f"local://{store_name}",
@@ -874,7 +892,7 @@ def test_the_hybrid_demo_preset_restores_states_and_pages(store_name, tmp_path, 
 
 
 def test_hybrid_presets_are_listed_with_the_others(capsys, monkeypatch):
-    from sglang_simm.cli import main
+    from sglang_simm.tools.cli import main
 
     monkeypatch.setenv("COLUMNS", "240")  # rich shortens cells on a narrow console
 

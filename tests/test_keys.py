@@ -131,3 +131,19 @@ def test_chunk_suffixes_follow_their_object():
 )
 def test_key_fits_counts_bytes(page_key, ok):
     assert keys.key_fits(page_key, 10) is ok
+
+
+@pytest.mark.parametrize(
+    "batch, ok",
+    [([HASH[:10]] * 3, True), ([], True), ([HASH[:10], ""], False), ([HASH[:10], None], False),
+     (["x" * 11], False), (["é" * 5, "a"], True), (["é" * 6], False), (["\ud800"], False)],
+    ids=["hashes", "empty", "one-empty", "one-none", "over-budget", "utf8-fits", "utf8-over", "lone-surrogate"],
+)
+def test_a_batch_fits_exactly_when_every_key_does(batch, ok):
+    assert keys.keys_fit(batch, 10) is ok
+    assert all(keys.key_fits(k, 10) for k in batch) is ok
+
+
+def test_key_fits_defaults_to_simms_limit():
+    assert keys.key_fits("k" * MAX_KEY_BYTES) and not keys.key_fits("k" * (MAX_KEY_BYTES + 1))
+    assert not keys.key_fits("\ud800")  # no UTF-8 form: no key (and no exception)

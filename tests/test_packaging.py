@@ -20,7 +20,7 @@ def run_py(code: str, python: str = sys.executable) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("module", ["sglang_simm", "sglang_simm.plugin", "sglang_simm.config", "sglang_simm.cli"])
+@pytest.mark.parametrize("module", ["sglang_simm", "sglang_simm.plugin", "sglang_simm.config", "sglang_simm.tools.cli"])
 def test_import_pulls_in_neither_sglang_nor_torch(module):
     code = (
         f"import sys, json, {module}\n"
@@ -66,7 +66,7 @@ def test_wheel_holds_the_package_typing_marker_and_entry_points(wheel):
                      "sglang_simm/embedded/__init__.py", "sglang_simm/py.typed"):
         assert required in names
     assert "[sglang.srt.plugins]\nsimm = sglang_simm.plugin:register" in entry_points
-    assert "sglang-simm = sglang_simm.cli:main" in entry_points
+    assert "sglang-simm = sglang_simm.tools.cli:main" in entry_points
     # SGLang only as an extra, never the unrelated PyPI 'simm'
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert any("sglang" in r and "extra == 'sglang'" in r for r in requires)

@@ -1,4 +1,4 @@
-"""SiMM as the third HiCache tier of SGLang.
+"""The package root: ``HiCacheSiMM`` and ``SiMMConfig``, resolved lazily (SiMM as SGLang's third HiCache tier).
 
 Importing this package is cheap on purpose: it imports neither SGLang nor
 torch, because SGLang calls the plugin entry point in every process it

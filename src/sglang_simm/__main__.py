@@ -1,5 +1,7 @@
+"""``python -m sglang_simm``: the ``sglang-simm`` command (``sglang_simm.tools.cli``)."""
+
 import sys
 
-from sglang_simm.cli import main
+from sglang_simm.tools.cli import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""``HiCacheSiMM``: SGLang's L3 storage backend on SiMM.
+"""``HiCacheSiMM``: SGLang's L3 storage backend on SiMM (attach, v1, v2, the copying path, faults).
 
 Attach-time work (config, connection, warm-up, memory registration, page
 geometry, per-pool object tables) may raise: a wrong setup must stop the
@@ -10,332 +10,31 @@ there are counted by code and logged rate-limited.
 from __future__ import annotations
 
 import logging
-import operator
-from itertools import chain
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from sglang_simm import errors, hybrid, keys as keyspace
+from sglang_simm.binding import Plan, PoolBinding
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, log_resolved
 from sglang_simm.errors import UnsupportedPoolError
-from sglang_simm.geometry import (
-    SUPPORTED_LAYOUTS,
-    PageGeometry,
-    derive_geometry,
-    derive_region_geometry,
-    page_starts,
-)
+from sglang_simm.geometry import SUPPORTED_LAYOUTS
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
 
 logger = logging.getLogger(__name__)
-
-#: Above this many objects per pool, views are built per call instead of
-#: once for the pool's lifetime (memory over speed).
-VIEW_TABLE_LIMIT = 1 << 21
-
-#: Page keys whose object keys are kept (about 200 bytes each per object).
-KEY_CACHE_LIMIT = 1 << 16
 
 #: Codes that mean "not there": the synchronous client folds every server
 #: answer of a get, a plain miss included, into GetObjectFailed.
 _MISS_CODES = (errors.DS_KEY_NOT_FOUND, errors.GET_OBJECT_FAILED)
 #: A concurrent writer stored the object first (same key, same bytes).
 _ALREADY_EXISTS = errors.DS_DATA_ALREADY_EXISTS
-
-
-@dataclass
-class _Plan:
-    """One batch resolved to SiMM objects."""
-
-    #: indices (into the caller's keys) of the pages the objects belong to;
-    #: None: every page, in order
-    pages: np.ndarray | None
-    keys: list[str]
-    views: list[Any]
-
-    @property
-    def rows(self) -> Any:
-        """Index of the planned pages among the caller's keys."""
-        return slice(None) if self.pages is None else self.pages
-
-
-class PoolBinding:
-    """One host pool bound to SiMM: its memory regions, geometry and keys.
-
-    Everything per pool that does not change per call is computed here once.
-    A pool is one region (its ``kv_buffer``) unless ``regions`` names several
-    host tensors (a Mamba pool's temporal and conv states); each object is
-    then viewed through the region that holds it. ``part_names`` names a
-    side pool's objects when they are not K/V halves (``keys.named_part_suffixes``).
-    """
-
-    def __init__(
-        self,
-        *,
-        client: KVClient,
-        pool: Any,
-        identity: keyspace.PageIdentity,
-        scheme: str,
-        meta: Callable[[Any], tuple[list[int], list[int]]],
-        regions: Sequence[torch.Tensor] | None = None,
-        part_names: Sequence[str] | None = None,
-    ):
-        self.pool = pool
-        self.page_size = int(pool.page_size)
-        if regions is None:
-            buffer = pool.kv_buffer
-            if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
-                raise UnsupportedPoolError(
-                    f"{type(pool).__name__}.kv_buffer is not one host tensor; "
-                    "this backend registers the host pool as one memory region"
-                )
-            regions = [buffer]
-        regions = list(regions)
-        if not regions or any(
-            not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0 for t in regions
-        ):
-            raise UnsupportedPoolError(f"{type(pool).__name__}: every region must be a non-empty host tensor")
-        self.buffers = regions
-        self.buffer = regions[0]
-        spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in regions]
-        make_indices = lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64)  # noqa: E731
-        try:
-            if len(regions) == 1:
-                self.geometry: PageGeometry = derive_geometry(
-                    meta,
-                    page_size=self.page_size,
-                    pool_tokens=int(pool.size),
-                    buffer_start=spans[0][0],
-                    buffer_bytes=spans[0][1],
-                    make_indices=make_indices,
-                )
-                part_region = np.zeros(self.geometry.parts, dtype=np.int64)
-            else:
-                self.geometry, part_region = derive_region_geometry(
-                    meta,
-                    page_size=self.page_size,
-                    pool_tokens=int(pool.size),
-                    regions=spans,
-                    make_indices=make_indices,
-                )
-        except UnsupportedPoolError:
-            raise
-        except Exception as exc:
-            raise UnsupportedPoolError(
-                f"cannot read the page geometry of {type(pool).__name__} "
-                f"(layout {getattr(pool, 'layout', '?')!r}): {type(exc).__name__}: {exc}"
-            ) from exc
-        self.identity = identity = _with_object_bytes(identity, self.geometry.object_bytes)
-        if scheme == "legacy":
-            refusal = keyspace.legacy_refusal(identity)
-            if refusal:
-                raise UnsupportedPoolError(
-                    f"key_scheme 'legacy' cannot be used here: {refusal}; use key_scheme 'namespaced'"
-                )
-            self.prefix = keyspace.legacy_prefix(identity)
-            self.suffixes = keyspace.legacy_suffixes(identity, self.geometry.chunks)
-        else:
-            self.prefix = keyspace.namespaced_prefix(identity)
-            if part_names is not None:
-                self.suffixes = keyspace.named_part_suffixes(identity, part_names, self.geometry.chunks)
-            else:
-                self.suffixes = keyspace.namespaced_suffixes(identity, self.geometry.chunks)
-        if len(self.suffixes) != self.geometry.parts:
-            raise UnsupportedPoolError(
-                f"{type(pool).__name__} reports {self.geometry.parts // self.geometry.chunks} "
-                f"objects per page, expected {len(self.suffixes) // self.geometry.chunks} "
-                f"for {'MLA' if identity.is_mla else 'MHA'}"
-            )
-        self.key_budget = keyspace.max_page_key_bytes(self.prefix, self.suffixes)
-        self.parts = self.geometry.parts
-        self.sizes = self.geometry.sizes
-        self.sizes_list = self.sizes.tolist()
-        self.page_bytes = self.geometry.page_bytes
-        self.client = client
-        self.mrs: list[Any] = []
-        try:
-            for t in regions:
-                self.mrs.append(client.register(t))
-        except BaseException:
-            for mr in self.mrs:
-                client.deregister(mr)
-            raise
-        self.mr = self.mrs[0]
-        #: the memory region of each part, in part order
-        self.part_mrs = [self.mrs[r] for r in part_region.tolist()]
-        self._view = client.view
-        self._table: list[Any] | None = None
-        self._page_views: dict[int, tuple[Any, ...]] | None = None
-        total = self.geometry.num_pages * self.parts
-        if total <= VIEW_TABLE_LIMIT:
-            ptrs = self.geometry.pointers(
-                np.arange(self.geometry.num_pages, dtype=np.int64) * self.page_size
-            ).tolist()
-            sizes = self.sizes_list * self.geometry.num_pages
-            mrs = self.part_mrs * self.geometry.num_pages
-            self._table = [self._view(p, s, m) for p, s, m in zip(ptrs, sizes, mrs)]
-            parts = self.parts
-            self._page_views = {
-                page * self.page_size: tuple(self._table[page * parts:(page + 1) * parts])
-                for page in range(self.geometry.num_pages)
-            }
-        self._key_cache: dict[str, tuple[str, ...]] = {}
-
-    def fast_keys(self, page_keys: Sequence[str], *, remember: bool = True) -> list[str] | None:
-        """Object keys of every page, or None when any page key is unusable.
-
-        Lookups repeat page keys (exists, then get, then other requests
-        sharing the prefix), so their object keys are cached, validated once
-        on insert. Writes pass ``remember=False``: a page this server backs
-        up stays in its own host tiers, so it rarely looks it up again soon.
-        """
-        cache = self._key_cache
-        try:
-            return list(chain.from_iterable([cache[k] for k in page_keys]))
-        except (KeyError, TypeError):  # a new (or unhashable) page key
-            return self._new_keys(page_keys, remember)
-
-    def _new_keys(self, page_keys: Sequence[str], remember: bool = True) -> list[str] | None:
-        """Validate a batch of page keys with C-level checks, build their
-        object keys, and cache them (``remember``)."""
-        try:
-            joined = "".join(page_keys)  # TypeError: a key that is not a str
-        except TypeError:
-            return None
-        if not page_keys or min(map(len, page_keys)) == 0:
-            return None
-        budget = self.key_budget
-        if max(map(len, page_keys)) > budget or (
-            not joined.isascii() and not all(keyspace.key_fits(k, budget) for k in page_keys)
-        ):
-            return None
-        parts = self.parts
-        out = keyspace.object_keys(self.prefix, page_keys, self.suffixes)
-        if not remember:
-            return out
-        cache = self._key_cache
-        if len(cache) + len(page_keys) > KEY_CACHE_LIMIT:
-            cache.clear()
-        cache.update(zip(page_keys, zip(*[out[i::parts] for i in range(parts)])))
-        return out
-
-    def fast_views(self, host_indices: Any, n: int) -> list[Any] | None:
-        """Views of ``n`` pages from their first slots, or None when the
-        indices are not whole pages of this pool (then ``plan`` decides).
-
-        A page is named by its first slot, as SGLang's own
-        ``get_page_buffer_meta`` does; the last slot is checked too, so a
-        short or reordered page is refused.
-        """
-        views = self._page_views
-        ps = self.page_size
-        if views is None or not isinstance(host_indices, torch.Tensor):
-            return None
-        try:
-            slots = host_indices.numpy()  # a view, cheaper to inspect and slice than the tensor
-        except (TypeError, RuntimeError):  # not on the CPU, or not plain memory
-            return None
-        if slots.ndim != 1 or len(slots) != n * ps:
-            return None
-        firsts_arr = slots[::ps]
-        firsts = firsts_arr.tolist()
-        if ps > 1:
-            step = ps - 1
-            if n > 32:
-                if (slots[step::ps] - firsts_arr != step).any():
-                    return None
-            elif any(last - first != step for first, last in zip(firsts, slots[step::ps].tolist())):
-                return None
-        try:
-            return list(chain.from_iterable(map(views.__getitem__, firsts)))
-        except (KeyError, TypeError):
-            return None
-
-    def plan(
-        self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog, *, remember: bool = True
-    ) -> _Plan | None:
-        """Resolve a batch; None (all misses) when the indices are unusable.
-
-        ``pages`` is None when every page is usable (the common case, served
-        without numpy); otherwise it lists the usable pages.
-        """
-        n = len(page_keys)
-        obj_keys = self.fast_keys(page_keys, remember=remember)
-        if obj_keys is not None:
-            views = self.fast_views(host_indices, n)
-            if views is not None:
-                return _Plan(pages=None, keys=obj_keys, views=views)
-        indices = _as_numpy(host_indices)
-        starts = page_starts(indices, self.page_size, n) if indices is not None else None
-        if starts is None:
-            log(
-                "bad_indices",
-                "SiMM: host_indices do not hold %d whole, page-aligned pages of %d slots "
-                "(got %s); treating the batch as misses",
-                n, self.page_size, None if indices is None else indices.shape,
-            )
-            return None
-        if np.any(starts + self.page_size > self.geometry.num_pages * self.page_size) or np.any(starts < 0):
-            log("bad_indices", "SiMM: host_indices outside the host pool; treating the batch as misses")
-            return None
-        pages, obj_keys = self.page_object_keys(page_keys)
-        if len(pages) != n:
-            log("bad_key", "SiMM: %d page keys are not strings within %d bytes; those pages miss",
-                n - len(pages), self.key_budget)
-            starts = starts[pages]
-        valid = len(pages)
-        if self._table is not None:
-            ids = self.geometry.object_ids(starts // self.page_size).tolist()
-            views = list(operator.itemgetter(*ids)(self._table)) if len(ids) > 1 else [self._table[i] for i in ids]
-        else:
-            ptrs = self.geometry.pointers(starts).tolist()
-            sizes = self.sizes_list * valid
-            mrs = self.part_mrs * valid
-            view = self._view
-            views = [view(p, s, m) for p, s, m in zip(ptrs, sizes, mrs)]
-        return _Plan(pages=pages, keys=obj_keys, views=views)
-
-    def page_object_keys(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-        fits = [keyspace.key_fits(k, self.key_budget) for k in page_keys]
-        pages = np.flatnonzero(fits) if not all(fits) else np.arange(len(page_keys))
-        valid = page_keys if len(pages) == len(page_keys) else [page_keys[i] for i in pages.tolist()]
-        return pages, keyspace.object_keys(self.prefix, valid, self.suffixes)
-
-    def close(self) -> None:
-        self._table = None
-        self._page_views = None
-        mrs, self.mrs, self.mr = self.mrs, [], None
-        self.part_mrs = [None] * len(self.part_mrs)
-        for mr in mrs:
-            if mr is not None:
-                self.client.deregister(mr)
-
-
-def _with_object_bytes(identity: keyspace.PageIdentity, object_bytes: tuple[int, ...]) -> keyspace.PageIdentity:
-    from dataclasses import replace
-
-    return replace(identity, object_bytes=object_bytes)
-
-
-def _as_numpy(host_indices: Any) -> np.ndarray | None:
-    if isinstance(host_indices, torch.Tensor):
-        if host_indices.device.type != "cpu":
-            host_indices = host_indices.cpu()
-        return host_indices.numpy()
-    if isinstance(host_indices, np.ndarray):
-        return host_indices
-    try:
-        return np.asarray(host_indices, dtype=np.int64)
-    except (TypeError, ValueError):
-        return None
 
 
 class HiCacheSiMM(HiCacheStorage):
@@ -474,7 +173,7 @@ class HiCacheSiMM(HiCacheStorage):
                 self._log("unbound", "SiMM: batch_exists before a host pool was registered")
                 return 0
             self.counters.record_exists()
-            obj_keys = b.fast_keys(keys)
+            obj_keys = b.keys.of_all(keys)
             if obj_keys is not None:
                 found_list = self.client.mexists(obj_keys)
                 if len(found_list) != len(obj_keys):
@@ -493,19 +192,24 @@ class HiCacheSiMM(HiCacheStorage):
             self._fault("batch_exists", exc)
             return 0
 
-    def _planned(
-        self, where: str, keys: Sequence[str], host_indices: Any, *, remember: bool = True
-    ) -> tuple[PoolBinding, _Plan] | None:
+    def _planned(self, where: str, keys: Sequence[str], host_indices: Any, *, write: bool) -> tuple[PoolBinding, Plan] | None:
         """The KV binding and the batch's objects, or None when it can only miss."""
         b = self._kv
         if b is None:
             self._log("unbound", "SiMM: %s before a host pool was registered", where)
             return None
-        plan = b.plan(keys, host_indices, self._log, remember=remember)
+        plan = self._plan(b, keys, host_indices, write=write)
+        return None if plan is None else (b, plan)
+
+    def _plan(self, b: PoolBinding, keys: Sequence[str], host_indices: Any, *, write: bool) -> Plan | None:
+        """One batch of one pool resolved to objects (v1 and v2 alike), or
+        None (counted) when its indices are unusable. Writes do not fill the
+        key cache: a page this server backs up stays in its own host tiers,
+        so it rarely looks it up again soon."""
+        plan = b.plan(keys, host_indices, self._log, remember=not write)
         if plan is None:
             self.counters.record_error("bad_indices")
-            return None
-        return b, plan
+        return plan
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool; True only where every object of the
@@ -514,7 +218,7 @@ class HiCacheSiMM(HiCacheStorage):
         if n == 0:
             return []
         try:
-            planned = self._planned("batch_get_v1", keys, host_indices)
+            planned = self._planned("batch_get_v1", keys, host_indices, write=False)
             if planned is None:
                 return [False] * n
             b, plan = planned
@@ -546,44 +250,20 @@ class HiCacheSiMM(HiCacheStorage):
         if n == 0:
             return []
         try:
-            planned = self._planned("batch_set_v1", keys, host_indices, remember=False)
+            planned = self._planned("batch_set_v1", keys, host_indices, write=True)
             if planned is None:
                 return [False] * n
             b, plan = planned
-            t0 = time.perf_counter()
-            present_list = self.client.mexists(plan.keys)
-            if len(present_list) != len(plan.keys):
-                raise RuntimeError(f"mexists answered {len(present_list)} results for {len(plan.keys)} keys")
-            if plan.pages is None and not any(present_list):
-                # the common backup: nothing stored yet, so one mput of it all
-                put_codes = self.client.mput(plan.keys, plan.views)
-                if len(put_codes) == len(plan.keys) and not any(put_codes):
-                    dt = time.perf_counter() - t0
-                    self.counters.record_set(n, 0, 0, n * b.page_bytes, dt)
-                    if self._profile:
-                        self._profile_set(n, 0, n, dt)
-                    return [True] * n
-            else:
-                put_codes = None
-            present = np.asarray(present_list, dtype=bool)
-            skipped = int(present.reshape(-1, b.parts).all(axis=1).sum())
-            sizes = np.tile(b.sizes, len(plan.keys) // b.parts)
-            # put_codes: the mput above already covered every object
-            written_bytes = self._put_missing(plan.keys, plan.views, present, sizes, put_codes)
-            dt = time.perf_counter() - t0
-            ok = present.reshape(-1, b.parts).all(axis=1)
-            result = np.zeros(n, dtype=bool)
-            result[plan.rows] = ok
-            good = int(ok.sum())
-            self.counters.record_set(good - skipped, skipped, n - good, written_bytes, dt)
+            w = self._write([(b, plan, n)])
             if self._profile:
-                self._profile_set(n, skipped, good - skipped, dt)
-            return result.tolist()
+                logger.info("SiMM batch_set_v1: %d pages, %d already stored, %d written, %.1f us",
+                            n, w.skipped, w.written, w.seconds * 1e6)
+            return w.rows[0]
         except Exception as exc:
             self._fault("batch_set_v1", exc)
             return [False] * n
 
-    def _pages_read(self, b: PoolBinding, plan: _Plan, n: int, codes: np.ndarray) -> tuple[list[bool], int]:
+    def _pages_read(self, b: PoolBinding, plan: Plan, n: int, codes: np.ndarray) -> tuple[list[bool], int]:
         """One bool per caller page from mget's codes for ``plan``: True where
         every object read back exactly its size; and how many were. Faults
         among the rest are counted."""
@@ -595,6 +275,62 @@ class HiCacheSiMM(HiCacheStorage):
         if hits != ok.size:
             self._count_codes(got[~ok], b.sizes)
         return result.tolist(), hits
+
+    def _write(self, segments: Sequence[tuple[PoolBinding, Plan, int]]) -> _Written:
+        """The one write step of every path (v1, v2 and copying): one
+        ``mexists`` for the objects of every ``(binding, plan, pages asked)``
+        segment, one ``mput`` of those not stored yet, counted. A page is
+        stored when every object of it is, from before or now."""
+        if len(segments) == 1:
+            keys, views = segments[0][1].keys, segments[0][1].views
+        else:
+            keys = [k for _, plan, _ in segments for k in plan.keys]
+            views = [v for _, plan, _ in segments for v in plan.views]
+        t0 = time.perf_counter()
+        present_list = self.client.mexists(keys)
+        if len(present_list) != len(keys):
+            raise RuntimeError(f"mexists answered {len(present_list)} results for {len(keys)} keys")
+        put_codes = None
+        if keys and not any(present_list):
+            # the common backup: nothing stored yet, so one mput of it all
+            put_codes = self.client.mput(keys, views if views.__class__ is list else list(views))
+            if len(put_codes) == len(keys) and not any(put_codes):
+                return self._written_all(segments, time.perf_counter() - t0)
+        present = np.asarray(present_list, dtype=bool)
+        already = present.copy()
+        sizes = np.concatenate([np.tile(b.sizes, len(plan.keys) // b.parts) for b, plan, _ in segments])
+        nbytes = self._put_missing(keys, views, present, sizes, put_codes)
+        seconds = time.perf_counter() - t0
+        rows, good, skipped, total, start = [], 0, 0, 0, 0
+        for b, plan, n in segments:
+            stop = start + len(plan.keys)
+            ok = present[start:stop].reshape(-1, b.parts).all(axis=1)
+            skipped += int(already[start:stop].reshape(-1, b.parts).all(axis=1).sum())
+            start = stop
+            row = np.zeros(n, dtype=bool)
+            row[plan.rows] = ok
+            rows.append(row.tolist())
+            good += int(ok.sum())
+            total += n
+        self.counters.record_set(good - skipped, skipped, total - good, nbytes, seconds)
+        return _Written(rows, good - skipped, skipped, nbytes, seconds)
+
+    def _written_all(self, segments: Sequence[tuple[PoolBinding, Plan, int]], seconds: float) -> _Written:
+        """``_write``'s answer when every planned object was new and is now stored."""
+        rows, written, total, nbytes = [], 0, 0, 0
+        for b, plan, n in segments:
+            pages = len(plan.keys) // b.parts
+            if plan.pages is None:
+                rows.append([True] * n)
+            else:
+                row = np.zeros(n, dtype=bool)
+                row[plan.pages] = True
+                rows.append(row.tolist())
+            written += pages
+            total += n
+            nbytes += pages * b.page_bytes
+        self.counters.record_set(written, 0, total - written, nbytes, seconds)
+        return _Written(rows, written, 0, nbytes, seconds)
 
     def _put_missing(
         self, keys: Sequence[str], views: Sequence[Any], present: np.ndarray, sizes: np.ndarray,
@@ -621,10 +357,6 @@ class HiCacheSiMM(HiCacheStorage):
     def _profile_get(self, n: int, hits: int, dt: float, b: PoolBinding) -> None:
         logger.info("SiMM batch_get_v1: %d pages, %d hits, %.1f us, %.2f GiB/s",
                     n, hits, dt * 1e6, hits * b.page_bytes / (1 << 30) / dt if dt else 0.0)
-
-    def _profile_set(self, n: int, skipped: int, written: int, dt: float) -> None:
-        logger.info("SiMM batch_set_v1: %d pages, %d already stored, %d written, %.1f us",
-                    n, skipped, written, dt * 1e6)
 
     # ------------------------------------------------- legacy (copying) path
 
@@ -684,27 +416,8 @@ class HiCacheSiMM(HiCacheStorage):
             pages, obj_keys = b.page_object_keys(keys)
             if len(pages) != n or not all(_fits_flat(v, b.page_bytes) for v in vals):
                 return False
-            present = np.asarray(self.client.mexists(obj_keys), dtype=bool)
-            missing = np.flatnonzero(~present).tolist()
-            if missing:
-                offsets = np.concatenate([[0], np.cumsum(b.sizes)[:-1]]).tolist()
-                put_keys, put_views = [], []
-                for i in missing:
-                    page, part = divmod(i, b.parts)
-                    src = vals[page].contiguous().view(torch.uint8).reshape(-1)
-                    size = b.sizes_list[part]
-                    blk = self.client.allocate(size)
-                    blk.as_ref().copy_(src[offsets[part]:offsets[part] + size])
-                    put_keys.append(obj_keys[i])
-                    put_views.append(blk.view())
-                codes = np.asarray(self.client.mput(put_keys, put_views), dtype=np.int64)
-                stored = (codes == 0) | (codes == _ALREADY_EXISTS)
-                if not stored.all():
-                    self._count_failed_puts(codes[~stored])
-                present[missing] = stored
-            ok = present.reshape(-1, b.parts).all(axis=1)
-            self.counters.record_set(int(ok.sum()), 0, int((~ok).sum()), 0, 0.0)
-            return bool(ok.all())
+            plan = Plan(pages=None, keys=obj_keys, views=_Staged(self.client, b, vals))
+            return all(self._write([(b, plan, n)]).rows[0])
         except Exception as exc:
             self._fault("batch_set", exc)
             return False
@@ -717,7 +430,6 @@ class HiCacheSiMM(HiCacheStorage):
         anchor (``"kv"``) is already bound by ``register_mem_pool_host``.
         Raises UnsupportedPoolError (failing the attach) on a pool we refuse."""
         name = hybrid.pool_name(host_pool_name)
-        self.__dict__.setdefault("registered_pools", {})[host_pool_name] = host_pool
         if name == hybrid.KV:
             if self._kv is None:
                 self.register_mem_pool_host(host_pool)
@@ -831,8 +543,8 @@ class HiCacheSiMM(HiCacheStorage):
                 return None
 
     def _plan_v2(
-        self, transfers: list[Any], results: dict[Any, list[bool]], op: str
-    ) -> list[tuple[Any, PoolBinding, int, _Plan]]:
+        self, transfers: list[Any], results: dict[Any, list[bool]], op: str, *, write: bool
+    ) -> list[tuple[Any, PoolBinding, int, Plan]]:
         """Resolve every transfer; results start as all-False, one per key."""
         plans = []
         for t in transfers:
@@ -846,11 +558,9 @@ class HiCacheSiMM(HiCacheStorage):
                 self._log("unregistered", "SiMM %s: pool %r was never registered; its pages miss",
                           op, hybrid.pool_name(t.name))
                 continue
-            plan = b.plan(keys, t.host_indices, self._log)
-            if plan is None:
-                self.counters.record_error("bad_indices")
-                continue
-            plans.append((t.name, b, len(keys), plan))
+            plan = self._plan(b, keys, t.host_indices, write=write)
+            if plan is not None:
+                plans.append((t.name, b, len(keys), plan))
         return plans
 
     def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
@@ -860,7 +570,7 @@ class HiCacheSiMM(HiCacheStorage):
         transfers = list(transfers or [])
         results: dict[Any, list[bool]] = {}
         try:
-            plans = self._plan_v2(transfers, results, "batch_get_v2")
+            plans = self._plan_v2(transfers, results, "batch_get_v2", write=False)
             if not plans:
                 return results
             all_keys = [k for _, _, _, plan in plans for k in plan.keys]
@@ -893,35 +603,15 @@ class HiCacheSiMM(HiCacheStorage):
         transfers = list(transfers or [])
         results: dict[Any, list[bool]] = {}
         try:
-            plans = self._plan_v2(transfers, results, "batch_set_v2")
+            plans = self._plan_v2(transfers, results, "batch_set_v2", write=True)
             if not plans:
                 return results
-            all_keys = [k for _, _, _, plan in plans for k in plan.keys]
-            all_views = [v for _, _, _, plan in plans for v in plan.views]
-            all_sizes = np.concatenate([np.tile(b.sizes, len(plan.keys) // b.parts) for _, b, _, plan in plans])
-            t0 = time.perf_counter()
-            present = np.asarray(self.client.mexists(all_keys), dtype=bool)
-            if present.size != len(all_keys):
-                raise RuntimeError(f"mexists answered {present.size} results for {len(all_keys)} keys")
-            already = present.copy()
-            written_bytes = self._put_missing(all_keys, all_views, present, all_sizes)
-            dt = time.perf_counter() - t0
-            good = skipped = total = 0
-            start = 0
-            for name, b, n, plan in plans:
-                stop = start + len(plan.keys)
-                ok = present[start:stop].reshape(-1, b.parts).all(axis=1)
-                skipped += int(already[start:stop].reshape(-1, b.parts).all(axis=1).sum())
-                start = stop
-                row = np.zeros(n, dtype=bool)
-                row[plan.rows] = ok
-                results[name] = row.tolist()
-                good += int(ok.sum())
-                total += n
-            self.counters.record_set(good - skipped, skipped, total - good, written_bytes, dt)
+            w = self._write([(b, plan, n) for _, b, n, plan in plans])
+            for (name, _, _, _), row in zip(plans, w.rows):
+                results[name] = row
             if self._profile:
                 logger.info("SiMM batch_set_v2: %d pages in %d pools, %d already stored, %d written, %.1f us",
-                            total, len(plans), skipped, good - skipped, dt * 1e6)
+                            sum(n for _, _, n, _ in plans), len(plans), w.skipped, w.written, w.seconds * 1e6)
             return results
         except Exception as exc:
             self._fault("batch_set_v2", exc)
@@ -1003,6 +693,49 @@ class HiCacheSiMM(HiCacheStorage):
         self.counters.record_codes(counts)
         self._log("put", "SiMM write errors: %s",
                   ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counts.items()))
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What one write did."""
+
+    #: per segment, one bool per page asked for: stored (before or now)
+    rows: list[list[bool]]
+    #: pages put now, pages found already stored
+    written: int
+    skipped: int
+    #: bytes put, and the seconds from mexists to the last mput
+    nbytes: int
+    seconds: float
+
+
+class _Staged:
+    """The copying path's objects as views: object ``i`` is copied out of
+    its flat page into a client-owned block when first asked for, so only
+    the objects not stored yet are copied."""
+
+    def __init__(self, client: KVClient, b: PoolBinding, pages: list[torch.Tensor]):
+        self._client = client
+        self._parts = b.parts
+        self._sizes = b.sizes_list
+        self._offsets = np.concatenate([[0], np.cumsum(b.sizes)[:-1]]).tolist()
+        self._pages = pages
+        self._blocks: list[Any] = []  # held until the put is done
+
+    def __len__(self) -> int:
+        return len(self._pages) * self._parts
+
+    def __getitem__(self, i: int) -> Any:
+        page, part = divmod(i, self._parts)
+        src = self._pages[page].contiguous().view(torch.uint8).reshape(-1)
+        size, offset = self._sizes[part], self._offsets[part]
+        block = self._client.allocate(size)
+        block.as_ref().copy_(src[offset:offset + size])
+        self._blocks.append(block)
+        return block.view()
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self)))
 
 
 def _all_false(transfers: list[Any]) -> dict[Any, list[bool]]:

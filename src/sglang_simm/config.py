@@ -14,7 +14,8 @@ logs and ``doctor``, and everything is validated once, after merging
 (``_validate``), so every error names the field, the value, what is accepted
 and where the value came from.
 
-Importing this module is cheap: the standard library only.
+Importing this module is cheap: the standard library and this package's
+pure ``keys`` and ``values`` only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
+
+from sglang_simm.keys import KEY_SCHEMES, KeyScheme
+from sglang_simm.values import InvalidValue, parse_bool, parse_byte_size
 
 from sglang_simm.embedded._paths import NAME_RE as STORE_NAME_RE, NAME_RULE as STORE_NAME_RULE
 
@@ -93,35 +97,11 @@ _HOST_RE = re.compile(r"[A-Za-z0-9._-]+")
 _FLAG_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DEVICE_RE = re.compile(r"[A-Za-z0-9._:-]+")
 _INT_RE = re.compile(r"[+-]?\d+")
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
-_KEY_SCHEMES = ("namespaced", "legacy")
 _EMBEDDED_DEFAULT_NAME = "default"
 #: Embedded store address forms -> where its server lives (the store's
 #: ``embedded_scope``): one store process per name per host, or this process.
 _EMBEDDED_FORMS = {"local": "host", "inprocess": "process"}
 GIB = 1024**3
-
-_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)")
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    # bare and binary suffixes are powers of 1024 (as ``ls -h`` and docker)
-    "k": 1024,
-    "kib": 1024,
-    "m": 1024**2,
-    "mib": 1024**2,
-    "g": 1024**3,
-    "gib": 1024**3,
-    "t": 1024**4,
-    "tib": 1024**4,
-    # SI suffixes are powers of 1000
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-}
-
 
 class FlagMap(Mapping[str, str]):
     """A read-only, hashable ``str -> str`` mapping (``client_flags``)."""
@@ -197,7 +177,7 @@ class SiMMConfig:
     embedded_capacity_bytes: int = 4 * GIB
     """Capacity of the embedded store (``local``); accepts ``"512MiB"`` etc."""
 
-    key_scheme: Literal["namespaced", "legacy"] = "namespaced"
+    key_scheme: KeyScheme = "namespaced"
     """``namespaced``: keys carry model and layout; ``legacy``: the in-tree keys."""
 
     warmup: bool = True
@@ -399,7 +379,10 @@ def _merge(partials: list[Sourced]) -> Sourced:
     for partial in partials:
         for name, (value, source) in partial.items():
             if name == "client_flags":
-                flag_parts.append((_parse_client_flags(value, source), source))
+                try:
+                    flag_parts.append((_parse_client_flags(value), source))
+                except InvalidValue as exc:
+                    raise ValueError(_problem(name, value, source, exc)) from None
             elif name not in merged:
                 merged[name] = (value, source)
     if flag_parts:
@@ -436,86 +419,31 @@ def log_resolved(resolved: ResolvedConfig, log: logging.Logger | None = None) ->
 
 
 # --------------------------------------------------------------------------
-# Validation: one place. Each parser returns the value or raises _Invalid.
+# Validation: one place. Each parser returns the value or raises InvalidValue.
 # --------------------------------------------------------------------------
-
-
-class _Invalid(Exception):
-    """A value a parser refuses: ``problem`` says why, ``accepted`` what would do."""
-
-    def __init__(self, problem: str, accepted: str) -> None:
-        super().__init__(problem)
-        self.problem = problem
-        self.accepted = accepted
 
 
 def _parse_int(value: Any, lo: int | None = None, hi: int | None = None) -> int:
     rng = f"{lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}"
     accepted = f"an integer in {rng} (a number or a digit string)"
     if isinstance(value, bool):
-        raise _Invalid("is a bool, not an integer", accepted)
+        raise InvalidValue("is a bool, not an integer", accepted)
     if isinstance(value, int):
         number = value
     elif isinstance(value, str) and _INT_RE.fullmatch(value.strip()):
         number = int(value.strip())
     else:
-        raise _Invalid(f"is not an integer ({type(value).__name__})", accepted)
+        raise InvalidValue(f"is not an integer ({type(value).__name__})", accepted)
     if (lo is not None and number < lo) or (hi is not None and number > hi):
-        raise _Invalid("is out of range", accepted)
+        raise InvalidValue("is out of range", accepted)
     return number
-
-
-def _parse_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    # The in-tree backend took truthy JSON numbers ("enable_profile": 1).
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-    raise _Invalid("is not a boolean", "true/false, 1/0, yes/no, on/off (any case), or a JSON bool")
-
-
-def parse_byte_size(value: Any) -> int:
-    """``4294967296``, ``"512MiB"``, ``"4GiB"``, ``"1.5G"`` -> bytes (> 0).
-
-    ``K/M/G/T`` and ``KiB/MiB/GiB/TiB`` are powers of 1024; ``KB/MB/GB/TB``
-    powers of 1000. Raises ``ValueError`` otherwise.
-    """
-    try:
-        return _parse_size(value)
-    except _Invalid as exc:
-        raise ValueError(f"byte size {value!r} {exc.problem}; accepted: {exc.accepted}") from None
-
-
-def _parse_size(value: Any) -> int:
-    accepted = 'a positive byte count: an integer or a string like "512MiB", "4GiB", "1.5G", "8GB"'
-    if isinstance(value, bool):
-        raise _Invalid("is a bool, not a size", accepted)
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, str):
-        match = _SIZE_RE.fullmatch(value.strip())
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _SIZE_UNITS:
-            raise _Invalid("is not a byte size", accepted)
-        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    else:
-        raise _Invalid(f"is not a byte size ({type(value).__name__})", accepted)
-    if size <= 0:
-        raise _Invalid("is not positive", accepted)
-    return size
 
 
 def _parse_optional_name(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
-        raise _Invalid(
+        raise InvalidValue(
             "is not a valid tag: it goes into every key, and SiMM caps keys at 256 bytes, "
             "so it must be short and plain",
             "1 to 64 characters from A-Z a-z 0-9 . _ -, or null for no tag",
@@ -532,16 +460,16 @@ def _parse_devices(value: Any) -> tuple[str, ...] | None:
     elif isinstance(value, (list, tuple)):
         items = list(value)
     else:
-        raise _Invalid(f"is not a device list ({type(value).__name__})", accepted)
+        raise InvalidValue(f"is not a device list ({type(value).__name__})", accepted)
     names = []
     for item in items:
         if not isinstance(item, str):
-            raise _Invalid(f"holds a non-string {item!r}", accepted)
+            raise InvalidValue(f"holds a non-string {item!r}", accepted)
         name = item.strip()
         if not name:
             continue
         if not _DEVICE_RE.fullmatch(name):
-            raise _Invalid(f"holds a malformed device name {name!r}", accepted)
+            raise InvalidValue(f"holds a malformed device name {name!r}", accepted)
         names.append(name)
     return tuple(dict.fromkeys(names)) or None  # de-duplicated, order kept; empty = unset
 
@@ -551,27 +479,27 @@ def _parse_optional_node(value: Any) -> int | None:
         return None
     try:
         return _parse_int(value, lo=0)
-    except _Invalid as exc:
-        raise _Invalid(exc.problem, "a NUMA node id >= 0, or null to work it out") from None
+    except InvalidValue as exc:
+        raise InvalidValue(exc.problem, "a NUMA node id >= 0, or null to work it out") from None
 
 
 def _parse_log_file(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise _Invalid(
+        raise InvalidValue(
             "is not a file path",
             f"a path the process can write, or null for the default under ${LOG_DIR_ENV} or the temp dir",
         )
     return value.strip()
 
 
-def _parse_client_flags(value: Any, source: str) -> dict[str, str]:
-    """A flag dict (or a JSON object string) -> ``{name: text}``; errors name the source."""
+def _parse_client_flags(value: Any) -> dict[str, str]:
+    """A flag dict (or a JSON object string) -> ``{name: text}``."""
     accepted = 'a JSON object of SiMM client flags, e.g. {"clnt_syncreq_enable_retry": true}'
 
-    def fail(problem: str) -> ValueError:
-        return ValueError(f"SiMM config: client_flags={value!r} (from {source}) {problem}; accepted: {accepted}")
+    def fail(problem: str) -> InvalidValue:
+        return InvalidValue(problem, accepted)
 
     data = value
     if isinstance(value, str):
@@ -597,9 +525,9 @@ def _parse_client_flags(value: Any, source: str) -> dict[str, str]:
 
 
 def _parse_key_scheme(value: Any) -> str:
-    if isinstance(value, str) and value.strip().lower() in _KEY_SCHEMES:
+    if isinstance(value, str) and value.strip().lower() in KEY_SCHEMES:
         return value.strip().lower()
-    raise _Invalid("is not a key scheme", " or ".join(repr(s) for s in _KEY_SCHEMES))
+    raise InvalidValue("is not a key scheme", " or ".join(repr(s) for s in KEY_SCHEMES))
 
 
 _ADDRESS_FORMS = (
@@ -611,46 +539,46 @@ _ADDRESS_FORMS = (
 
 def _parse_address(value: Any) -> tuple[str, str, int | None]:
     """``("host" | "process", store name, None)`` for an embedded store, or
-    ``("cluster", host, port)``; raises _Invalid."""
+    ``("cluster", host, port)``; raises InvalidValue."""
     if not isinstance(value, str):
-        raise _Invalid(f"is not a string ({type(value).__name__})", _ADDRESS_FORMS)
+        raise InvalidValue(f"is not a string ({type(value).__name__})", _ADDRESS_FORMS)
     text = value.strip()
     scheme, sep, name = text.partition("://")
     if scheme in _EMBEDDED_FORMS and (sep or not name):
         if not sep:
             name = _EMBEDDED_DEFAULT_NAME
         if not STORE_NAME_RE.match(name):
-            raise _Invalid(f"has a malformed embedded store name {name!r}", _ADDRESS_FORMS)
+            raise InvalidValue(f"has a malformed embedded store name {name!r}", _ADDRESS_FORMS)
         return (_EMBEDDED_FORMS[scheme], name, None)
     if "://" in text:
-        raise _Invalid("has a URL scheme; give the bare address", _ADDRESS_FORMS)
+        raise InvalidValue("has a URL scheme; give the bare address", _ADDRESS_FORMS)
     if text.startswith("["):
         close = text.find("]")
         if close < 0:
-            raise _Invalid("opens '[' without closing ']'", _ADDRESS_FORMS)
+            raise InvalidValue("opens '[' without closing ']'", _ADDRESS_FORMS)
         host, rest = text[1:close], text[close + 1 :]
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
-            raise _Invalid(f"has {host!r} in brackets, which is not an IPv6 address", _ADDRESS_FORMS) from None
+            raise InvalidValue(f"has {host!r} in brackets, which is not an IPv6 address", _ADDRESS_FORMS) from None
         if not rest.startswith(":") or not rest[1:]:
-            raise _Invalid("has no port after the bracketed IPv6 address", _ADDRESS_FORMS)
+            raise InvalidValue("has no port after the bracketed IPv6 address", _ADDRESS_FORMS)
         port_text = rest[1:]
     else:
         if text.count(":") > 1:
-            raise _Invalid("looks like an IPv6 address without brackets", _ADDRESS_FORMS)
+            raise InvalidValue("looks like an IPv6 address without brackets", _ADDRESS_FORMS)
         host, sep, port_text = text.partition(":")
         if not sep or not port_text:
-            raise _Invalid("has no port (the manager's RPC port is usually 30001)", _ADDRESS_FORMS)
+            raise InvalidValue("has no port (the manager's RPC port is usually 30001)", _ADDRESS_FORMS)
         if not host:
-            raise _Invalid("has an empty host", _ADDRESS_FORMS)
+            raise InvalidValue("has an empty host", _ADDRESS_FORMS)
         if not _HOST_RE.fullmatch(host):
-            raise _Invalid(f"has a malformed host {host!r}", _ADDRESS_FORMS)
+            raise InvalidValue(f"has a malformed host {host!r}", _ADDRESS_FORMS)
     if not port_text.isdigit():
-        raise _Invalid(f"has a non-numeric port {port_text!r}", _ADDRESS_FORMS)
+        raise InvalidValue(f"has a non-numeric port {port_text!r}", _ADDRESS_FORMS)
     port = int(port_text)
     if not 1 <= port <= 65535:
-        raise _Invalid(f"has port {port} out of range 1..65535", _ADDRESS_FORMS)
+        raise InvalidValue(f"has port {port} out of range 1..65535", _ADDRESS_FORMS)
     return ("cluster", host, port)
 
 
@@ -667,17 +595,17 @@ def _parse_manager_address(value: Any) -> str:
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "manager_address": _parse_manager_address,
     "clnt_threadpool_size": lambda v: _parse_int(v, 1, 1024),
-    "enable_profile": _parse_bool,
+    "enable_profile": parse_bool,
     "extra_backend_tag": _parse_optional_name,
     "rdma_devices": _parse_devices,
-    "numa_aware": _parse_bool,
+    "numa_aware": parse_bool,
     "numa_node": _parse_optional_node,
     "request_timeout_ms": lambda v: _parse_int(v, 1, 3_600_000),
     "log_file": _parse_log_file,
-    "client_flags": lambda v: FlagMap(_parse_client_flags(v, "?")),
-    "embedded_capacity_bytes": _parse_size,
+    "client_flags": lambda v: FlagMap(_parse_client_flags(v)),
+    "embedded_capacity_bytes": parse_byte_size,
     "key_scheme": _parse_key_scheme,
-    "warmup": _parse_bool,
+    "warmup": parse_bool,
 }
 assert set(_PARSERS) == set(FIELD_NAMES), "every SiMMConfig field needs a parser"
 
@@ -689,6 +617,11 @@ _MISSING_ADDRESS = (
     f"(3) the env var {MANAGER_ENV} (or {env_var_name('manager_address')}). "
     'Use "local" (or "local://NAME") to run on the embedded host store (no cluster needed).'
 )
+
+
+def _problem(name: str, value: Any, source: str, exc: InvalidValue) -> str:
+    """The one wording of a refused value: field, value, source, what is accepted."""
+    return f"SiMM config: {name}={value!r} (from {source}) {exc.problem}; accepted: {exc.accepted}"
 
 
 def _validate(raw: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
@@ -712,10 +645,8 @@ def _validate(raw: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
             continue
         try:
             out[name] = _PARSERS[name](value)
-        except _Invalid as exc:
-            errors.append(f"SiMM config: {name}={value!r} (from {source}) {exc.problem}; accepted: {exc.accepted}")
-        except ValueError as exc:  # client_flags words its own message
-            errors.append(str(exc).replace("(from ?)", f"(from {source})"))
+        except InvalidValue as exc:
+            errors.append(_problem(name, value, source, exc))
     if len(errors) == 1:
         raise ValueError(errors[0])
     if errors:

@@ -40,8 +40,7 @@ DS_KEY_NOT_FOUND = -4003
 DS_DATA_ALREADY_EXISTS = -4005
 DS_CACHE_POOL_ALLOC_FAILED = -4006
 
-#: Codes that mean "the cluster could not serve the call", as opposed to a
-#: plain miss (key not found) or a caller mistake.
+#: The client's name of every code above, for counters and logs.
 CODE_NAMES: dict[int, str] = {
     OK: "OK",
     INVALID_ARGUMENT: "InvalidArgument",

@@ -16,6 +16,7 @@ just more parts with their own base offsets.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -245,17 +246,41 @@ def _split(base: np.ndarray, sizes: np.ndarray, chunks: int) -> tuple[np.ndarray
 
 def page_starts(host_indices: np.ndarray, page_size: int, num_keys: int) -> np.ndarray | None:
     """First slot of each page, or None when ``host_indices`` is not
-    ``num_keys`` whole, contiguous, page-aligned pages.
+    ``num_keys`` whole pages: ``page_size`` consecutive integer slots each,
+    from a page-aligned first slot.
 
-    The check is vectorised; a misaligned batch is a controller bug we
-    refuse to act on rather than read or write the wrong slots.
+    The one check of a batch's indices, for every path: a malformed batch is
+    a controller bug we refuse to act on rather than read or write the wrong
+    slots. Every slot is checked: a page named by its first slot but
+    reordered inside would put its tokens in the wrong slots.
     """
-    if host_indices.ndim != 1 or host_indices.shape[0] != num_keys * page_size:
+    if host_indices.ndim != 1 or host_indices.dtype.kind not in "iu":
+        return None
+    if host_indices.shape[0] != num_keys * page_size:
         return None
     pages = host_indices.reshape(num_keys, page_size)
-    starts = pages[:, 0]
-    if np.any(starts % page_size):
+    first = pages[:, :1]
+    # numpy's fixed cost per call outweighs a short Python loop
+    if num_keys <= 64:
+        if any(slot % page_size for slot in host_indices[::page_size].tolist()):
+            return None
+    elif (first % page_size).any():
         return None
-    if page_size > 1 and np.any(pages != starts[:, None] + np.arange(page_size)[None, :]):
-        return None
-    return starts
+    expected = first + _offsets(page_size, pages.dtype)
+    if pages.size <= _BYTES_COMPARE_SLOTS:
+        same = expected.tobytes() == pages.tobytes()
+    else:
+        same = not (expected != pages).any()
+    return pages[:, 0] if same else None
+
+
+#: Up to this many slots, one comparison of bytes is the cheapest exact
+#: check; above it the copies cost more than numpy's element-wise compare.
+_BYTES_COMPARE_SLOTS = 1 << 13
+
+
+@functools.lru_cache(maxsize=None)
+def _offsets(page_size: int, dtype: np.dtype) -> np.ndarray:
+    offsets = np.arange(page_size, dtype=dtype)
+    offsets.flags.writeable = False
+    return offsets

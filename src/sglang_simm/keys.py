@@ -26,7 +26,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Literal, Sequence
 
-from sglang_simm.errors import MAX_KEY_BYTES
+from sglang_simm.errors import MAX_KEY_BYTES, UnsupportedPoolError
 
 KeyScheme = Literal["namespaced", "legacy"]
 KEY_SCHEMES: tuple[str, ...] = ("namespaced", "legacy")
@@ -171,6 +171,25 @@ def legacy_refusal(identity: PageIdentity) -> str | None:
     return None
 
 
+def key_layout(
+    identity: PageIdentity, scheme: str, chunks: int = 1, part_names: Sequence[str] | None = None
+) -> tuple[str, tuple[str, ...]]:
+    """The key prefix of a pool and the suffix of every object of its pages
+    under ``scheme``; ``part_names`` names a side pool's objects when they
+    are not K/V halves. Raises UnsupportedPoolError where the scheme has no
+    key for the pool."""
+    if scheme == "legacy":
+        refusal = legacy_refusal(identity)
+        if refusal:
+            raise UnsupportedPoolError(
+                f"key_scheme 'legacy' cannot be used here: {refusal}; use key_scheme 'namespaced'"
+            )
+        return legacy_prefix(identity), legacy_suffixes(identity, chunks)
+    if part_names is not None:
+        return namespaced_prefix(identity), named_part_suffixes(identity, part_names, chunks)
+    return namespaced_prefix(identity), namespaced_suffixes(identity, chunks)
+
+
 def _chunked(parts: Sequence[str], chunks: int) -> tuple[str, ...]:
     if chunks == 1:
         return tuple(parts)
@@ -188,13 +207,36 @@ def max_page_key_bytes(prefix: str, suffixes: Sequence[str]) -> int:
     return MAX_KEY_BYTES - len(prefix.encode()) - longest
 
 
-def key_fits(page_key: object, budget: int) -> bool:
-    """A page hash we can store: a non-empty str whose keys fit the limit.
+def key_fits(key: object, budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False) -> bool:
+    """The one rule for a usable key: a ``str`` of at most ``budget`` bytes in
+    UTF-8 (SiMM counts key bytes; text with no UTF-8 form, such as a lone
+    surrogate, is no key). ``budget`` is SiMM's limit for an object key, or
+    ``max_page_key_bytes`` for a page key. SiMM itself takes an empty key
+    (``empty_ok``, the embedded client); the backend does not, as an empty
+    page hash names no page.
 
-    ``len`` counts characters; only non-ASCII text needs the byte count.
+    ``len`` counts characters, never more than the bytes: only non-ASCII
+    text needs encoding.
     """
-    if not isinstance(page_key, str) or not page_key:
+    if not isinstance(key, str) or (not key and not empty_ok) or len(key) > budget:
         return False
-    if len(page_key) > budget:
+    if key.isascii():
+        return True
+    try:
+        return len(key.encode("utf-8")) <= budget
+    except UnicodeEncodeError:
         return False
-    return page_key.isascii() or len(page_key.encode()) <= budget
+
+
+def keys_fit(keys: Sequence[object], budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False) -> bool:
+    """``key_fits`` for every key of a batch, with C-level checks for the
+    common case (every key an ASCII string)."""
+    try:
+        joined = "".join(keys)  # type: ignore[arg-type]  # TypeError: a key that is not a str
+    except TypeError:
+        return False
+    if not keys:
+        return True
+    if (not empty_ok and min(map(len, keys)) == 0) or max(map(len, keys)) > budget:  # type: ignore[arg-type]
+        return False
+    return joined.isascii() or all(key_fits(k, budget, empty_ok=empty_ok) for k in keys)

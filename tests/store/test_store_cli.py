@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("rich")
 
-from sglang_simm.cli import main  # noqa: E402
+from sglang_simm.tools.cli import main  # noqa: E402
 from sglang_simm.embedded._host import HostServer, pid_alive  # noqa: E402
 from sglang_simm.embedded._paths import StorePaths  # noqa: E402
 

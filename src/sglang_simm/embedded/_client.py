@@ -80,7 +80,6 @@ from sglang_simm.errors import (
     DS_DATA_ALREADY_EXISTS,
     GET_OBJECT_FAILED,
     INVALID_ARGUMENT,
-    MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
     OK,
     PUT_OBJECT_FAILED,
@@ -88,6 +87,8 @@ from sglang_simm.errors import (
     SEND_RPC_FAILED,
     code_name,
 )
+from sglang_simm.keys import key_fits, keys_fit
+from sglang_simm.values import parse_bool
 
 logger = logging.getLogger("sglang_simm.embedded")
 
@@ -109,18 +110,14 @@ HEAD = "head"
 TAG = "v0.1.0.post1"
 RELEASES = (HEAD, TAG)
 
-_BOOL_TRUE = frozenset({"1", "t", "true", "y", "yes"})
-_BOOL_FALSE = frozenset({"0", "f", "false", "n", "no"})
 _INT_RE = re.compile(r"[+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)\Z")
 
 
 def _parse_bool(value: str) -> str | None:
-    lowered = value.lower()
-    if lowered in _BOOL_TRUE:
-        return "true"
-    if lowered in _BOOL_FALSE:
-        return "false"
-    return None
+    try:
+        return "true" if parse_bool(value) else "false"
+    except ValueError:
+        return None
 
 
 def _parse_int(value: str, lo: int, hi: int) -> str | None:
@@ -517,13 +514,6 @@ class Block:
 # -- checks before the network -----------------------------------------------------
 
 
-def _key_ok(key: str) -> bool:
-    """SiMM's one key limit (``clnt_kv.cc``, every call): at most 256 UTF-8
-    bytes. An empty key is an ordinary key (neither client nor data server
-    checks for it)."""
-    return (len(key) if key.isascii() else len(key.encode("utf-8"))) <= MAX_KEY_BYTES
-
-
 def _as_key(key: object) -> str:
     """nanobind's ``std::string`` caster: a ``str`` that encodes as UTF-8, else TypeError."""
     if not isinstance(key, str):
@@ -639,10 +629,10 @@ class Store:
         # At the v0.1.0.post1 tag the sync delete answered 0 past the key
         # check, on every path (clnt_messenger.cc Delete); HEAD passes the
         # server's code (775cea9).
-        return code if _release() == HEAD or not _key_ok(key) else OK
+        return code if _release() == HEAD or not key_fits(key, empty_ok=True) else OK
 
     def _delete(self, key: str) -> int:
-        if not _key_ok(key):
+        if not key_fits(key, empty_ok=True):
             return INVALID_ARGUMENT
         faults = self._server.faults
         if faults.outage(1):
@@ -748,9 +738,10 @@ class Store:
         n = len(keys)
         if n != len(views):
             return [INVALID_ARGUMENT] * n
-        for key, view in zip(keys, views):
-            if not _key_ok(key) or view._size > MAX_VALUE_BYTES:
-                return [INVALID_ARGUMENT] * n
+        # SiMM checks every key and the value sizes of a put, batch-wide
+        # (clnt_kv.cc:294-302); a zero-byte value is not refused.
+        if not keys_fit(keys, empty_ok=True) or not all(view._size <= MAX_VALUE_BYTES for view in views):
+            return [INVALID_ARGUMENT] * n
         results = [OK] * n
         live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
@@ -773,9 +764,8 @@ class Store:
         n = len(keys)
         if n != len(views):
             return [INVALID_ARGUMENT] * n
-        for key in keys:
-            if not _key_ok(key):
-                return [INVALID_ARGUMENT] * n
+        if not keys_fit(keys, empty_ok=True):
+            return [INVALID_ARGUMENT] * n
         results = [OK] * n
         live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
@@ -795,9 +785,8 @@ class Store:
 
     def _lookup(self, keys: list[str]) -> list[int]:
         n = len(keys)
-        for key in keys:
-            if not _key_ok(key):
-                return [INVALID_ARGUMENT] * n
+        if not keys_fit(keys, empty_ok=True):
+            return [INVALID_ARGUMENT] * n
         results = [OK] * n
         live = self._network(results, list(range(n)))
         if live:

@@ -1,1 +1,1 @@
-"""Operator tools: CLI, doctor, demos, benchmarks and the CPU harness; the backend core never imports them."""
+"""Operator tools behind the ``sglang-simm`` command; the backend never imports them."""

@@ -72,7 +72,7 @@ def _status_of(root: str, name: str) -> dict[str, Any]:
 
 
 def run_store(console: Any, args: argparse.Namespace) -> int:
-    from sglang_simm.config import _parse_size
+    from sglang_simm.values import parse_byte_size
 
     root = store_dir(args.dir)
     what = args.store_command
@@ -85,7 +85,7 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
             _print_status(console, root, statuses)
         return 0 if all(s["running"] for s in statuses) else 1
     if what == "start":
-        capacity = _parse_size(args.capacity)
+        capacity = parse_byte_size(args.capacity)
         server = HostServer(args.name, root=root, capacity=capacity, policy=args.eviction, timeout_s=5.0)
         server.open()
         status = server.status()

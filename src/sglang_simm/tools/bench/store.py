@@ -66,7 +66,7 @@ class _Buffers:
 
 
 def _storage_config(extra: dict[str, Any], geom: Any) -> Any:
-    from sglang_simm.pools import storage_config
+    from sglang_simm.tools.pools import storage_config
 
     return storage_config(extra_config=extra, is_mla_model=geom.is_mla, model_name=geom.name)
 
@@ -179,7 +179,7 @@ def measure(*, repeat: int = 15, pages: int = 128, bandwidth_page_size: int = 16
             control_pages: int = 128) -> dict[str, Any]:
     import torch
 
-    from sglang_simm.pools import PRESETS, build_host_pool
+    from sglang_simm.tools.pools import PRESETS, build_host_pool
 
     results: dict[str, Any] = {"pages": pages, "repeat": repeat}
     name = f"bench-{uuid.uuid4().hex[:8]}"

@@ -1,6 +1,7 @@
-"""``sglang-simm`` (also ``python -m sglang_simm``): doctor, demo, bench.
+"""``sglang-simm`` (also ``python -m sglang_simm``): the one door into the tools (doctor, demo, bench).
 
-The only module that imports rich, and only when a command runs.
+Each command's module is imported when it runs, and rich with it, so
+importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--pages", default="1,8,32,128,1024", help="batch sizes (pages per call)")
     bench.add_argument("--repeat", type=int, default=30, help="timed repetitions per point (median)")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
+    bench.add_argument("--store", action="store_true",
+                       help="measure the host store (local) against memcpy, SGLang's file backend and the "
+                            "in-process store instead")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="draw a PNG chart (needs matplotlib)")
     from sglang_simm.tools.store import add_arguments as add_store_arguments
@@ -100,11 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = _console()
     try:
         if args.command == "doctor":
-            from sglang_simm.doctor import run_doctor
+            from sglang_simm.tools.doctor import run_doctor
 
             return run_doctor(console, _extra_from_args(args), sysfs_root=args.sysfs_root)
         if args.command == "demo":
-            from sglang_simm.demo import run_demo
+            from sglang_simm.tools.demo import run_demo
 
             return run_demo(console, args, _extra_from_args(args))
         if args.command == "store":
@@ -112,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_store(console, args)
         if args.command == "bench":
-            from sglang_simm.bench import run_bench
+            from sglang_simm.tools.bench import run_bench
 
             return run_bench(console, args)
     except (ValueError, OSError) as exc:

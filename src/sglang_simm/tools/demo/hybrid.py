@@ -1,4 +1,4 @@
-"""``sglang-simm demo --model <hybrid preset>``: a hybrid model's L3 path.
+"""The hybrid demo (``--model <hybrid preset>``): a hybrid model's KV pages and Mamba states through v1 and v2.
 
 A hybrid (linear-attention / Mamba) model keeps, beside its KV pages, one
 recurrent state per radix-tree node. SGLang's hybrid cache controller
@@ -30,7 +30,25 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_simm.pools import ModelGeometry
+from sglang_simm.tools.demo.common import (
+    POISON_BYTE,
+    VOCAB_SIZE,
+    DemoFailure,
+    DemoResult,
+    DemoSetupError,
+    PageHasher,
+    PagePattern,
+    Phase,
+    human,
+    own_embedded_store,
+    quiet_imports,
+    resolve_extra,
+    run_command,
+    sglang_version,
+    storage_batch_size,
+    wipe,
+)
+from sglang_simm.tools.pools import ModelGeometry
 
 
 @dataclass(frozen=True)
@@ -106,9 +124,6 @@ class HybridDemo:
     """The phases; ``run()`` raises DemoFailure on any wrong byte or hit."""
 
     def __init__(self, console: Any, opts: Any, extra: dict[str, Any]):
-        from sglang_simm import demo
-
-        self.demo = demo
         self.console = console
         self.opts = opts
         preset = HYBRID_PRESETS[opts.model]
@@ -128,10 +143,9 @@ class HybridDemo:
         self.page_bytes = kv.page_bytes()
         self.state_bytes = preset.mamba.slot_bytes()
         self.nodes = self.pages // self.node
-        self.extra, self.resolved = demo._resolve_extra(extra)
-        self.result = demo.DemoResult()
+        self.extra, self.resolved = resolve_extra(extra)
+        self.result = DemoResult()
         self.seed = opts.seed if opts.seed is not None else random.SystemRandom().randrange(2**32)
-        self._created_store: str | None = None
 
     # -- setup ---------------------------------------------------------------
 
@@ -139,7 +153,8 @@ class HybridDemo:
         from sglang.srt.mem_cache.hicache_storage import PoolName
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-        from sglang_simm import plugin, pools
+        from sglang_simm import plugin
+        from sglang_simm.tools import pools
 
         config = self.resolved.config
         if config.is_embedded and self.resolved.sources.get("embedded_capacity_bytes") == "default":
@@ -154,18 +169,13 @@ class HybridDemo:
                                    device_pool=device_pool)
         mamba = mamba_host_pool(self.preset.mamba, self.nodes + 4, layout=self.opts.layout)
         if not plugin.register():
-            raise self.demo.DemoSetupError("could not register the 'simm' backend with SGLang's storage factory")
+            raise DemoSetupError("could not register the 'simm' backend with SGLang's storage factory")
         storage_config = pools.storage_config(
             tp_rank=0, tp_size=1, is_mla_model=False, enable_storage_metrics=True,
             is_page_first_layout=self.opts.layout == "page_first", model_name=self.kv_geom.name,
             extra_config=dict(self.extra),
         )
-        from sglang_simm.embedded import server_names
-
-        before = set(server_names())
         backend = StorageBackendFactory.create_backend("simm", storage_config, kv)
-        if config.is_embedded and config.embedded_name not in before:
-            self._created_store = config.embedded_name
         backend.register_mem_pool_host(kv)
         backend.register_mem_host_pool_v2(kv, PoolName.KV)
         backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
@@ -176,121 +186,118 @@ class HybridDemo:
 
     def _check(self, ok: bool, message: str) -> None:
         if not ok:
-            raise self.demo.DemoFailure(message)
+            raise DemoFailure(message)
 
     def _ok(self, message: str) -> None:
         self.console.print(f"  [green]ok[/green]  {message}")
 
     # -- the run -------------------------------------------------------------
 
-    def run(self) -> Any:
-        import torch
-
-        demo, res = self.demo, self.result
+    def run(self) -> DemoResult:
+        res = self.result
         t_run = time.perf_counter()
-        g, ps = self.kv_geom, self.kv_geom.page_size
+        g = self.kv_geom
         res.info.update(
             model=self.opts.model, model_name=g.name, layout=self.opts.layout, mode="direct-hybrid",
             page_bytes=self.page_bytes, state_bytes=self.state_bytes, pages=self.pages,
             shared_pages=self.shared, node_pages=self.node, seed=self.seed,
-            sglang_version=demo._sglang_version(), manager_address=self.resolved.config.manager_address,
+            sglang_version=sglang_version(), manager_address=self.resolved.config.manager_address,
         )
         res.expected_verified_bytes = self.pages * self.page_bytes + self.state_bytes + (
             (self.shared // self.node) * self.node * self.page_bytes + self.state_bytes
         )
-        with demo._quiet_imports():
-            from sglang.srt.mem_cache.hicache_storage import (
-                PoolHitPolicy,
-                PoolName,
-                PoolTransfer,
-                count_pool_hits,
-            )
-
-            hasher = demo.PageHasher()
-            backend, kv, mamba = self._attach()
         try:
-            store = backend.client.description
-            m = self.preset.mamba
-            self.console.print(f"[bold]sglang-simm demo[/bold]: a hybrid model's HiCache L3 path on {store}")
-            self.console.print(f"  model     {g.name} ({self.preset.description})")
-            self.console.print(f"  page      {demo._human(self.page_bytes)} of KV ({g.layer_num} attention layers, "
-                               f"{g.page_size} tokens), layout {self.opts.layout}")
-            self.console.print(f"  state     {demo._human(self.state_bytes)} per radix node ({m.layers} layers: "
-                               f"temporal {m.temporal} {m.temporal_dtype}, conv {list(m.convs)} {m.conv_dtype})")
-            self.console.print(f"  requests  A: {self.pages} pages in {self.nodes} nodes of {self.node}; "
-                               f"B: {self.shared} pages shared with A + 1 new")
-            self.console.print("  driver    the backend called as SGLang 0.5.23's hybrid controller calls it "
-                               "(v2 for the state, v1 for KV)")
-
-            rng = random.Random(self.seed)
-            tokens_a = [rng.randrange(demo.VOCAB_SIZE) for _ in range(self.pages * ps)]
-            keys_a = hasher(tokens_a, ps)
-            kv_pattern = demo.PagePattern(self.page_bytes)
-            state_pattern = demo.PagePattern(self.state_bytes, seed=0x3A3B)
-            node_ends = [(i + 1) * self.node for i in range(self.nodes)]
-            batch = demo.storage_batch_size()
-            trailing = PoolHitPolicy.TRAILING_PAGES
-
-            def fill_state(slot: int, key: str) -> None:
-                mamba.set_from_flat_data_page(slot, state_pattern.expected(key).clone())
-
-            def state_ok(slot: int, key: str) -> bool:
-                got = mamba.get_data_page(slot, flat=True).reshape(-1).view(torch.uint8)
-                return torch.equal(got, state_pattern.expected(key))
-
-            # 1. write-back: per node, the state first, then the node's KV pages
-            slots_a = kv.alloc(self.pages * ps)
-            state_slots = mamba.alloc(self.nodes)
-            self._check(slots_a is not None and state_slots is not None, "the host pools have no room for A")
-            for p, key in enumerate(keys_a):
-                kv_pattern.fill(kv, int(slots_a[p * ps]), key)
-            for j, end in enumerate(node_ends):
-                fill_state(int(state_slots[j]), keys_a[end - 1])
-            t0 = time.perf_counter()
-            stored_states = stored_pages = 0
-            for j, end in enumerate(node_ends):
-                key = keys_a[end - 1]
-                got = backend.batch_set_v2([PoolTransfer(
-                    name=PoolName.MAMBA, host_indices=state_slots[j:j + 1], keys=[key], hit_policy=trailing)])
-                stored_states += count_pool_hits(got).get(PoolName.MAMBA, 0)
-                for i in range(end - self.node, end, batch):
-                    chunk = keys_a[i:min(i + batch, end)]
-                    ok = backend.batch_set_v1(chunk, slots_a[i * ps:(i + len(chunk)) * ps])
-                    stored_pages += sum(bool(x) for x in ok)
-            seconds = time.perf_counter() - t0
-            res.phases.append(demo.Phase("write-back", "A", "write", self.pages, pages_moved=stored_pages,
-                                         page_bytes=self.page_bytes, seconds=seconds))
-            self._check(stored_states == self.nodes and stored_pages == self.pages,
-                        f"write-back stored {stored_pages}/{self.pages} pages and {stored_states}/{self.nodes} states")
-            self._ok(f"write-back: {self.pages} KV pages and {self.nodes} node states stored")
-
-            # 2. cold restore of A, then 3. request B's shared prefix
-            demo._wipe(kv)
-            for buf in mamba.get_hybrid_pool_buffer():
-                buf.view(-1).view(torch.uint8).fill_(demo.POISON_BYTE)
-            self._restore(backend, kv, mamba, hasher, keys_a, "A", node_ends, self.pages,
-                          kv_pattern, state_ok, PoolTransfer, PoolName, trailing)
-            tokens_b = tokens_a[: self.shared * ps] + [rng.randrange(demo.VOCAB_SIZE) for _ in range(ps)]
-            keys_b = hasher(tokens_b, ps)
-            self._check(keys_b[: self.shared] == keys_a[: self.shared], "B's shared page keys differ from A's")
-            usable = (self.shared // self.node) * self.node
-            self._restore(backend, kv, mamba, hasher, keys_b, "B", [e for e in node_ends if e <= self.shared],
-                          usable, kv_pattern, state_ok, PoolTransfer, PoolName, trailing,
-                          kv_hit=self.shared)
-            res.info["backend_stats"] = backend.stats()
-            res.ok = True
+            with own_embedded_store(self.resolved.config):
+                with quiet_imports():
+                    hasher = PageHasher()
+                    backend, kv, mamba = self._attach()
+                try:
+                    self._phases(backend, kv, mamba, hasher)
+                    res.info["backend_stats"] = backend.stats()
+                    res.ok = True
+                finally:
+                    backend.close()
         finally:
-            backend.close()
-            if self._created_store is not None:
-                from sglang_simm.embedded import reset_servers
-
-                reset_servers(self._created_store)
             res.total_seconds = time.perf_counter() - t_run
         return res
 
+    def _phases(self, backend: Any, kv: Any, mamba: Any, hasher: PageHasher) -> None:
+        import torch
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, count_pool_hits
+
+        res, g, ps = self.result, self.kv_geom, self.kv_geom.page_size
+        store = backend.client.description
+        m = self.preset.mamba
+        self.console.print(f"[bold]sglang-simm demo[/bold]: a hybrid model's HiCache L3 path on {store}")
+        self.console.print(f"  model     {g.name} ({self.preset.description})")
+        self.console.print(f"  page      {human(self.page_bytes)} of KV ({g.layer_num} attention layers, "
+                           f"{g.page_size} tokens), layout {self.opts.layout}")
+        self.console.print(f"  state     {human(self.state_bytes)} per radix node ({m.layers} layers: "
+                           f"temporal {m.temporal} {m.temporal_dtype}, conv {list(m.convs)} {m.conv_dtype})")
+        self.console.print(f"  requests  A: {self.pages} pages in {self.nodes} nodes of {self.node}; "
+                           f"B: {self.shared} pages shared with A + 1 new")
+        self.console.print("  driver    the backend called as SGLang 0.5.23's hybrid controller calls it "
+                           "(v2 for the state, v1 for KV)")
+
+        rng = random.Random(self.seed)
+        tokens_a = [rng.randrange(VOCAB_SIZE) for _ in range(self.pages * ps)]
+        keys_a = hasher(tokens_a, ps)
+        kv_pattern = PagePattern(self.page_bytes)
+        state_pattern = PagePattern(self.state_bytes, seed=0x3A3B)
+        node_ends = [(i + 1) * self.node for i in range(self.nodes)]
+        batch = storage_batch_size()
+        trailing = PoolHitPolicy.TRAILING_PAGES
+
+        def fill_state(slot: int, key: str) -> None:
+            mamba.set_from_flat_data_page(slot, state_pattern.expected(key).clone())
+
+        def state_ok(slot: int, key: str) -> bool:
+            got = mamba.get_data_page(slot, flat=True).reshape(-1).view(torch.uint8)
+            return torch.equal(got, state_pattern.expected(key))
+
+        # 1. write-back: per node, the state first, then the node's KV pages
+        slots_a = kv.alloc(self.pages * ps)
+        state_slots = mamba.alloc(self.nodes)
+        self._check(slots_a is not None and state_slots is not None, "the host pools have no room for A")
+        for p, key in enumerate(keys_a):
+            kv_pattern.fill(kv, int(slots_a[p * ps]), key)
+        for j, end in enumerate(node_ends):
+            fill_state(int(state_slots[j]), keys_a[end - 1])
+        t0 = time.perf_counter()
+        stored_states = stored_pages = 0
+        for j, end in enumerate(node_ends):
+            key = keys_a[end - 1]
+            got = backend.batch_set_v2([PoolTransfer(
+                name=PoolName.MAMBA, host_indices=state_slots[j:j + 1], keys=[key], hit_policy=trailing)])
+            stored_states += count_pool_hits(got).get(PoolName.MAMBA, 0)
+            for i in range(end - self.node, end, batch):
+                chunk = keys_a[i:min(i + batch, end)]
+                ok = backend.batch_set_v1(chunk, slots_a[i * ps:(i + len(chunk)) * ps])
+                stored_pages += sum(bool(x) for x in ok)
+        seconds = time.perf_counter() - t0
+        res.phases.append(Phase("write-back", "A", "write", self.pages, pages_moved=stored_pages,
+                                     page_bytes=self.page_bytes, seconds=seconds))
+        self._check(stored_states == self.nodes and stored_pages == self.pages,
+                    f"write-back stored {stored_pages}/{self.pages} pages and {stored_states}/{self.nodes} states")
+        self._ok(f"write-back: {self.pages} KV pages and {self.nodes} node states stored")
+
+        # 2. cold restore of A, then 3. request B's shared prefix
+        wipe(kv)
+        for buf in mamba.get_hybrid_pool_buffer():
+            buf.view(-1).view(torch.uint8).fill_(POISON_BYTE)
+        self._restore(backend, kv, mamba, hasher, keys_a, "A", node_ends, self.pages,
+                      kv_pattern, state_ok, PoolTransfer, PoolName, trailing)
+        tokens_b = tokens_a[: self.shared * ps] + [rng.randrange(VOCAB_SIZE) for _ in range(ps)]
+        keys_b = hasher(tokens_b, ps)
+        self._check(keys_b[: self.shared] == keys_a[: self.shared], "B's shared page keys differ from A's")
+        usable = (self.shared // self.node) * self.node
+        self._restore(backend, kv, mamba, hasher, keys_b, "B", [e for e in node_ends if e <= self.shared],
+                      usable, kv_pattern, state_ok, PoolTransfer, PoolName, trailing,
+                      kv_hit=self.shared)
+
     def _restore(self, backend, kv, mamba, hasher, keys, request, want_stops, want_hit, kv_pattern, state_ok,
                  PoolTransfer, PoolName, trailing, kv_hit=None):
-        demo, res, ps = self.demo, self.result, self.kv_geom.page_size
+        res, ps = self.result, self.kv_geom.page_size
         t0 = time.perf_counter()
         query = PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"], hit_policy=trailing)
         r = backend.batch_exists_v2(list(keys), [query])
@@ -306,7 +313,7 @@ class HybridDemo:
         slots = kv.alloc(hit * ps)
         state_slot = mamba.alloc(1)
         self._check(slots is not None and state_slot is not None, "the host pools have no room for the restore")
-        batch = demo.storage_batch_size()
+        batch = storage_batch_size()
         t1 = time.perf_counter()
         loaded = 0
         for i in range(0, hit, batch):
@@ -328,7 +335,7 @@ class HybridDemo:
         res.verified_pages += hit
         res.verified_bytes += hit * self.page_bytes + self.state_bytes
         name = "cold restore" if request == "A" else "shared prefix"
-        res.phases.append(demo.Phase(name, request, "read", len(keys), hits=hit, pages_moved=loaded,
+        res.phases.append(Phase(name, request, "read", len(keys), hits=hit, pages_moved=loaded,
                                      page_bytes=self.page_bytes, seconds=lookup + seconds, lookup_seconds=lookup,
                                      verified_pages=hit))
         extra = (f"; the KV prefix is {kv_hit} pages but the last state inside it ends at page {hit}"
@@ -347,45 +354,16 @@ def _short(stops: list[int]) -> str:
 
 def list_rows() -> list[tuple[str, str, str, str, str, str, str, str]]:
     """Rows for ``--list-models``: the KV part of each hybrid preset."""
-    from sglang_simm.demo import _human
-
     rows = []
     for key, p in HYBRID_PRESETS.items():
         g = p.kv
-        rows.append((key, f"{g.name} (+ state {_human(p.mamba.slot_bytes())} per node)", str(g.layer_num),
+        rows.append((key, f"{g.name} (+ state {human(p.mamba.slot_bytes())} per node)", str(g.layer_num),
                      str(g.head_num), str(g.head_dim), str(g.page_size), str(g.dtype).replace("torch.", ""),
-                     _human(g.page_bytes())))
+                     human(g.page_bytes())))
     return rows
 
 
-def run_hybrid_demo(console: Any, opts: Any, extra: dict[str, Any]) -> int:
-    from sglang_simm import demo
-
-    try:
-        runner = HybridDemo(console, opts, extra)
-    except (ValueError, demo.DemoSetupError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return demo.EXIT_SETUP
-    code = demo.EXIT_OK
-    try:
-        runner.run()
-    except demo.DemoFailure as exc:
-        runner.result.error = str(exc)
-        console.print(f"[red]FAILED:[/red] {exc}")
-        code = demo.EXIT_FAILED
-    except demo.DemoSetupError as exc:
-        runner.result.error = str(exc)
-        console.print(f"[red]error:[/red] {exc}")
-        code = demo.EXIT_SETUP
-    result = runner.result
-    if result.phases:
-        demo.render_table(console, result)
-    if code == demo.EXIT_OK:
-        console.print(
-            f"[green]all checks passed[/green]: {result.verified_pages} restored pages and their states "
-            f"({demo._human(result.verified_bytes)}) match what was written, byte for byte; "
-            f"{result.total_seconds:.1f} s")
-    if getattr(opts, "json_path", None):
-        demo._write_json(opts.json_path, result)
-        console.print(f"results written to {opts.json_path}")
-    return code
+def run(console: Any, opts: Any, extra: dict[str, Any]) -> int:
+    """The hybrid demo, reported (``common.run_command``)."""
+    return run_command(console, lambda: HybridDemo(console, opts, extra), getattr(opts, "json_path", None),
+                       verified="restored pages and their states")

@@ -1,0 +1,316 @@
+"""``PoolBinding``: one SGLang host pool bound to SiMM (memory, geometry, keys, views).
+
+A binding is built at attach, in steps that each stand alone here:
+
+1. ``host_regions``: the pool's host tensors, checked;
+2. ``pool_geometry``: where every object of a page lies (``geometry``);
+3. ``keys.key_layout`` and ``check_parts``: the key prefix and the suffix of
+   every object, one per object the pool reports;
+4. ``register_regions``: the tensors registered with the client, once;
+5. ``ViewTable``: a ``BlockView`` per object, built once for the pool's life;
+
+plus a ``KeyCache`` of object keys for lookups. Per call, ``plan`` resolves a
+batch (page keys and host indices) to the objects to move, or None. Every
+step may raise at attach (``UnsupportedPoolError``); ``plan`` never raises
+on bad input, it answers None or leaves the bad pages out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import chain
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from sglang_simm import keys as keyspace
+from sglang_simm.client import KVClient
+from sglang_simm.errors import UnsupportedPoolError
+from sglang_simm.geometry import PageGeometry, derive_geometry, derive_region_geometry, page_starts
+from sglang_simm.metrics import RateLimitedLog
+
+#: Above this many objects per pool, views are built per call instead of
+#: once for the pool's lifetime (memory over speed).
+VIEW_TABLE_LIMIT = 1 << 21
+
+#: Page keys whose object keys are kept (about 200 bytes each per object).
+KEY_CACHE_LIMIT = 1 << 16
+
+Meta = Callable[[Any], tuple[list[int], list[int]]]
+
+
+@dataclass
+class Plan:
+    """One batch resolved to SiMM objects."""
+
+    #: indices (into the caller's keys) of the pages the objects belong to;
+    #: None: every page, in order
+    pages: np.ndarray | None
+    keys: list[str]
+    #: one view per key (a list, or a sequence that makes them on demand)
+    views: Sequence[Any]
+
+    @property
+    def rows(self) -> Any:
+        """Index of the planned pages among the caller's keys."""
+        return slice(None) if self.pages is None else self.pages
+
+
+# ------------------------------------------------------------------ steps
+
+
+def host_regions(pool: Any, regions: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The host tensors that hold the pool's pages: ``regions`` when given
+    (a Mamba pool's temporal and conv states), else its one ``kv_buffer``."""
+    if regions is None:
+        buffer = pool.kv_buffer
+        if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
+            raise UnsupportedPoolError(
+                f"{type(pool).__name__}.kv_buffer is not one host tensor; "
+                "this backend registers the host pool as one memory region"
+            )
+        regions = [buffer]
+    regions = list(regions)
+    if not regions or any(
+        not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0 for t in regions
+    ):
+        raise UnsupportedPoolError(f"{type(pool).__name__}: every region must be a non-empty host tensor")
+    return regions
+
+
+def pool_geometry(pool: Any, meta: Meta, regions: Sequence[torch.Tensor]) -> tuple[PageGeometry, np.ndarray]:
+    """The pool's page geometry, sampled from ``meta``, and the region index
+    of every part."""
+    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in regions]
+    common = dict(
+        page_size=int(pool.page_size),
+        pool_tokens=int(pool.size),
+        make_indices=lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64),
+    )
+    try:
+        if len(spans) == 1:
+            geometry = derive_geometry(meta, buffer_start=spans[0][0], buffer_bytes=spans[0][1], **common)
+            return geometry, np.zeros(geometry.parts, dtype=np.int64)
+        return derive_region_geometry(meta, regions=spans, **common)
+    except UnsupportedPoolError:
+        raise
+    except Exception as exc:
+        raise UnsupportedPoolError(
+            f"cannot read the page geometry of {type(pool).__name__} "
+            f"(layout {getattr(pool, 'layout', '?')!r}): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def check_parts(pool: Any, identity: keyspace.PageIdentity, geometry: PageGeometry, suffixes: Sequence[str]) -> None:
+    """The key layout names exactly the objects the pool reports per page."""
+    if len(suffixes) != geometry.parts:
+        raise UnsupportedPoolError(
+            f"{type(pool).__name__} reports {geometry.parts // geometry.chunks} "
+            f"objects per page, expected {len(suffixes) // geometry.chunks} "
+            f"for {'MLA' if identity.is_mla else 'MHA'}"
+        )
+
+
+def register_regions(client: KVClient, regions: Sequence[torch.Tensor]) -> list[Any]:
+    """Register every region with the client; all or none."""
+    mrs: list[Any] = []
+    try:
+        for t in regions:
+            mrs.append(client.register(t))
+    except BaseException:
+        for mr in mrs:
+            client.deregister(mr)
+        raise
+    return mrs
+
+
+class ViewTable:
+    """``BlockView``s of the pool's objects.
+
+    Built once for the pool's lifetime, each page's views under its first
+    slot, when the pool has at most ``VIEW_TABLE_LIMIT`` objects; larger
+    pools get views made per call.
+    """
+
+    def __init__(self, geometry: PageGeometry, view: Callable[[int, int, Any], Any], part_mrs: list[Any]):
+        self._geometry = geometry
+        self._view = view
+        #: the memory region of each part, in part order
+        self._part_mrs = part_mrs
+        self._sizes = geometry.sizes.tolist()
+        self._by_start: dict[int, tuple[Any, ...]] | None = None
+        pages, parts, ps = geometry.num_pages, geometry.parts, geometry.page_size
+        if pages * parts <= VIEW_TABLE_LIMIT:
+            table = self._make(np.arange(pages, dtype=np.int64) * ps)
+            self._by_start = {page * ps: tuple(table[page * parts:(page + 1) * parts]) for page in range(pages)}
+
+    def _make(self, starts: np.ndarray) -> list[Any]:
+        n = len(starts)
+        ptrs = self._geometry.pointers(starts).tolist()
+        view = self._view
+        return [view(p, s, m) for p, s, m in zip(ptrs, self._sizes * n, self._part_mrs * n)]
+
+    def of_pages(self, starts: np.ndarray) -> list[Any] | None:
+        """Every view of the pages whose page-aligned first slots are
+        ``starts``, page-major; None when one of them is outside the pool."""
+        by_start = self._by_start
+        if by_start is not None:
+            try:
+                return list(chain.from_iterable(map(by_start.__getitem__, starts.tolist())))
+            except KeyError:
+                return None
+        g = self._geometry
+        if len(starts) and (starts.min() < 0 or starts.max() >= g.num_pages * g.page_size):
+            return None
+        return self._make(starts)
+
+    def close(self) -> None:
+        self._by_start = None
+        self._part_mrs = [None] * len(self._part_mrs)
+
+
+class KeyCache:
+    """The object keys of one pool's pages: ``prefix + page key + suffix``.
+
+    Lookups repeat page keys (exists, then get, then other requests sharing
+    the prefix), so their object keys are kept, validated once on insert;
+    the cache is emptied when it would outgrow ``KEY_CACHE_LIMIT`` pages.
+    """
+
+    def __init__(self, prefix: str, suffixes: tuple[str, ...]):
+        self.prefix = prefix
+        self.suffixes = suffixes
+        #: the longest page key whose object keys fit SiMM's limit
+        self.budget = keyspace.max_page_key_bytes(prefix, suffixes)
+        self._cache: dict[str, tuple[str, ...]] = {}
+
+    def __len__(self) -> int:
+        """Page keys kept."""
+        return len(self._cache)
+
+    def of_all(self, page_keys: Sequence[str], *, remember: bool = True) -> list[str] | None:
+        """Object keys of every page, or None when any page key is unusable.
+        ``remember``: keep them for the next lookup."""
+        cache = self._cache
+        try:
+            return list(chain.from_iterable([cache[k] for k in page_keys]))
+        except (KeyError, TypeError):  # a new (or unhashable) page key
+            pass
+        if not keyspace.keys_fit(page_keys, self.budget):
+            return None
+        out = keyspace.object_keys(self.prefix, page_keys, self.suffixes)
+        if remember:
+            parts = len(self.suffixes)
+            if len(cache) + len(page_keys) > KEY_CACHE_LIMIT:
+                cache.clear()
+            cache.update(zip(page_keys, zip(*[out[i::parts] for i in range(parts)])))
+        return out
+
+    def of_usable(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+        """The usable pages (indices into ``page_keys``) and their object keys."""
+        fits = [keyspace.key_fits(k, self.budget) for k in page_keys]
+        pages = np.flatnonzero(fits) if not all(fits) else np.arange(len(page_keys))
+        usable = page_keys if len(pages) == len(page_keys) else [page_keys[i] for i in pages.tolist()]
+        return pages, keyspace.object_keys(self.prefix, usable, self.suffixes)
+
+
+# ---------------------------------------------------------------- binding
+
+
+class PoolBinding:
+    """One host pool bound to SiMM: its memory regions, geometry and keys.
+
+    Everything per pool that does not change per call is computed here once.
+    A pool is one region (its ``kv_buffer``) unless ``regions`` names several
+    host tensors (a Mamba pool's temporal and conv states); each object is
+    then viewed through the region that holds it. ``part_names`` names a
+    side pool's objects when they are not K/V halves (``keys.named_part_suffixes``).
+    """
+
+    def __init__(
+        self,
+        *,
+        client: KVClient,
+        pool: Any,
+        identity: keyspace.PageIdentity,
+        scheme: str,
+        meta: Meta,
+        regions: Sequence[torch.Tensor] | None = None,
+        part_names: Sequence[str] | None = None,
+    ):
+        self.pool = pool
+        self.client = client
+        tensors = host_regions(pool, regions)
+        self.geometry, part_region = pool_geometry(pool, meta, tensors)
+        g = self.geometry
+        self.identity = replace(identity, object_bytes=g.object_bytes)
+        self.prefix, self.suffixes = keyspace.key_layout(self.identity, scheme, g.chunks, part_names)
+        check_parts(pool, self.identity, g, self.suffixes)
+        self.keys = KeyCache(self.prefix, self.suffixes)
+        self.page_size = g.page_size
+        self.parts = g.parts
+        self.sizes = g.sizes
+        self.sizes_list = g.sizes.tolist()
+        self.page_bytes = g.page_bytes
+        self.mrs = register_regions(client, tensors)
+        self.views = ViewTable(g, client.view, [self.mrs[r] for r in part_region.tolist()])
+
+    def plan(
+        self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog, *, remember: bool = True
+    ) -> Plan | None:
+        """Resolve a batch; None (all misses) when the indices are unusable.
+
+        ``pages`` is None when every page key is usable (the common case,
+        its keys from the cache); otherwise it lists the usable pages.
+        """
+        n = len(page_keys)
+        ps = self.page_size
+        indices = _as_numpy(host_indices)
+        starts = page_starts(indices, ps, n) if indices is not None else None
+        if starts is None:
+            log(
+                "bad_indices",
+                "SiMM: host_indices do not hold %d whole, page-aligned pages of %d slots "
+                "(got %s); treating the batch as misses",
+                n, ps, None if indices is None else indices.shape,
+            )
+            return None
+        views = self.views.of_pages(starts)
+        if views is None:
+            log("bad_indices", "SiMM: host_indices outside the host pool; treating the batch as misses")
+            return None
+        obj_keys = self.keys.of_all(page_keys, remember=remember)
+        if obj_keys is not None:
+            return Plan(pages=None, keys=obj_keys, views=views)
+        pages, obj_keys = self.keys.of_usable(page_keys)
+        if len(pages) != n:
+            log("bad_key", "SiMM: %d page keys are not strings within %d bytes; those pages miss",
+                n - len(pages), self.keys.budget)
+        ids = self.geometry.object_ids(pages).tolist()
+        return Plan(pages=pages, keys=obj_keys, views=[views[i] for i in ids])
+
+    def page_object_keys(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+        """The usable pages of a batch and their object keys (no indices)."""
+        return self.keys.of_usable(page_keys)
+
+    def close(self) -> None:
+        self.views.close()
+        mrs, self.mrs = self.mrs, []
+        for mr in mrs:
+            if mr is not None:
+                self.client.deregister(mr)
+
+
+def _as_numpy(host_indices: Any) -> np.ndarray | None:
+    if isinstance(host_indices, torch.Tensor):
+        try:
+            return host_indices.numpy()  # a view, cheaper to inspect than the tensor
+        except TypeError:  # not on the CPU (reading .device costs more than this)
+            return host_indices.cpu().numpy()
+    if isinstance(host_indices, np.ndarray):
+        return host_indices
+    try:
+        return np.asarray(host_indices, dtype=np.int64)
+    except (TypeError, ValueError):
+        return None
