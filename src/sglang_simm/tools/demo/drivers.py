@@ -175,15 +175,21 @@ class ControllerDriver(Driver):
     Built on a CPU: a CPU ``MHATokenToKVPool`` / ``MLATokenToKVPool`` and
     ``PagedTokenToKVPoolAllocator``, a host pool with ``pin_memory=False`` in
     an anchor-only ``HostPoolGroup`` (what SGLang's ``build_kv_only_stack``
-    builds), a world-size-1 gloo process group (the controller's rank
-    agreement all-reduces are then no-ops) and the parallel layout published
-    through ``get_parallel().override(...)`` for the controller's lifetime.
+    builds), a gloo process group and the parallel layout published through
+    ``get_parallel().override(...)`` for the controller's lifetime.
+
+    ``tp=(rank, size)`` with ``size > 1`` makes this one TP rank of a group
+    whose other ranks are other processes (``init_method`` names the gloo
+    rendezvous, e.g. ``file:///tmp/pg``): the controller then agrees on hits
+    with them (a MIN all-reduce) and, for MLA, backs up from rank 0 only,
+    as in serving. With the default world of one, those all-reduces are no-ops.
     """
 
     mode = "controller"
 
     def __init__(self, geom: Any, layout: str, host_pages: int, extra: dict[str, Any], hasher: PageHasher,
-                 timeout_s: float):
+                 timeout_s: float, *, tp: tuple[int, int] = (0, 1), init_method: str | None = None,
+                 enable_metrics: bool = True):
         import torch.distributed as dist
 
         from sglang_simm import plugin
@@ -205,15 +211,22 @@ class ControllerDriver(Driver):
         self.timeout_s = timeout_s
         self._stack = contextlib.ExitStack()
         try:
+            tp_rank, tp_size = tp
             if not dist.is_initialized():
-                fd, path = tempfile.mkstemp(prefix="sglang-simm-demo-pg-")
-                os.close(fd)
-                os.unlink(path)  # gloo's file store creates it
-                dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-                self._stack.callback(_remove_quietly, path)
+                if init_method is None:
+                    if tp_size != 1:
+                        raise DemoSetupError("a TP group of more than one rank needs an init_method")
+                    fd, path = tempfile.mkstemp(prefix="sglang-simm-demo-pg-")
+                    os.close(fd)
+                    os.unlink(path)  # gloo's file store creates it
+                    init_method = f"file://{path}"
+                    self._stack.callback(_remove_quietly, path)
+                dist.init_process_group("gloo", init_method=init_method, rank=tp_rank, world_size=tp_size)
                 self._stack.callback(dist.destroy_process_group)
-            elif dist.get_world_size() != 1:
-                raise DemoSetupError("a torch.distributed process group with more than one rank is already set up")
+            elif dist.get_world_size() != tp_size:
+                raise DemoSetupError(
+                    f"a torch.distributed process group of {dist.get_world_size()} ranks is already set up, "
+                    f"not {tp_size}")
             group = dist.group.WORLD
 
             device_pool, self.host = _build_pools(geom, layout, host_pages)
@@ -236,7 +249,7 @@ class ControllerDriver(Driver):
                     list(key), page_size, prior)
                 self._stack.callback(setattr, hcc, "get_storage_hash_str", saved)
             self._stack.enter_context(get_parallel().override(
-                tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0,
+                tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0,
             ))
             self.cc = hcc.HybridCacheController(
                 allocator, self.pool_group, ps, group,
@@ -248,7 +261,7 @@ class ControllerDriver(Driver):
                 model_name=geom.name,
                 storage_backend_extra_config=dict(extra),
                 transfer_layer_id_max=geom.layer_num,
-                enable_storage_metrics=True,
+                enable_storage_metrics=enable_metrics,
             )
             self._stack.callback(self.cc.detach_storage_backend)
         except BaseException:
