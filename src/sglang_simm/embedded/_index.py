@@ -46,6 +46,13 @@ from sglang_simm.errors import (
 
 EVICTION_POLICIES = ("fifo", "lru")
 
+
+def check_policy(policy: object) -> str:
+    if policy not in EVICTION_POLICIES:
+        raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
+    return policy  # type: ignore[return-value]
+
+#: The counters of both servers (host store and in-process).
 STAT_NAMES = (
     "puts",  # objects published
     "gets",  # get entries that reached the store
@@ -411,9 +418,7 @@ class StoreIndex:
         return len(doomed)
 
     def set_policy(self, policy: str) -> None:
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
-        self.policy = policy
+        self.policy = check_policy(policy)
 
     def set_capacity(self, capacity: int) -> None:
         """Change the capacity now, evicting the oldest objects until the

@@ -30,7 +30,7 @@ import torch
 
 from sglang_simm.embedded._copy import copy_many, human_bytes, wrap_memory  # noqa: F401 (wrap_memory re-exported)
 from sglang_simm.embedded._faults import FaultInjector
-from sglang_simm.embedded._index import EVICTION_POLICIES
+from sglang_simm.embedded._index import STAT_NAMES, check_policy
 from sglang_simm.errors import (
     DS_CACHE_POOL_ALLOC_FAILED,
     DS_DATA_ALREADY_EXISTS,
@@ -44,15 +44,6 @@ logger = logging.getLogger("sglang_simm.embedded")
 
 # -- the server --------------------------------------------------------------
 
-_STAT_NAMES = (
-    "puts",  # objects published
-    "gets",  # get entries that reached the server
-    "hits",  # get entries that returned an object
-    "misses",  # get entries for an absent key
-    "evictions",  # objects dropped to make room
-    "bytes_in",  # bytes published
-    "bytes_out",  # bytes copied out to readers
-    "already_exists",  # puts refused because the key was there (no overwrite)
     "rejected",  # puts refused for capacity
     "deletes",  # objects deleted
 )
@@ -66,9 +57,7 @@ class EmbeddedServer:
     """
 
     def __init__(self, name: str, capacity_bytes: int, policy: str = "fifo") -> None:
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
-        self.policy = policy
+        self.policy = check_policy(policy)
         self.name = name
         self._lock = threading.Lock()
         # key -> (private uint8 buffer, size); the next to evict first.
@@ -84,7 +73,7 @@ class EmbeddedServer:
         self._free_bytes = 0
         # Buffers that readers are copying from, by id: never recycled.
         self._reading: Counter[int] = Counter()
-        self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._stats = dict.fromkeys(STAT_NAMES, 0)
         #: The network between clients and this server (see ``_faults``).
         self.faults = FaultInjector()
 
@@ -100,9 +89,7 @@ class EmbeddedServer:
 
     def set_policy(self, policy: str) -> None:
         """Evict "fifo" (oldest put first) or "lru" (least recently used) from now on."""
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
-        self.policy = policy
+        self.policy = check_policy(policy)
 
     def set_capacity(self, capacity_bytes: int) -> None:
         """Change the capacity now, evicting least recently used objects until
@@ -208,6 +195,7 @@ class EmbeddedServer:
                 self._reserved -= size
                 if buf is None:
                     results[i] = OUT_OF_MEMORY
+                    stats["out_of_memory"] += 1
                     continue
                 old = objects.get(key)
                 if old is not None:

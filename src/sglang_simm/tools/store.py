@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from sglang_simm.embedded._host import HostServer, StoreUnreachable, pid_alive, wait_gone
+from sglang_simm.embedded._index import EVICTION_POLICIES
 from sglang_simm.embedded._paths import StorePaths, read_pid, store_dir, store_names
 
 _DEFAULT_NAME = "default"
@@ -34,7 +35,7 @@ def add_arguments(sub: Any) -> None:
     start = actions.add_parser("start", help="start a store now, with a capacity and eviction policy")
     start.add_argument("name", nargs="?", default=_DEFAULT_NAME)
     start.add_argument("--capacity", default="4GiB", help="bytes of objects it holds (e.g. 512MiB, 8GiB)")
-    start.add_argument("--eviction", choices=["fifo", "lru"], default="fifo")
+    start.add_argument("--eviction", choices=EVICTION_POLICIES, default="fifo")
     common(start)
     clear = actions.add_parser("clear", help="remove every object of a store")
     clear.add_argument("name")
