@@ -350,14 +350,12 @@ def host_token_index(layout: str, page_size: int, host_indices, layer: int) -> t
     ``host_indices`` (token slots) at ``layer``, for each host layout.
 
     Buffer shapes, from SGLang 0.5.23's ``MHATokenToKVPoolHost.init_kv_buffer``
-    (K and V each; MLA has one buffer of the same shapes with one "head"):
-    ``layer_first`` (layers, tokens, heads, dim), ``page_first`` (tokens,
-    layers, heads, dim), ``page_first_direct`` (pages, layers, page, heads,
-    dim), ``page_head`` (pages, heads, page, layers, dim). Indexing with the
-    result gives (len(host_indices), heads, dim).
+    (K and V each): ``page_first`` (tokens, layers, heads, dim),
+    ``page_first_direct`` (pages, layers, page, heads, dim), ``page_head``
+    (pages, heads, page, layers, dim). Indexing with the result gives
+    (len(host_indices), heads, dim). ``layer_first`` is left out: this
+    backend refuses it, so no server here runs it.
     """
-    if layout == "layer_first":
-        return (layer, host_indices)
     if layout == "page_first":
         return (host_indices, layer)
     if layout == "page_first_direct":
@@ -446,9 +444,9 @@ def chain_sitecustomize(ours: str) -> None:
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is None or spec.loader is None:
         return
-    import importlib.util
+    from importlib.util import module_from_spec
 
-    module = importlib.util.module_from_spec(spec)
+    module = module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception:

@@ -226,6 +226,7 @@ class SGLangServer:
         self.proc: subprocess.Popen | None = None
         #: seconds from the launch to a healthy server
         self.started_in_s: float | None = None
+        self._launched_at = 0.0
 
     # -- life cycle -----------------------------------------------------------
 
@@ -238,12 +239,17 @@ class SGLangServer:
         return self.proc.pid if self.proc is not None else None
 
     def start(self) -> SGLangServer:
+        """Launch and wait until healthy (stopped again if it is not)."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> SGLangServer:
+        """Launch without waiting (several servers then start side by side)."""
         if self.proc is not None:
             raise ServerError(f"{self.name} is already started (pid {self.proc.pid})")
         self.port = free_port()
         env = server_env(self.config, self.workdir)
         args = self.config.launch_args(self.port)
-        started = time.monotonic()
+        self._launched_at = time.monotonic()
         with open(self.log_path, "w", encoding="utf-8") as log:
             log.write("$ " + " ".join(args) + "\n")
             log.flush()
@@ -257,12 +263,21 @@ class SGLangServer:
                 cwd=self.workdir,
                 start_new_session=True,
             )
+        return self
+
+    def wait_ready(self) -> SGLangServer:
+        """Wait until /health answers 200; on a timeout or an exit, stop it
+        and raise with the log's tail."""
+        if self.started_in_s is not None:
+            return self
+        if self.proc is None:
+            raise ServerError(f"{self.name} was not launched")
         try:
-            self._wait_healthy(started)
+            self._wait_healthy(self._launched_at)
         except BaseException:
             self.stop()
             raise
-        self.started_in_s = time.monotonic() - started
+        self.started_in_s = time.monotonic() - self._launched_at
         return self
 
     def _wait_healthy(self, started: float) -> None:
@@ -286,29 +301,27 @@ class SGLangServer:
                 )
             time.sleep(0.5)
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, grace: float = 5.0) -> None:
         """SIGTERM to the server's pid (SGLang then ends its own children),
-        then SIGKILL to its process group for anything left. Idempotent."""
+        SIGKILL to it after ``timeout``; then, after ``grace``, SIGKILL to its
+        process group for anything left. Idempotent."""
         proc = self.proc
         if proc is None:
             return
         pgid = proc.pid  # start_new_session: the group is named by the leader's pid
         if proc.poll() is None:
+            proc.terminate()
             try:
-                proc.terminate()
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=timeout)
-        deadline = time.monotonic() + timeout
-        while _group_alive(pgid):
-            if time.monotonic() > deadline:
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    break
-                deadline = time.monotonic() + timeout
-            time.sleep(0.2)
+        if not _wait_group_gone(pgid, grace):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _wait_group_gone(pgid, grace)
         self.proc = None
 
     def __enter__(self) -> SGLangServer:
@@ -472,6 +485,15 @@ def _sse_chunks(response) -> Iterator[dict]:
 
 
 # -- /proc --------------------------------------------------------------------------
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _group_alive(pgid: int) -> bool:
