@@ -97,8 +97,9 @@ def run_workload(server: SGLangServer, args: argparse.Namespace, vocab: int, kv_
     first = ask(0)
     rows.append(Row("first user, empty caches", "computed from scratch", first.prompt_tokens,
                     first.cached_tokens, first.ttft_s or 0.0, 0, True, first.ttft_s))
-    # the backup thread writes L3 after the answer: wait for it (whole pages)
-    server.wait_l3_stored(stored + (first.prompt_tokens + n) // args.page_size, timeout=300)
+    # the backup thread writes L3 after the answer: wait for it (whole pages;
+    # the last generated token has no KV)
+    server.wait_l3_stored(stored + (first.prompt_tokens + n - 1) // args.page_size, timeout=300)
 
     second = ask(1)
     ref = fresh(1)

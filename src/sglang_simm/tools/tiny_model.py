@@ -79,7 +79,7 @@ def _config(preset: TinyModel):
         eos_token_id=2,
         pad_token_id=0,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
 
 
@@ -106,7 +106,7 @@ def write_model(path: str | os.PathLike, preset: str | TinyModel = "llama-tiny",
     try:
         torch.manual_seed(seed)
         with torch.no_grad():
-            lm = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+            lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     finally:
         torch.random.set_rng_state(state)
     os.makedirs(path, exist_ok=True)
