@@ -40,116 +40,15 @@ pip_q() {
         -e '^$' || true
 }
 
-# Import shims for CPU-only SGLang venvs, written into the venv's
-# site-packages and activated by a .pth file. They never shadow a working
-# install: see the docstring.
+# Import shims for CPU-only SGLang venvs: a one-line .pth file that calls
+# sglang_simm.tools.cpu_standins.install_import_shims() at every interpreter
+# start (import hooks only; they never shadow a working install, see that
+# module). Quiet while this package is not importable (mid-reinstall).
 write_shims() {
     local py="$1" sgl_kernel_stub="$2" site
     site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    cat >"$site/_sglang_cpu_test_shims.py" <<'PYEOF'
-"""Import shims for the CPU-only SGLang test venvs (written by scripts/test.sh).
-
-torchvision: PyPI's torchvision wheel is a CUDA build whose _C.so cannot load
-    against a CPU-only torch, and torchvision/_meta_registrations.py then
-    fails on the missing torchvision::nms and ::qnms schemas. SGLang imports
-    torchvision at module scope (sglang.srt.configs -> internvl_utils). When
-    _C.so does not load, define those two schemas (without kernels) so the
-    pure-Python parts of torchvision import; calling nms raises.
-sgl_kernel (only where asked, for SGLang 0.5.8): memory_pool_host.py imports
-    sgl_kernel.kvcacheio at module scope; the only sgl-kernel wheel is a CUDA
-    build for another torch. When no sgl_kernel is installed, provide
-    sgl_kernel.kvcacheio whose functions raise NotImplementedError. The
-    package itself stays empty, so `from sgl_kernel import x` still fails.
-"""
-import importlib.abc
-import importlib.machinery
-import sys
-
-_KVCACHEIO = "sgl_kernel.kvcacheio"
-
-
-def _unavailable(name):
-    def fn(*args, **kwargs):
-        raise NotImplementedError(f"{name}: sgl_kernel is a CPU test stub")
-
-    fn.__name__ = name.rsplit(".", 1)[-1]
-    return fn
-
-
-class _StubLoader(importlib.abc.Loader):
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        module.__cpu_test_stub__ = True
-        if module.__name__ == _KVCACHEIO:
-
-            def __getattr__(attr, _mod=module.__name__):
-                if attr.startswith("__"):
-                    raise AttributeError(attr)
-                return _unavailable(f"{_mod}.{attr}")
-
-            module.__getattr__ = __getattr__
-
-
-class _SglKernelStub(importlib.abc.MetaPathFinder):
-    """Last on sys.meta_path: a real sgl_kernel on sys.path wins."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name in ("sgl_kernel", _KVCACHEIO):
-            return importlib.machinery.ModuleSpec(
-                name, _StubLoader(), is_package=(name == "sgl_kernel")
-            )
-        return None
-
-
-class _TorchvisionHook(importlib.abc.MetaPathFinder):
-    """First on sys.meta_path; acts once, on the first import of torchvision."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "torchvision":
-            sys.meta_path.remove(self)
-            _prepare_torchvision()
-        return None
-
-
-def _prepare_torchvision():
-    import glob
-    import os
-
-    spec = importlib.machinery.PathFinder.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
-        return
-    import torch
-
-    libs = [
-        lib
-        for loc in spec.submodule_search_locations
-        for lib in glob.glob(os.path.join(loc, "_C*.so"))
-    ]
-    try:
-        for lib in libs:
-            torch.ops.load_library(lib)
-        if libs:
-            return
-    except OSError:
-        pass
-    for op in ("nms", "qnms"):
-        try:
-            getattr(torch.ops.torchvision, op)
-        except (AttributeError, RuntimeError):
-            torch.library.define(
-                f"torchvision::{op}",
-                "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-            )
-
-
-def install(sgl_kernel_stub=False):
-    sys.meta_path.insert(0, _TorchvisionHook())
-    if sgl_kernel_stub:
-        sys.meta_path.append(_SglKernelStub())
-PYEOF
-    printf 'import _sglang_cpu_test_shims; _sglang_cpu_test_shims.install(sgl_kernel_stub=%s)\n' \
+    rm -f "$site/_sglang_cpu_test_shims.py"
+    printf 'import sys; exec("try:\\n from sglang_simm.tools.cpu_standins import install_import_shims\\nexcept ImportError:\\n pass\\nelse:\\n install_import_shims(sgl_kernel_stub=%s)")\n' \
         "$sgl_kernel_stub" >"$site/_sglang_cpu_test_shims.pth"
 }
 

@@ -38,6 +38,7 @@ _EMBEDDED_FLAGS = (
     "embedded_error_code",
     "embedded_latency_us",
     "embedded_down",
+    "embedded_corrupt_reads",
     "embedded_seed",
 )
 

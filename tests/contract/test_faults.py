@@ -177,3 +177,57 @@ def test_fault_settings_are_validated(faults):
     with pytest.raises(TypeError):
         faults.configure(flakiness=0.1)
     assert faults.error_rate == 0.0 and faults.down is False
+
+
+def test_corrupt_reads_flip_bytes_after_a_successful_copy(store, mem, faults, stored):
+    keys, datas = stored
+    faults.configure(corrupt_rate=1.0)
+    targets = [mem.view(2048) for _ in keys]
+    # the reads still succeed: the corruption is silent, as on a bad link
+    assert store.mget(keys, [view for view, _ in targets]) == [2048] * len(keys)
+    for (_, out), data in zip(targets, datas):
+        assert torch.equal(out, data ^ 0x80)  # every byte's top bit flipped
+    view, out = mem.view(2048)
+    assert store.get(keys[0], view) == 2048
+    assert torch.equal(out, datas[0] ^ 0x80)
+    assert faults.corrupted == len(keys) + 1
+
+    faults.configure(corrupt_rate=0.0)
+    all_readable(store, mem, keys, datas)  # the stored objects were never touched
+
+
+def test_corrupt_reads_leave_misses_and_writes_alone(store, mem, faults, key, rand):
+    faults.configure(corrupt_rate=1.0)
+    data = rand(512, seed=3)
+    view, _ = mem.holding(data)
+    assert store.put(key("w"), view) == OK
+    miss_view, miss_out = mem.view(512, fill=7)
+    assert store.get(key("absent"), miss_view) < 0
+    assert torch.equal(miss_out, torch.full((512,), 7, dtype=torch.uint8))  # a miss copies nothing
+    assert faults.corrupted == 0
+    faults.configure(corrupt_rate=0.0)
+    all_readable(store, mem, [key("w")], [data])
+
+
+def test_corrupt_reads_flag_reaches_the_server(kv, store, mem, server, stored):
+    keys, datas = stored
+    assert kv.set_flag("embedded_corrupt_reads", "1")
+    assert server.faults.corrupt_rate == 1.0
+    view, out = mem.view(2048)
+    assert store.get(keys[1], view) == 2048
+    assert torch.equal(out, datas[1] ^ 0x80)
+    assert not kv.set_flag("embedded_corrupt_reads", "2")  # outside 0..1: refused
+    assert kv.set_flag("embedded_corrupt_reads", "0")
+    all_readable(store, mem, keys, datas)
+
+
+def test_corrupt_rate_is_validated(faults):
+    with pytest.raises(ValueError, match="corrupt_rate"):
+        faults.configure(corrupt_rate=1.5)
+    with pytest.raises(TypeError, match="corrupt_rate"):
+        faults.configure(corrupt_rate=True)
+    assert faults.corrupt_rate == 0.0
+    faults.configure(corrupt_rate=0.5)
+    assert "corrupt_rate=0.5" in repr(faults)
+    faults.reset()
+    assert faults.corrupt_rate == 0.0

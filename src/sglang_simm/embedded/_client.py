@@ -216,6 +216,7 @@ _FLAG_SPECS: dict[str, tuple] = {
     "embedded_error_code": (_error_code, str(SEND_RPC_FAILED)),
     "embedded_latency_us": (_latency, "0.0"),
     "embedded_down": (_parse_bool, "false"),
+    "embedded_corrupt_reads": (_rate, "0.0"),  # share of successful reads flipped
     "embedded_seed": (_seed, ""),  # "" = unseeded
 }
 
@@ -224,6 +225,7 @@ _FAULT_FLAGS = {
     "embedded_error_code": "error_code",
     "embedded_latency_us": "latency_us",
     "embedded_down": "down",
+    "embedded_corrupt_reads": "corrupt_rate",
     "embedded_seed": "seed",
 }
 
@@ -238,7 +240,8 @@ def set_flag(name: str, value: str) -> bool:
     """Set a process-global client flag; True if it was accepted.
 
     Embedded fault flags (``embedded_error_rate``, ``embedded_error_code``,
-    ``embedded_latency_us``, ``embedded_down``, ``embedded_seed``) also apply
+    ``embedded_latency_us``, ``embedded_down``, ``embedded_corrupt_reads``,
+    ``embedded_seed``) also apply
     at once to the server named by ``cm_primary_node_ip`` if it exists; every
     ``embedded_*`` flag applies to a server when it is created.
     """
@@ -275,7 +278,7 @@ def get_flag(name: str) -> str | None:
 def _fault_value(name: str, canonical: str) -> object:
     if name == "embedded_down":
         return canonical == "true"
-    if name in ("embedded_error_rate", "embedded_latency_us"):
+    if name in ("embedded_error_rate", "embedded_latency_us", "embedded_corrupt_reads"):
         return float(canonical)
     if name == "embedded_seed":
         return int(canonical) if canonical else None
@@ -781,7 +784,21 @@ class Store:
             # the sync client reports every server-side get failure as
             # GetObjectFailed (clnt_messenger.cc, ClientMessenger::Get)
             results[i] = GET_OBJECT_FAILED if code < 0 and not passthrough else code
+        self._corrupt([(views[i]._ptr, code) for i, code in zip(live, codes) if code > 0])
         return results
+
+    def _corrupt(self, reads: list[tuple[int, int]]) -> None:
+        """The ``embedded_corrupt_reads`` fault, after the copy: flip the top
+        bit of every byte of the chosen reads' destinations. For IEEE floats
+        of any width that flips a sign, an exponent or a mantissa bit of
+        every value: all stay finite (barring values near the type's
+        maximum), and all are wrong."""
+        chosen = self._server.faults.corrupt(len(reads))
+        if chosen is None:
+            return
+        for (ptr, size), flip in zip(reads, chosen):
+            if flip:
+                wrap_memory(ptr, size).bitwise_xor_(0x80)
 
     def _lookup(self, keys: list[str]) -> list[int]:
         n = len(keys)

@@ -6,6 +6,11 @@ once per call, whether the call reaches the server at all (``down``), waits
 ``latency_us``, then draws per entry whether that entry fails with
 ``error_code``. Storage never looks at it.
 
+``corrupt_rate`` is the one fault that is not a failure: a read that
+succeeded has its destination's bytes flipped afterwards, as a bad NIC or a
+bad DIMM would, and still reports success. It exists so that tests can check
+that wrong bytes are visible downstream (a test that cannot fail is none).
+
 The failures it produces stand for transport-level failures (an RPC that
 timed out or could not be sent): the real client returns those codes
 unchanged on every path, sync and async alike, so the embedded client does
@@ -35,6 +40,8 @@ class FaultInjector:
         "_lock",
         "_rng",
         "_seed",
+        "corrupt_rate",
+        "corrupted",
         "down",
         "error_code",
         "error_rate",
@@ -49,6 +56,7 @@ class FaultInjector:
         error_code: int = SEND_RPC_FAILED,
         latency_us: float = 0.0,
         down: bool = False,
+        corrupt_rate: float = 0.0,
         seed: int | None = None,
     ) -> None:
         self._lock = threading.Lock()
@@ -63,11 +71,16 @@ class FaultInjector:
         self.down = False
         #: Entries failed by this injector so far (outage and error rate).
         self.injected = 0
+        #: Share of successful reads whose bytes are flipped (see the module docstring).
+        self.corrupt_rate = 0.0
+        #: Reads corrupted so far.
+        self.corrupted = 0
         self.configure(
             error_rate=error_rate,
             error_code=error_code,
             latency_us=latency_us,
             down=down,
+            corrupt_rate=corrupt_rate,
             seed=seed,
         )
 
@@ -75,14 +88,17 @@ class FaultInjector:
 
     def configure(self, **settings: object) -> None:
         """Change any of ``error_rate``, ``error_code``, ``latency_us``,
-        ``down``, ``seed``; each is validated, and a bad one changes nothing.
-        Setting ``seed`` (an int, or None for unseeded) restarts the draws."""
-        unknown = set(settings) - {"error_rate", "error_code", "latency_us", "down", "seed"}
+        ``down``, ``corrupt_rate``, ``seed``; each is validated, and a bad one
+        changes nothing. Setting ``seed`` (an int, or None for unseeded)
+        restarts the draws."""
+        unknown = set(settings) - {"error_rate", "error_code", "latency_us", "down", "corrupt_rate", "seed"}
         if unknown:
             raise TypeError(f"unknown fault setting(s): {', '.join(sorted(map(repr, unknown)))}")
         new = {}
         if "error_rate" in settings:
-            new["error_rate"] = _check_rate(settings["error_rate"])
+            new["error_rate"] = _check_rate(settings["error_rate"], "error_rate")
+        if "corrupt_rate" in settings:
+            new["corrupt_rate"] = _check_rate(settings["corrupt_rate"], "corrupt_rate")
         if "error_code" in settings:
             new["error_code"] = _check_code(settings["error_code"])
         if "latency_us" in settings:
@@ -107,7 +123,9 @@ class FaultInjector:
 
     def reset(self) -> None:
         """No faults; the seed (if any) restarts."""
-        self.configure(error_rate=0.0, error_code=SEND_RPC_FAILED, latency_us=0.0, down=False, seed=self._seed)
+        self.configure(
+            error_rate=0.0, error_code=SEND_RPC_FAILED, latency_us=0.0, down=False, corrupt_rate=0.0, seed=self._seed
+        )
 
     # -- used by the client, once per call --------------------------------
 
@@ -139,6 +157,19 @@ class FaultInjector:
             self.injected += failed
         return codes if failed else None
 
+    def corrupt(self, entries: int) -> list[bool] | None:
+        """Per successful read, whether to flip its bytes; None when none is
+        (the common case). Draws come from the same seeded sequence."""
+        rate = self.corrupt_rate
+        if rate <= 0.0 or entries == 0:
+            return None
+        with self._lock:
+            rnd = self._rng.random
+            chosen = [rnd() < rate for _ in range(entries)]
+            hit = sum(chosen)
+            self.corrupted += hit
+        return chosen if hit else None
+
     def __repr__(self) -> str:
         parts = []
         if self.down:
@@ -147,17 +178,19 @@ class FaultInjector:
             parts.append(f"error_rate={self.error_rate:g} error_code={code_name(self.error_code)}")
         if self.latency_us:
             parts.append(f"latency_us={self.latency_us:g}")
+        if self.corrupt_rate:
+            parts.append(f"corrupt_rate={self.corrupt_rate:g}")
         if self._seed is not None:
             parts.append(f"seed={self._seed}")
         return f"<FaultInjector {' '.join(parts) or 'none'}>"
 
 
-def _check_rate(value: object) -> float:
+def _check_rate(value: object, name: str = "error_rate") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"error_rate must be a number, got {value!r}")
+        raise TypeError(f"{name} must be a number, got {value!r}")
     rate = float(value)
     if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"error_rate must be within 0..1, got {value!r}")
+        raise ValueError(f"{name} must be within 0..1, got {value!r}")
     return rate
 
 

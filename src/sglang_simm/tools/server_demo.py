@@ -1,0 +1,227 @@
+"""The main job as users see it: a real SGLang server, HiCache on, this plugin
+as L3, and the time to first token of a long shared prompt served four ways.
+
+It writes a random-weight Llama large enough that prefill costs seconds on a
+CPU, starts ``python -m sglang.launch_server`` on 127.0.0.1 (CPU flags, the
+CPU stand-ins, ``--hicache-storage-backend simm``), and sends a workload of
+users who share one long system prompt, each with a question of their own:
+
+1. the first user, on empty caches: the prompt is computed from scratch;
+2. a second user right after: the system prompt is on the device (L1);
+3. a third, after other traffic pushed it off the device: it comes from the
+   host tier (L2);
+4. a fourth, after ``/flush_cache`` emptied the device and host tiers: it
+   comes from L3, this plugin's store.
+
+Every answer is checked against a fresh computation of the same prompt (under
+its own ``extra_key``, which namespaces every tier): same greedy tokens, same
+logprobs. The table gives the time to first token, the KV bytes each tier
+moved, and whether outputs matched; ``--json`` writes it all.
+
+Run: ``python -m sglang_simm.tools.server_demo`` (add ``--json out.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sglang_simm.tools.sglang_server import Generation, SGLangServer, ServerConfig
+from sglang_simm.tools.tiny_model import PRESETS, write_model
+
+
+@dataclass
+class Row:
+    served: str
+    tier: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    kv_bytes_moved: int
+    matches_fresh: bool
+    #: TTFT of the fresh computation it was checked against
+    fresh_ttft_s: float | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-demo", help="model size (default: %(default)s)")
+    parser.add_argument("--model-dir", help="where to write the model (default: a cache folder, reused)")
+    parser.add_argument("--system-tokens", type=int, default=2048, help="length of the shared system prompt")
+    parser.add_argument("--question-tokens", type=int, default=64, help="length of each user's question")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per answer")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--manager", default="local", help="SiMM manager_address (default: the embedded store)")
+    parser.add_argument("--route", choices=("simm", "dynamic"), default="simm")
+    parser.add_argument("--workdir", help="server logs and files (default: a temporary folder, removed)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--json", dest="json_path", help="write the results here")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _default_model_dir(preset: str, seed: int) -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "sglang-simm", "models", f"{preset}-seed{seed}")
+
+
+def _check(got: Generation, want: Generation) -> bool:
+    return got.output_ids == want.output_ids and got.logprobs == want.logprobs
+
+
+def run_workload(server: SGLangServer, args: argparse.Namespace, vocab: int, kv_bytes_per_token: int) -> list[Row]:
+    rng = random.Random(args.seed)
+    system = _tokens(rng, args.system_tokens, vocab)
+    users = [system + _tokens(rng, args.question_tokens, vocab) for _ in range(4)]
+    n = args.new_tokens
+
+    def ask(i: int, **kw: Any) -> Generation:
+        return server.generate(users[i], max_new_tokens=n, stream=True, **kw)
+
+    def fresh(i: int) -> Generation:
+        return server.generate(users[i], max_new_tokens=n, stream=True, extra_key=f"fresh-{i}")
+
+    # A first prefill pays one-off costs (allocations, first calls into the
+    # BLAS): spend them on a prompt of its own, namespaced away from the rest.
+    server.generate(_tokens(rng, args.system_tokens, vocab), max_new_tokens=1, extra_key="warm-up")
+
+    rows: list[Row] = []
+    stored = server.l3_pages_stored()
+    first = ask(0)
+    rows.append(Row("first user, empty caches", "computed from scratch", first.prompt_tokens,
+                    first.cached_tokens, first.ttft_s or 0.0, 0, True, first.ttft_s))
+    # the backup thread writes L3 after the answer: wait for it (whole pages;
+    # the last generated token has no KV)
+    server.wait_l3_stored(stored + (first.prompt_tokens + n - 1) // args.page_size, timeout=300)
+
+    second = ask(1)
+    ref = fresh(1)
+    rows.append(Row("second user, right after", "device hit (L1)", second.prompt_tokens, second.device_tokens,
+                    second.ttft_s or 0.0, 0, _check(second, ref), ref.ttft_s))
+
+    # Other traffic, enough to push the system prompt off the device pool
+    # (but not out of the host pool, which is larger).
+    filler = 0
+    while filler < server.config.max_total_tokens:
+        server.generate(_tokens(rng, args.system_tokens, vocab), max_new_tokens=1)
+        filler += args.system_tokens
+    third = ask(2)
+    ref = fresh(2)
+    rows.append(Row("third user, after other traffic", "host-tier hit (L2)", third.prompt_tokens,
+                    third.host_tokens, third.ttft_s or 0.0, third.host_tokens * kv_bytes_per_token,
+                    _check(third, ref) and third.device_tokens == 0, ref.ttft_s))
+
+    server.flush_cache()
+    fourth = ask(3)
+    ref = fresh(3)
+    rows.append(Row("fourth user, after /flush_cache", "L3 hit (SiMM)", fourth.prompt_tokens,
+                    fourth.storage_tokens, fourth.ttft_s or 0.0, fourth.storage_tokens * kv_bytes_per_token,
+                    _check(fourth, ref) and fourth.storage_tokens > 0, ref.ttft_s))
+    return rows
+
+
+def _print(rows: list[Row], summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=132)
+    scratch = [r.fresh_ttft_s for r in rows if r.fresh_ttft_s]
+    base = sum(scratch) / len(scratch) if scratch else None
+    table = Table(title="Time to first token: one long shared system prompt, served four ways")
+    for name, justify in (("request", "left"), ("system prompt from", "left"), ("prefix tokens", "right"),
+                          ("TTFT ms", "right"), ("vs scratch", "right"), ("KV bytes moved", "right"),
+                          ("outputs = fresh", "center")):
+        table.add_column(name, justify=justify)
+    for r in rows:
+        speedup = f"{base / r.ttft_s:.1f}x" if base and r.ttft_s and r.cached_tokens else "1.0x"
+        moved = _human(r.kv_bytes_moved) if r.kv_bytes_moved else "-"
+        table.add_row(r.served, r.tier, f"{r.cached_tokens}/{r.prompt_tokens}", f"{r.ttft_s * 1e3:.0f}",
+                      speedup, moved, "yes" if r.matches_fresh else "[red]NO[/red]")
+    console.print(table)
+    grid = Table.grid(padding=(0, 2))
+    for key, value in summary.items():
+        grid.add_row(key, str(value))
+    console.print(grid)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    preset = PRESETS[args.preset]
+    started = time.monotonic()
+    model_dir = args.model_dir or _default_model_dir(args.preset, args.seed)
+    print(f"writing the {args.preset} model (random weights, seed {args.seed}) to {model_dir} ...", flush=True)
+    write_model(model_dir, preset, seed=args.seed)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="sglang-simm-server-demo-")
+    system_and_question = args.system_tokens + args.question_tokens + args.new_tokens
+    config = ServerConfig(
+        model_path=model_dir,
+        route=args.route,
+        extra_config={"manager_address": args.manager, "enable_profile": True},
+        page_size=args.page_size,
+        # the device pool holds one prompt (and a little), the host pool four
+        max_total_tokens=system_and_question + 4 * args.page_size,
+        hicache_ratio=4.0,
+        enable_metrics=True,
+        startup_timeout_s=args.startup_timeout,
+    )
+    server = SGLangServer(config, workdir, name="demo-server")
+    print(f"starting python -m sglang.launch_server on the CPU (log {server.log_path}) ...", flush=True)
+    try:
+        with server:
+            print(f"server healthy after {server.started_in_s:.1f} s; sending the workload ...", flush=True)
+            rows = run_workload(server, args, preset.vocab_size, preset.kv_bytes_per_token())
+            metrics = server.metrics()
+    finally:
+        if args.workdir is None and not os.environ.get("SGLANG_SIMM_KEEP_DEMO"):
+            shutil.rmtree(workdir, ignore_errors=True)
+    summary = {
+        "model": f"{args.preset}: Llama, {preset.layers} layers, hidden {preset.hidden_size}, "
+        f"{preset.heads} heads ({preset.kv_heads} KV), fp32, random weights",
+        "KV per token": _human(preset.kv_bytes_per_token()),
+        "server start": f"{server.started_in_s:.1f} s to healthy",
+        "L3 written (SGLang metric)": _human(metrics.get("sglang:hicache_backup_bytes_total", 0.0)),
+        "L3 prefetch hits (SGLang metric)": f"{metrics.get('sglang:storage_prefetch_hit_tokens_total', 0.0):.0f} tokens",
+        "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}",
+        "whole demo": f"{time.monotonic() - started:.0f} s",
+    }
+    _print(rows, summary)
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as f:
+            json.dump({"rows": [asdict(r) for r in rows], "summary": summary,
+                       "server_start_s": server.started_in_s, "metrics": metrics,
+                       "args": vars(args)}, f, indent=2)
+        print(f"wrote {args.json_path}")
+    ok = all(r.matches_fresh for r in rows) and rows[-1].cached_tokens > 0
+    if not ok:
+        print("FAILED: an answer differed from its fresh computation, or L3 was not hit", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sglang_simm.tools.server_demo", description=__doc__.split("\n\n", 1)[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

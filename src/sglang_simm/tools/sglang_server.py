@@ -1,0 +1,549 @@
+"""A real ``python -m sglang.launch_server`` on this machine's CPU, with this
+plugin as HiCache's L3 tier, for the end-to-end tests and the server demo.
+
+:class:`SGLangServer` starts SGLang on 127.0.0.1 with a free port, the CPU
+flags, HiCache on and the storage backend chosen by :class:`ServerConfig`
+(``simm`` through the plugin entry point, or ``dynamic`` with the module
+path and ``interface_v1``). The CUDA-only parts SGLang needs are replaced by
+the stand-ins of :mod:`sglang_simm.tools.cpu_standins`, loaded into every
+process of the server through a ``sitecustomize.py`` folder on
+``PYTHONPATH`` (SGLang's scheduler is a spawned subprocess, so an import in
+this process would not reach it). The log goes to a file; the server is
+stopped by its pid, then by its process group if anything remains.
+
+Helpers speak SGLang's HTTP API with the standard library only: ``/generate``
+with ``input_ids`` (greedy, with logprobs, optionally streamed for the time to
+first token), ``/flush_cache``, ``/metrics``; and the scheduler's resident
+memory is read from the process tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_simm.tools import cpu_standins
+
+#: The names SGLang's scheduler processes give themselves (setproctitle),
+#: e.g. ``sglang::scheduler`` or ``sglang::scheduler_TP1``.
+SCHEDULER_TITLE = "sglang::scheduler"
+
+#: The backend names of the two routes.
+ROUTES = ("simm", "dynamic")
+
+#: What the backend logs per write batch with ``enable_profile`` (backend.py).
+_SET_LINE = re.compile(r"SiMM batch_set_v1: (\d+) pages, (\d+) already stored, (\d+) written")
+_GET_LINE = re.compile(r"SiMM batch_get_v1: (\d+) pages, (\d+) hits")
+
+
+class ServerError(RuntimeError):
+    """The server did not start, died, or answered an error."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How to launch one CPU SGLang server with HiCache and this plugin."""
+
+    model_path: str
+    #: ``simm`` (the plugin entry point), ``dynamic`` (module path and
+    #: ``interface_v1``), or None for HiCache without an L3 tier
+    route: str | None = "simm"
+    #: this backend's extra config (``manager_address: local`` = the embedded
+    #: store, inside the scheduler process)
+    extra_config: Mapping[str, Any] = field(default_factory=lambda: {"manager_address": "local"})
+    #: the model's dtype; SGLang's "auto" serves an fp32 checkpoint as fp16
+    dtype: str = "float32"
+    page_size: int = 16
+    #: the device (L1) pool, in tokens; the host pool is ``hicache_ratio`` times it
+    max_total_tokens: int = 4096
+    hicache_ratio: float = 2.0
+    mem_layout: str = "page_first"
+    io_backend: str = "kernel"
+    write_policy: str = "write_through"
+    prefetch_policy: str = "wait_complete"
+    enable_metrics: bool = False
+    tp_size: int = 1
+    #: further ``launch_server`` arguments, appended last
+    extra_args: Sequence[str] = ()
+    #: further environment variables for the server
+    env: Mapping[str, str] = field(default_factory=dict)
+    #: the Python that runs SGLang (one where SGLang and this package are installed)
+    python: str = sys.executable
+    startup_timeout_s: float = 600.0
+
+    def storage_args(self) -> list[str]:
+        if self.route is None:
+            return []
+        extra = dict(self.extra_config)
+        if self.route == "dynamic":
+            extra = {
+                "backend_name": "simm",
+                "module_path": "sglang_simm",
+                "class_name": "HiCacheSiMM",
+                "interface_v1": 1,
+                **extra,
+            }
+        elif self.route != "simm":
+            raise ValueError(f"route must be one of {ROUTES} or None, got {self.route!r}")
+        return [
+            "--hicache-storage-backend",
+            self.route,
+            "--hicache-storage-backend-extra-config",
+            json.dumps(extra, sort_keys=True),
+            "--hicache-storage-prefetch-policy",
+            self.prefetch_policy,
+        ]
+
+    def launch_args(self, port: int) -> list[str]:
+        """The whole command line (pure)."""
+        args = [
+            self.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--skip-tokenizer-init",  # requests carry input_ids (see tiny_model)
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--sampling-backend",
+            "pytorch",
+            "--disable-cuda-graph",
+            "--dtype",
+            self.dtype,
+            "--tp-size",
+            str(self.tp_size),
+            "--page-size",
+            str(self.page_size),
+            "--max-total-tokens",
+            str(self.max_total_tokens),
+            "--enable-hierarchical-cache",
+            "--hicache-ratio",
+            str(self.hicache_ratio),
+            "--hicache-mem-layout",
+            self.mem_layout,
+            "--hicache-io-backend",
+            self.io_backend,
+            "--hicache-write-policy",
+            self.write_policy,
+            *self.storage_args(),
+        ]
+        if self.enable_metrics:
+            args.append("--enable-metrics")
+        args.extend(self.extra_args)
+        return args
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(config: ServerConfig, workdir: str) -> dict[str, str]:
+    """The server's environment: the CPU engine, no CUDA device, the stand-ins'
+    ``sitecustomize`` first on ``PYTHONPATH``, no hub access, logs and build
+    caches under ``workdir`` or the venv."""
+    env = dict(os.environ)
+    site_dir = cpu_standins.write_sitecustomize(os.path.join(workdir, "site"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, env.get("PYTHONPATH", "")) if p)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env.setdefault("SGLANG_SIMM_LOG_DIR", os.path.join(workdir, "simm-logs"))
+    # SGLang JIT-builds a C++ page-hash extension on first use (torch's
+    # cpp_extension runs `ninja`): the venv's own bin first, so a `ninja`
+    # installed with pip is found; and one build per venv, not one shared
+    # folder for every venv and user of the machine.
+    bindir = os.path.dirname(config.python)
+    env["PATH"] = os.pathsep.join(p for p in (bindir, env.get("PATH", "")) if p)
+    prefix = os.path.dirname(bindir)
+    if "TORCH_EXTENSIONS_DIR" not in env and os.access(prefix, os.W_OK):
+        env["TORCH_EXTENSIONS_DIR"] = os.path.join(prefix, "torch_extensions")
+    env.update(config.env)
+    return env
+
+
+@dataclass
+class Generation:
+    """One /generate answer."""
+
+    output_ids: list[int]
+    #: logprob of each output token
+    logprobs: list[float]
+    prompt_tokens: int
+    #: prefix tokens served from a cache tier
+    cached_tokens: int
+    #: SGLang's ``cached_tokens_details``: ``device``, ``host``, ``storage``,
+    #: ``storage_backend`` (None when nothing was cached)
+    cached_details: dict[str, Any] | None
+    #: wall time of the whole request, seconds
+    latency_s: float
+    #: time to the first streamed chunk (None when not streamed)
+    ttft_s: float | None = None
+
+    @property
+    def storage_tokens(self) -> int:
+        return int((self.cached_details or {}).get("storage") or 0)
+
+    @property
+    def host_tokens(self) -> int:
+        return int((self.cached_details or {}).get("host") or 0)
+
+    @property
+    def device_tokens(self) -> int:
+        return int((self.cached_details or {}).get("device") or 0)
+
+
+class SGLangServer:
+    """One running server; use as a context manager (stopped whatever happens)."""
+
+    def __init__(self, config: ServerConfig, workdir: str | os.PathLike, *, name: str = "server") -> None:
+        self.config = config
+        self.workdir = os.fspath(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        self.name = name
+        self.log_path = os.path.join(self.workdir, f"{name}.log")
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        #: seconds from the launch to a healthy server
+        self.started_in_s: float | None = None
+        self._launched_at = 0.0
+
+    # -- life cycle -----------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> SGLangServer:
+        """Launch and wait until healthy (stopped again if it is not)."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> SGLangServer:
+        """Launch without waiting (several servers then start side by side)."""
+        if self.proc is not None:
+            raise ServerError(f"{self.name} is already started (pid {self.proc.pid})")
+        self.port = free_port()
+        env = server_env(self.config, self.workdir)
+        args = self.config.launch_args(self.port)
+        self._launched_at = time.monotonic()
+        with open(self.log_path, "w", encoding="utf-8") as log:
+            log.write("$ " + " ".join(args) + "\n")
+            log.flush()
+            # Its own session, so that its process group can be ended as a whole.
+            self.proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.workdir,
+                start_new_session=True,
+            )
+        return self
+
+    def wait_ready(self) -> SGLangServer:
+        """Wait until /health answers 200; on a timeout or an exit, stop it
+        and raise with the log's tail."""
+        if self.started_in_s is not None:
+            return self
+        if self.proc is None:
+            raise ServerError(f"{self.name} was not launched")
+        try:
+            self._wait_healthy(self._launched_at)
+        except BaseException:
+            self.stop()
+            raise
+        self.started_in_s = time.monotonic() - self._launched_at
+        return self
+
+    def _wait_healthy(self, started: float) -> None:
+        deadline = started + self.config.startup_timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(
+                    f"{self.name} exited with status {code} while starting; log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"{self.name} not healthy after {self.config.startup_timeout_s:.0f} s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self, timeout: float = 30.0, grace: float = 5.0) -> None:
+        """SIGTERM to the server's pid (SGLang then ends its own children),
+        SIGKILL to it after ``timeout``; then, after ``grace``, SIGKILL to its
+        process group for anything left. Idempotent."""
+        proc = self.proc
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session: the group is named by the leader's pid
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=timeout)
+        if not _wait_group_gone(pgid, grace):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _wait_group_gone(pgid, grace)
+        self.proc = None
+
+    def __enter__(self) -> SGLangServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- the log -----------------------------------------------------------------
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        # server_args is one very long line; cut every line short
+        return "\n".join(line[:400] for line in self.log_text().splitlines()[-lines:])
+
+    def l3_pages_stored(self) -> int:
+        """Pages the backend confirmed stored (written or already there),
+        summed over its ``enable_profile`` log lines."""
+        return sum(int(m.group(2)) + int(m.group(3)) for m in _SET_LINE.finditer(self.log_text()))
+
+    def l3_pages_read(self) -> int:
+        """Pages the backend read back (its ``enable_profile`` log lines)."""
+        return sum(int(m.group(2)) for m in _GET_LINE.finditer(self.log_text()))
+
+    def wait_l3_stored(self, at_least: int, timeout: float = 60.0) -> int:
+        """Wait until ``l3_pages_stored() >= at_least`` (backups are
+        asynchronous: the controller's backup thread writes after the request
+        returned). Needs ``enable_profile`` in the extra config."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stored = self.l3_pages_stored()
+            if stored >= at_least:
+                return stored
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"{self.name}: {stored} pages stored in L3 after {timeout:.0f} s, expected {at_least}"
+                )
+            time.sleep(0.1)
+
+    # -- HTTP --------------------------------------------------------------------
+
+    def _request(self, path: str, body: Any = None, *, timeout: float = 300.0, method: str | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method or ("POST" if data is not None else "GET"),
+            headers={"Content-Type": "application/json"} if data is not None else {},
+        )
+        return urllib.request.urlopen(request, timeout=timeout)
+
+    def generate(
+        self,
+        input_ids: Sequence[int],
+        *,
+        max_new_tokens: int = 8,
+        extra_key: str | None = None,
+        stream: bool = False,
+        timeout: float = 300.0,
+    ) -> Generation:
+        """Greedy generation from ``input_ids``, with the logprob of every
+        output token. ``extra_key`` namespaces the prefix caches (every tier):
+        a fresh computation of a prompt whose pages are cached elsewhere."""
+        body: dict[str, Any] = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+            "return_logprob": True,
+            "stream": stream,
+        }
+        if extra_key is not None:
+            body["extra_key"] = extra_key
+        started = time.perf_counter()
+        ttft = None
+        try:
+            with self._request("/generate", body, timeout=timeout) as response:
+                if not stream:
+                    answer = json.load(response)
+                else:
+                    answer = None
+                    for chunk in _sse_chunks(response):
+                        if ttft is None:
+                            ttft = time.perf_counter() - started
+                        answer = chunk
+                    if answer is None:
+                        raise ServerError(f"{self.name}: the stream ended without a chunk")
+        except urllib.error.HTTPError as exc:
+            raise ServerError(f"{self.name}: /generate answered {exc.code}: {exc.read()[:500]!r}") from exc
+        latency = time.perf_counter() - started
+        meta = answer["meta_info"]
+        return Generation(
+            output_ids=list(answer["output_ids"]),
+            logprobs=[float(entry[0]) for entry in meta["output_token_logprobs"]],
+            prompt_tokens=int(meta["prompt_tokens"]),
+            cached_tokens=int(meta.get("cached_tokens") or 0),
+            cached_details=meta.get("cached_tokens_details"),
+            latency_s=latency,
+            ttft_s=ttft,
+        )
+
+    def flush_cache(self, timeout: float = 60.0) -> None:
+        """Clear the device and host tiers (L3 stays). SGLang refuses while
+        requests are in flight; retried until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with self._request("/flush_cache", method="POST", timeout=timeout):
+                    return
+            except urllib.error.HTTPError as exc:
+                if exc.code != 400 or time.monotonic() > deadline:
+                    raise ServerError(f"{self.name}: /flush_cache answered {exc.code}: {exc.read()[:300]!r}") from exc
+            time.sleep(0.2)
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` (needs ``enable_metrics``): each sample's value, summed
+        over its labels, by name (``sglang:backuped_tokens_total``, ...)."""
+        with self._request("/metrics", timeout=30) as response:
+            text = response.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0]
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return out
+
+    # -- processes ---------------------------------------------------------------
+
+    def scheduler_pids(self) -> list[int]:
+        """The scheduler processes (one per TP rank) in the server's tree."""
+        if self.pid is None:
+            return []
+        return [pid for pid in _descendants(self.pid) if _title(pid).startswith(SCHEDULER_TITLE)]
+
+    def scheduler_rss_bytes(self) -> int:
+        """Resident memory of the scheduler processes together."""
+        pids = self.scheduler_pids()
+        if not pids:
+            raise ServerError(f"{self.name}: no {SCHEDULER_TITLE} process under pid {self.pid}")
+        return sum(_rss_bytes(pid) for pid in pids)
+
+
+def _sse_chunks(response) -> Iterator[dict]:
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
+
+
+# -- /proc --------------------------------------------------------------------------
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # the command name may hold spaces and parentheses: split after the last ')'
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> list[int]:
+    children = _children_map()
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0", 1)[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise ServerError(f"no VmRSS for pid {pid}")

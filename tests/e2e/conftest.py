@@ -1,0 +1,113 @@
+"""Real SGLang servers (``python -m sglang.launch_server``) on the CPU, with
+this plugin as HiCache's L3 tier, driven over HTTP.
+
+Every server the e2e tests use is named in ``SERVERS``. The first test that
+asks for one launches all of them side by side (SGLang's start is mostly
+imports, so two cores start three servers in much less than three times one
+start), then waits for the one it needs. Each listens on 127.0.0.1 with a
+free port and is stopped by its pid (then its process group) at the end of
+the session, whatever happened. Servers run their own processes with the CPU
+stand-ins of ``sglang_simm.tools.cpu_standins`` (through ``sitecustomize``);
+this pytest process never installs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from e2e_util import DEVICE_TOKENS, PAGE
+
+from sglang_simm.tools.sglang_server import SGLangServer, ServerConfig
+from sglang_simm.tools.tiny_model import write_model
+
+_PROFILE = {"manager_address": "local", "enable_profile": True}
+
+#: name -> the server's config, given the model directory
+SERVERS: dict[str, Callable[[str], ServerConfig]] = {
+    # the plugin entry point; page_first with the kernel io backend; metrics on
+    "route-simm": lambda model: ServerConfig(
+        model_path=model,
+        route="simm",
+        extra_config=_PROFILE,
+        mem_layout="page_first",
+        io_backend="kernel",
+        enable_metrics=True,
+        page_size=PAGE,
+        max_total_tokens=DEVICE_TOKENS,
+    ),
+    # module path + interface_v1; page_first_direct with the direct io
+    # backend; metrics off (SGLang's default); a small embedded store, which
+    # the soak fills to capacity
+    "route-dynamic": lambda model: ServerConfig(
+        model_path=model,
+        route="dynamic",
+        extra_config={**_PROFILE, "embedded_capacity_bytes": "32MiB"},
+        mem_layout="page_first_direct",
+        io_backend="direct",
+        enable_metrics=False,
+        page_size=PAGE,
+        max_total_tokens=DEVICE_TOKENS,
+    ),
+    # the control: every successful L3 read comes back with flipped bytes;
+    # no warm-up round trip (it would see them and refuse to start)
+    "corrupt-reads": lambda model: ServerConfig(
+        model_path=model,
+        route="simm",
+        extra_config={**_PROFILE, "warmup": False, "client_flags": {"embedded_corrupt_reads": "1"}},
+        page_size=PAGE,
+        max_total_tokens=DEVICE_TOKENS,
+    ),
+}
+
+#: (name, seconds to healthy, log) of every server started, for the summary
+_STARTED: list[tuple[str, float, str]] = []
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """A 2-layer fp32 Llama with random weights (seed 0), written locally."""
+    return write_model(tmp_path_factory.mktemp("models") / "llama-tiny", "llama-tiny", seed=0)
+
+
+class ServerPool:
+    """Launches every server of ``SERVERS`` on first use; ``get(name)``
+    waits for one to be healthy."""
+
+    def __init__(self, model: str, root) -> None:
+        self._model = model
+        self._root = root
+        self._servers: dict[str, SGLangServer] = {}
+
+    def get(self, name: str) -> SGLangServer:
+        if not self._servers:
+            for each, config in SERVERS.items():
+                server = SGLangServer(config(self._model), self._root / each, name=each)
+                self._servers[each] = server
+                server.launch()
+        server = self._servers[name]
+        if server.started_in_s is None:
+            server.wait_ready()
+            _STARTED.append((name, server.started_in_s, server.log_path))
+        return server
+
+    def stop_all(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def servers(tiny_llama, tmp_path_factory):
+    pool = ServerPool(tiny_llama, tmp_path_factory.mktemp("servers"))
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _STARTED:
+        return
+    terminalreporter.write_sep("-", "SGLang servers started by the e2e tests (launched side by side)")
+    for name, seconds, log in _STARTED:
+        terminalreporter.write_line(f"{name}: healthy {seconds:.1f} s after launch (log {log})")

@@ -1,0 +1,189 @@
+"""HiCache with this plugin as L3, through a real SGLang server on the CPU.
+
+One server per route, shared by the module's tests:
+
+* ``simm``: the plugin entry point, ``page_first`` host layout with the
+  ``kernel`` io backend, ``--enable-metrics``;
+* ``dynamic``: module path and ``interface_v1``, ``page_first_direct`` with the
+  ``direct`` io backend, metrics off (SGLang's default), a small embedded
+  store (so the soak runs at its capacity, evicting).
+
+Reference outputs are fresh computations: the same prompt sent before any
+tier holds it, or under its own ``extra_key`` (which namespaces every tier).
+A restored prompt must report its prefix from L3 (``cached_tokens_details``)
+and give the same greedy tokens and the same logprobs, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+from e2e_util import DEVICE_TOKENS, PAGE, TINY, matchable_tokens, prompt
+
+from sglang_simm.tools.sglang_server import SGLangServer
+
+pytestmark = pytest.mark.e2e
+
+LONG = 1024
+
+
+@pytest.fixture(scope="module", params=["dynamic", "simm"], ids=lambda r: f"route-{r}")
+def server(request, servers) -> SGLangServer:
+    """The route's server (conftest.SERVERS), shared by this module's tests."""
+    return servers.get(f"route-{request.param}")
+
+
+def why(server: SGLangServer, what: str) -> str:
+    return f"{what}; server log {server.log_path}:\n{server.log_tail(30)}"
+
+
+def backed_up(server: SGLangServer, generation, before: int) -> None:
+    """Wait until the backup thread has written the request's pages to L3
+    (whole pages of the input and output tokens but the last, which has no
+    KV), then return."""
+    pages = (generation.prompt_tokens + len(generation.output_ids) - 1) // PAGE
+    server.wait_l3_stored(before + pages)
+
+
+def assert_same_outputs(server, got, want, what: str) -> None:
+    assert got.output_ids == want.output_ids, why(server, f"{what}: output ids differ")
+    assert got.logprobs == want.logprobs, why(server, f"{what}: logprobs differ")
+
+
+def test_log_shows_this_plugins_backend(server):
+    log = server.log_text()
+    route = server.config.route
+    factory_line = "Creating dynamic storage backend" if route == "dynamic" else "Creating storage backend"
+    assert f"{factory_line} 'simm' (sglang_simm.HiCacheSiMM)" in log, why(server, "factory line missing")
+    assert "sglang-simm: bound MHATokenToKVPoolHost" in log, why(server, "the backend did not bind the host pool")
+    assert f"({server.config.mem_layout}," in log.split("sglang-simm: bound MHATokenToKVPoolHost", 1)[1][:40]
+    assert "sglang.srt.mem_cache.storage.simm" not in log, why(server, "SGLang's in-tree SiMM backend appears")
+    assert "Traceback" not in log, why(server, "a traceback in the server log")
+
+
+def test_restore_after_flush_hits_every_full_page(server):
+    ids = prompt(1, LONG)
+    stored = server.l3_pages_stored()
+    fresh = server.generate(ids)
+    assert fresh.cached_tokens == 0, why(server, "the first request already found a prefix")
+    backed_up(server, fresh, stored)
+
+    read = server.l3_pages_read()
+    server.flush_cache()
+    restored = server.generate(ids)
+    want = matchable_tokens(LONG, PAGE)
+    assert restored.cached_details is not None, why(server, "no cached_tokens_details")
+    assert restored.storage_tokens == want, why(server, f"L3 hit {restored.cached_details}, expected {want} tokens")
+    assert restored.device_tokens == 0 and restored.host_tokens == 0, restored.cached_details
+    assert restored.cached_details.get("storage_backend") == "HiCacheSiMM"
+    assert server.l3_pages_read() - read == want // PAGE, why(server, "the backend read other pages than the hit")
+    assert_same_outputs(server, restored, fresh, "after a flush")
+
+
+def test_restore_after_eviction_under_load(server):
+    ids = prompt(2, LONG)
+    stored = server.l3_pages_stored()
+    fresh = server.generate(ids)
+    backed_up(server, fresh, stored)
+    # Enough other prompts to push it out of the device pool and the host pool.
+    fillers = (DEVICE_TOKENS * 3) // LONG + 2
+    for seed in range(100, 100 + fillers):
+        server.generate(prompt(seed, LONG), max_new_tokens=1)
+
+    restored = server.generate(ids)
+    want = matchable_tokens(LONG, PAGE)
+    assert restored.device_tokens == 0 and restored.host_tokens == 0, why(
+        server, f"still cached on the device or host: {restored.cached_details}"
+    )
+    assert restored.storage_tokens == want, why(server, f"L3 hit {restored.cached_details}, expected {want}")
+    assert_same_outputs(server, restored, fresh, "after eviction")
+
+
+def test_shared_prefix_gets_exactly_the_shared_pages(server):
+    first = prompt(3, LONG)
+    shared = 40 * PAGE
+    second = first[:shared] + prompt(4, 300)
+    stored = server.l3_pages_stored()
+    done = server.generate(first, max_new_tokens=1)
+    backed_up(server, done, stored)
+    reference = server.generate(second, extra_key="fresh-reference")
+    assert reference.cached_tokens == 0, reference.cached_details
+
+    server.flush_cache()
+    got = server.generate(second)
+    assert got.storage_tokens == shared and got.cached_tokens == shared, why(
+        server, f"L3 hit {got.cached_details}, expected exactly the {shared} shared tokens"
+    )
+    assert_same_outputs(server, got, reference, "with a shared prefix")
+
+
+def test_metrics_count_backups_and_l3_hits(server):
+    if not server.config.enable_metrics:
+        pytest.skip("this route's server runs with metrics off (SGLang's default)")
+    ids = prompt(5, LONG)
+    before = server.metrics()
+    stored = server.l3_pages_stored()
+    fresh = server.generate(ids, max_new_tokens=1)
+    backed_up(server, fresh, stored)
+    server.flush_cache()
+    server.generate(ids, max_new_tokens=1)
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("sglang:backuped_tokens_total") >= LONG
+    assert delta("sglang:storage_prefetch_hit_tokens_total") == matchable_tokens(LONG, PAGE)
+    assert delta("sglang:prefetched_tokens_total") == matchable_tokens(LONG, PAGE)
+
+
+def test_soak_keeps_scheduler_memory_flat(server):
+    """Metrics off (SGLang's default): nothing drains the backend's per-batch
+    records, so growth there would show. The embedded store is filled to its
+    capacity first (it then evicts and reuses buffers instead of growing), and
+    a first stretch of traffic settles the allocator before the baseline."""
+    if server.config.enable_metrics:
+        pytest.skip("the soak runs on the server with metrics off (SGLang's default)")
+    schedulers = server.scheduler_pids()
+    length = 320  # SGLang prefetches from L3 only from 256 matched tokens on
+    page_bytes = PAGE * TINY.kv_bytes_per_token()
+    capacity = 32 << 20  # conftest.SERVERS["route-dynamic"]
+    seed = 10_000
+    recent: list[list[int]] = []
+
+    def traffic(rounds: int) -> tuple[int, int]:
+        """Per round: 5 new prompts (L3 writes, store evictions), a flush,
+        then 3 of them again (L3 reads)."""
+        nonlocal seed
+        requests = hits = 0
+        for _ in range(rounds):
+            stored = server.l3_pages_stored()
+            for _ in range(5):
+                ids = prompt(seed, length)
+                seed += 1
+                server.generate(ids, max_new_tokens=2)
+                recent.append(ids)
+                requests += 1
+            server.wait_l3_stored(stored + 5 * ((length + 1) // PAGE))  # a flush drops pending backups
+            server.flush_cache()
+            for ids in recent[-3:]:
+                hits += server.generate(ids, max_new_tokens=2).storage_tokens > 0
+                requests += 1
+            del recent[:-3]
+        return requests, hits
+
+    fill = capacity // ((length // PAGE) * page_bytes) + 8
+    for _ in range(fill):
+        server.generate(prompt(seed, length), max_new_tokens=2)
+        seed += 1
+    settle, _ = traffic(12)
+    start_rss = server.scheduler_rss_bytes()
+    requests, hits = traffic(24)
+    end_rss = server.scheduler_rss_bytes()
+    growth = end_rss - start_rss
+    print(
+        f"soak: {requests} requests ({hits} L3 hits) after {fill + settle} to fill the store and settle; "
+        f"scheduler RSS {start_rss / 2**20:.1f} -> {end_rss / 2**20:.1f} MiB ({growth / 2**20:+.1f} MiB)"
+    )
+    assert server.scheduler_pids() == schedulers, "a scheduler process was replaced"
+    assert hits == 3 * 24, why(server, f"only {hits} of the {3 * 24} re-sent prompts hit L3")
+    assert growth < 16 << 20, why(server, f"scheduler RSS grew {growth / 2**20:.1f} MiB over {requests} requests")
