@@ -6,7 +6,9 @@ asks for one launches all of them side by side (SGLang's start is mostly
 imports, so two cores start three servers in much less than three times one
 start), then waits for the one it needs. Each listens on 127.0.0.1 with a
 free port and is stopped by its pid (then its process group) at the end of
-the session, whatever happened. Servers run their own processes with the CPU
+the session, whatever happened; the host stores their schedulers start live
+in the session's store directory and are stopped by their pids too
+(tests/conftest.py). Servers run their own processes with the CPU
 stand-ins of ``sglang_simm.tools.cpu_standins`` (through ``sitecustomize``);
 this pytest process never installs them.
 """
@@ -21,7 +23,11 @@ from e2e_util import DEVICE_TOKENS, PAGE
 from sglang_simm.tools.sglang_server import SGLangServer, ServerConfig
 from sglang_simm.tools.tiny_model import write_model
 
-_PROFILE = {"manager_address": "local", "enable_profile": True}
+def _store(name: str, **extra) -> dict:
+    """A host store of the server's own (``local://e2e-NAME``), so servers
+    never see each other's pages; batch logs on (the tests count pages)."""
+    return {"manager_address": f"local://e2e-{name}", "enable_profile": True, **extra}
+
 
 #: name -> the server's config, given the model directory
 SERVERS: dict[str, Callable[[str], ServerConfig]] = {
@@ -29,7 +35,7 @@ SERVERS: dict[str, Callable[[str], ServerConfig]] = {
     "route-simm": lambda model: ServerConfig(
         model_path=model,
         route="simm",
-        extra_config=_PROFILE,
+        extra_config=_store("route-simm"),
         mem_layout="page_first",
         io_backend="kernel",
         enable_metrics=True,
@@ -37,12 +43,12 @@ SERVERS: dict[str, Callable[[str], ServerConfig]] = {
         max_total_tokens=DEVICE_TOKENS,
     ),
     # module path + interface_v1; page_first_direct with the direct io
-    # backend; metrics off (SGLang's default); a small embedded store, which
-    # the soak fills to capacity
+    # backend; metrics off (SGLang's default); a small host store, which the
+    # soak fills to capacity
     "route-dynamic": lambda model: ServerConfig(
         model_path=model,
         route="dynamic",
-        extra_config={**_PROFILE, "embedded_capacity_bytes": "32MiB"},
+        extra_config=_store("route-dynamic", embedded_capacity_bytes="32MiB"),
         mem_layout="page_first_direct",
         io_backend="direct",
         enable_metrics=False,
@@ -54,7 +60,7 @@ SERVERS: dict[str, Callable[[str], ServerConfig]] = {
     "corrupt-reads": lambda model: ServerConfig(
         model_path=model,
         route="simm",
-        extra_config={**_PROFILE, "warmup": False, "client_flags": {"embedded_corrupt_reads": "1"}},
+        extra_config=_store("corrupt-reads", warmup=False, client_flags={"embedded_corrupt_reads": "1"}),
         page_size=PAGE,
         max_total_tokens=DEVICE_TOKENS,
     ),

@@ -24,9 +24,11 @@ Two groups, each installed by one function:
       ``SGLANG_USE_CPU_ENGINE=1`` (``assign_req_to_token_pool_cpu``,
       ``copy_all_layer_kv_cache_cpu``), in pure torch;
     * ``HostKVCache.__init__`` with ``pin_memory=False`` (``_no_pinning``);
-    * the host pools' device<->host copies (``load_to_device_per_layer``,
-      ``backup_from_device_all_layer`` of ``MHATokenToKVPoolHost`` and
-      ``MLATokenToKVPoolHost``) as plain torch index copies.
+    * the MHA host pool's device<->host copies (``load_to_device_per_layer``,
+      ``backup_from_device_all_layer`` of ``MHATokenToKVPoolHost``) as plain
+      torch index copies, for page_first, page_first_direct and page_head.
+      (No MLA stand-in: SGLang's CPU path cannot run a DeepSeek-style model
+      with ``torch_native`` attention, so there is nothing to copy for.)
 
 Both install import hooks only: importing this module or calling an
 ``install_*`` function imports neither torch nor SGLang, and a stand-in acts

@@ -59,8 +59,8 @@ class ServerConfig:
     #: ``simm`` (the plugin entry point), ``dynamic`` (module path and
     #: ``interface_v1``), or None for HiCache without an L3 tier
     route: str | None = "simm"
-    #: this backend's extra config (``manager_address: local`` = the embedded
-    #: store, inside the scheduler process)
+    #: this backend's extra config (``manager_address: local`` = the host
+    #: store, a store process shared by every scheduler of this user)
     extra_config: Mapping[str, Any] = field(default_factory=lambda: {"manager_address": "local"})
     #: the model's dtype; SGLang's "auto" serves an fp32 checkpoint as fp16
     dtype: str = "float32"
@@ -465,12 +465,15 @@ class SGLangServer:
             return []
         return [pid for pid in _descendants(self.pid) if _title(pid).startswith(SCHEDULER_TITLE)]
 
-    def scheduler_rss_bytes(self) -> int:
-        """Resident memory of the scheduler processes together."""
+    def scheduler_rss_bytes(self, kind: str = "RssAnon") -> int:
+        """Resident memory of the scheduler processes together: ``RssAnon``
+        (their private memory, where a leak of theirs shows; the default),
+        ``RssShmem`` (shared memory they touched, e.g. the host store's arena)
+        or ``VmRSS`` (everything)."""
         pids = self.scheduler_pids()
         if not pids:
             raise ServerError(f"{self.name}: no {SCHEDULER_TITLE} process under pid {self.pid}")
-        return sum(_rss_bytes(pid) for pid in pids)
+        return sum(_rss_bytes(pid, kind) for pid in pids)
 
 
 def _sse_chunks(response) -> Iterator[dict]:
@@ -541,9 +544,9 @@ def _title(pid: int) -> str:
         return ""
 
 
-def _rss_bytes(pid: int) -> int:
+def _rss_bytes(pid: int, kind: str = "VmRSS") -> int:
     with open(f"/proc/{pid}/status", encoding="utf-8") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{kind}:"):
                 return int(line.split()[1]) * 1024
-    raise ServerError(f"no VmRSS for pid {pid}")
+    raise ServerError(f"no {kind} for pid {pid}")
