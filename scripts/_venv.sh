@@ -9,7 +9,11 @@
 # Expects ROOT (the repo) and the current directory to be ROOT.
 
 PYTHON="${PYTHON:-python3}"
-TORCH_SPEC="torch==2.13.0"
+# torch's CPU build, by its local version: PyPI's torch==2.13.0 for Linux is the
+# CUDA build with several GB of GPU libraries. PyTorch's CPU index serves
+# 2.13.0+cpu (pip also takes it from a local wheel folder its config names).
+TORCH_SPEC="torch==2.13.0+cpu"
+TORCH_INDEX="${SGLANG_SIMM_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 MAIN_SGLANG="0.5.23"
 MAIN_VENV=".venv-test"
 
@@ -78,8 +82,17 @@ ensure_venv() {
     log "$venv: building (sglang $sglang, $TORCH_SPEC)"
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
-    log "$venv: installing $TORCH_SPEC"
-    pip_q "$py" install "$TORCH_SPEC"
+    local torch_source=()
+    if "$PYTHON" - "$TORCH_INDEX" <<'PYEOF' 2>/dev/null; then
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10).close()
+PYEOF
+        torch_source=(--extra-index-url "$TORCH_INDEX")
+        log "$venv: installing $TORCH_SPEC (PyTorch's CPU index $TORCH_INDEX, or the configured indexes)"
+    else
+        log "$venv: $TORCH_INDEX does not answer; installing $TORCH_SPEC from the configured indexes"
+    fi
+    pip_q "$py" install "${torch_source[@]}" "$TORCH_SPEC"
     torch_before="$("$py" -W ignore -c 'import torch; print(torch.__version__)')"
     log "$venv: installing sglang==$sglang --no-deps and $req"
     pip_q "$py" install --no-deps "sglang==$sglang"
