@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The main job: SGLang's HiCache L3 write-back and restore through this
-# backend, on the embedded SiMM store, on a CPU (no GPU, no cluster).
+# The main job: a real SGLang server (python -m sglang.launch_server) on the
+# CPU with this plugin as HiCache's L3 tier on the local store (no GPU, no
+# cluster): time to first token of a shared system prompt from scratch, from
+# the device, the host tier and L3, every answer checked against a fresh
+# computation. A few minutes on 2 cores, most of it the server's start.
 #
+#   scripts/demo.sh                          the server demo (sglang-simm demo --server)
 #   scripts/demo.sh [sglang-simm demo options...]
 #
-#   scripts/demo.sh                          llama3-8b pages, SGLang's own controller
+#   scripts/demo.sh --server --json out.json the server demo, numbers written too
+#   scripts/demo.sh --model llama3-8b        no server: SGLang's own controller on real-model pages
 #   scripts/demo.sh --model deepseek-v3      an MLA model
 #   scripts/demo.sh --model tiny-hybrid      a hybrid (Mamba) model through v2
 #   scripts/demo.sh --direct                 call the backend directly
@@ -27,5 +32,6 @@ ensure_venv "$MAIN_VENV" "$MAIN_SGLANG" ".[test]" False
 py="$ROOT/$MAIN_VENV/bin/python"
 # this checkout, as it is now (scripts/test.sh may have left a built wheel there)
 pip_q "$py" install --no-deps -e .
+[ "$#" -gt 0 ] || set -- --server
 log "sglang-simm demo $*"
 exec "$ROOT/$MAIN_VENV/bin/sglang-simm" demo "$@"

@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layout", default="page_first", choices=["page_first", "page_first_direct", "page_head"])
     demo.add_argument("--direct", action="store_true", help="call the backend directly, not SGLang's controller")
     demo.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    demo.add_argument("--server", action="store_true",
+                      help="the main job as users see it: a real SGLang server on the CPU, time to first token "
+                           "from scratch, from the host tier and from L3 (a few minutes)")
+    from sglang_simm.tools.server_demo import add_arguments as add_server_demo_arguments
+
+    add_server_demo_arguments(demo.add_argument_group("with --server"), shared=True)
 
     bench = sub.add_parser("bench", help="measure our backend against SGLang's in-tree one")
     bench.add_argument("--pages", default="1,8,32,128,1024", help="batch sizes (pages per call)")
@@ -107,6 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sglang_simm.tools.doctor import run_doctor
 
             return run_doctor(console, _extra_from_args(args), sysfs_root=args.sysfs_root)
+        if args.command == "demo" and args.server:
+            from sglang_simm.tools.server_demo import run as run_server_demo
+
+            return run_server_demo(args)
         if args.command == "demo":
             from sglang_simm.tools.demo import run_demo
 

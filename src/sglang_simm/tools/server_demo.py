@@ -18,7 +18,10 @@ its own ``extra_key``, which namespaces every tier): same greedy tokens, same
 logprobs. The table gives the time to first token, the KV bytes each tier
 moved, and whether outputs matched; ``--json`` writes it all.
 
-Run: ``python -m sglang_simm.tools.server_demo`` (add ``--json out.json``).
+Run: ``sglang-simm demo --server`` (or ``python -m sglang_simm.tools.server_demo``;
+add ``--json out.json``). L3 is a host store of the demo's own
+(``local://server-demo-...``), stopped when the demo ends, unless
+``--manager`` names another.
 """
 
 from __future__ import annotations
@@ -52,19 +55,26 @@ class Row:
     fresh_ttft_s: float | None = None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-demo", help="model size (default: %(default)s)")
-    parser.add_argument("--model-dir", help="where to write the model (default: a cache folder, reused)")
-    parser.add_argument("--system-tokens", type=int, default=2048, help="length of the shared system prompt")
-    parser.add_argument("--question-tokens", type=int, default=64, help="length of each user's question")
-    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per answer")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--manager", default="local", help="SiMM manager_address (default: the embedded store)")
-    parser.add_argument("--route", choices=("simm", "dynamic"), default="simm")
-    parser.add_argument("--workdir", help="server logs and files (default: a temporary folder, removed)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--json", dest="json_path", help="write the results here")
-    parser.add_argument("--seed", type=int, default=0)
+DEFAULT_PAGE_SIZE = 16
+
+
+def add_arguments(parser: Any, *, shared: bool = False) -> None:
+    """The server demo's options; ``shared``: the parser (``sglang-simm
+    demo``) already has ``--page-size``, ``--manager`` and ``--json``."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-demo",
+                        help="with --server: model size (default: %(default)s)")
+    parser.add_argument("--model-dir", help="with --server: where to write the model (default: a cache folder, reused)")
+    parser.add_argument("--system-tokens", type=int, default=2048, help="with --server: the shared system prompt's length")
+    parser.add_argument("--question-tokens", type=int, default=64, help="with --server: each user's question's length")
+    parser.add_argument("--new-tokens", type=int, default=16, help="with --server: tokens generated per answer")
+    parser.add_argument("--route", choices=("simm", "dynamic"), default="simm", help="with --server: how SGLang finds us")
+    parser.add_argument("--workdir", help="with --server: server logs and files (default: a temporary folder, removed)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="with --server: seconds to wait for health")
+    parser.add_argument("--seed", type=int, default=0, help="with --server: weights and prompts")
+    if not shared:
+        parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+        parser.add_argument("--manager", help="SiMM manager_address (default: a host store of the demo's own)")
+        parser.add_argument("--json", help="write the results here")
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -166,6 +176,24 @@ def _human(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.page_size = args.page_size or DEFAULT_PAGE_SIZE
+    own_store = None
+    if not args.manager:
+        own_store = f"server-demo-{os.getpid()}"
+        args.manager = f"local://{own_store}"
+    try:
+        return _run(args)
+    finally:
+        if own_store is not None:
+            from sglang_simm.embedded._host import HostServer, StoreUnreachable
+
+            try:
+                HostServer(own_store, capacity=1, spawn=False).stop()
+            except (StoreUnreachable, OSError):
+                pass
+
+
+def _run(args: argparse.Namespace) -> int:
     preset = PRESETS[args.preset]
     started = time.monotonic()
     model_dir = args.model_dir or _default_model_dir(args.preset, args.seed)
@@ -205,12 +233,12 @@ def run(args: argparse.Namespace) -> int:
         "whole demo": f"{time.monotonic() - started:.0f} s",
     }
     _print(rows, summary)
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as f:
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"rows": [asdict(r) for r in rows], "summary": summary,
                        "server_start_s": server.started_in_s, "metrics": metrics,
                        "args": vars(args)}, f, indent=2)
-        print(f"wrote {args.json_path}")
+        print(f"wrote {args.json}")
     ok = all(r.matches_fresh for r in rows) and rows[-1].cached_tokens > 0
     if not ok:
         print("FAILED: an answer differed from its fresh computation, or L3 was not hit", file=sys.stderr)
