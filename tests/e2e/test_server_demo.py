@@ -1,0 +1,29 @@
+"""``sglang-simm demo --server``, the main job, end to end on a small model:
+every answer matches its fresh computation and the last one comes from L3."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_server_demo_restores_from_l3_with_the_same_answers(tmp_path, capsys):
+    from sglang_simm.tools.cli import main
+
+    out = tmp_path / "demo.json"
+    code = main([
+        "demo", "--server", "--preset", "llama-tiny", "--model-dir", str(tmp_path / "model"),
+        "--system-tokens", "512", "--question-tokens", "32", "--new-tokens", "4", "--json", str(out),
+    ])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tier"] for r in rows] == [
+        "computed from scratch", "device hit (L1)", "host-tier hit (L2)", "L3 hit (SiMM)"]
+    assert all(r["matches_fresh"] for r in rows), rows
+    assert rows[0]["cached_tokens"] == 0
+    assert rows[-1]["cached_tokens"] == 512 and rows[-1]["kv_bytes_moved"] > 0
+    assert "Time to first token" in text
