@@ -44,10 +44,6 @@ logger = logging.getLogger("sglang_simm.embedded")
 
 # -- the server --------------------------------------------------------------
 
-    "rejected",  # puts refused for capacity
-    "deletes",  # objects deleted
-)
-
 
 class EmbeddedServer:
     """Objects in host memory, a byte capacity, eviction, one lock.
