@@ -243,3 +243,24 @@ def test_controller_with_python_page_hash(tmp_path, monkeypatch):
     check_success(code, data, text, pages=12, mode="controller")
     assert data["hash_fallback_reason"] == "disabled by the test"
     assert hcc.get_storage_hash_str is original
+
+
+def test_demo_leaves_a_host_store_it_did_not_start_running(tmp_path, host_store_dir):
+    """A store a server on this host already serves is not the demo's to stop."""
+    from sglang_simm.embedded._host import HostServer, pid_alive
+
+    name = f"demo-shared-{uuid.uuid4().hex[:8]}"
+    running = HostServer(name, root=host_store_dir, capacity=64 << 20)
+    running.open()
+    try:
+        args = cli.build_parser().parse_args(["demo", "--model", "tiny", "--pages", "4", "--direct"])
+        console = Console(file=io.StringIO(), width=120, force_terminal=False)
+        assert demo.run_demo(console, args, {"manager_address": f"local://{name}"}) == 0
+        assert pid_alive(running.pid) and running.status()["objects"] > 0
+    finally:
+        running.stop()
+
+
+def test_demo_default_store_is_its_own(tmp_path):
+    extra, config = common.resolve_extra({})
+    assert config.embedded_scope == "host" and config.embedded_name.startswith("demo-")

@@ -346,8 +346,10 @@ class DemoOptions:
 
 
 def resolve_extra(extra: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """The extra config with ``manager_address`` defaulting to ``local``
-    (when no source sets it), and the resolved SiMM config."""
+    """The extra config with ``manager_address`` defaulting to a host store of
+    the demo's own (``local://demo-<pid>``, when no source sets it: never the
+    ``local`` store a server on this host may be using), and the resolved
+    SiMM config."""
     from sglang_simm import config as cfg
 
     extra = dict(extra)
@@ -359,7 +361,7 @@ def resolve_extra(extra: dict[str, Any]) -> tuple[dict[str, Any], Any]:
             except Exception:
                 named = True  # a broken source: let load_config report it
         if not named:
-            extra["manager_address"] = "local"
+            extra["manager_address"] = f"local://demo-{os.getpid()}"
     return extra, cfg.load_config(extra)
 
 
@@ -369,7 +371,15 @@ def own_embedded_store(config: Any) -> Iterator[None]:
     with it, when the run is what created it."""
     from sglang_simm.embedded import reset_servers, server_names
 
-    created = config.is_embedded and config.embedded_name not in set(server_names())
+    if config.embedded_scope == "host":
+        from sglang_simm.embedded._host import pid_alive
+        from sglang_simm.embedded._paths import StorePaths, read_pid, store_dir
+
+        # a store process already serving that name is someone else's
+        root = store_dir(config.client_flags.get("embedded_store_dir") or None)
+        created = not pid_alive(read_pid(StorePaths(root, config.embedded_name)))
+    else:
+        created = config.is_embedded and config.embedded_name not in set(server_names())
     try:
         yield
     finally:
