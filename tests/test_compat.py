@@ -14,7 +14,7 @@ import pytest
 PYTHONS = os.environ.get("SGLANG_SIMM_COMPAT_PYTHONS", "").split()
 
 PROBE = r'''
-import json, torch
+import json, torch, uuid
 from importlib.metadata import version
 from sglang_simm.tools.pools import PRESETS, build_host_pool, storage_config
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -36,7 +36,9 @@ for route in routes:
         else:
             geom = PRESETS["tiny"]
         host = build_host_pool(geom, tokens=64)
-        extra = {"manager_address": f"local://compat-{route}-{name}"}
+        # a store of this run's own: the releases' runs share the session's
+        # store directory, and their pages would have the same keys
+        extra = {"manager_address": f"local://compat-{route}-{name}-{uuid.uuid4().hex[:8]}"}
         if route == "dynamic":
             extra.update(backend_name="simm", module_path="sglang_simm", class_name="HiCacheSiMM", interface_v1=1)
         cfg = storage_config(extra_config=extra, is_mla_model=geom.is_mla)

@@ -262,5 +262,5 @@ def test_demo_leaves_a_host_store_it_did_not_start_running(tmp_path, host_store_
 
 
 def test_demo_default_store_is_its_own(tmp_path):
-    extra, config = common.resolve_extra({})
-    assert config.embedded_scope == "host" and config.embedded_name.startswith("demo-")
+    extra, resolved = common.resolve_extra({})
+    assert resolved.config.embedded_scope == "host" and resolved.config.embedded_name.startswith("demo-")
