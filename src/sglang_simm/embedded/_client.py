@@ -534,6 +534,12 @@ def _as_keys(keys: object) -> list[str]:
     ``str`` or ``bytes``) of such strings, else TypeError."""
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise TypeError(f"incompatible function arguments: keys must be a list of str, got {type(keys).__name__}")
+    keys = list(keys)
+    try:
+        if "".join(keys).isascii():  # the common batch, checked at C speed
+            return keys
+    except TypeError:
+        pass  # a key that is not a str: named below
     return [_as_key(k) for k in keys]
 
 

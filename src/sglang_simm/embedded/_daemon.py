@@ -46,7 +46,7 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class _Conn:
-    __slots__ = ("id", "inbuf", "outbuf", "pid", "sock", "started")
+    __slots__ = ("id", "inbuf", "outbuf", "pid", "sock", "started", "writing")
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int) -> None:
         self.sock = sock
@@ -55,6 +55,7 @@ class _Conn:
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.started = False  # HELLO done
+        self.writing = False  # registered for EVENT_WRITE
 
 
 class StoreDaemon:
@@ -71,6 +72,8 @@ class StoreDaemon:
         self._ids = itertools.count(1)
         self.running = True
         self.served = 0  # connections accepted since start
+        self._scratch = bytearray(1 << 20)  # one receive buffer for every connection
+        self._scratch_view = memoryview(self._scratch)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket file is born 0600
         try:
@@ -125,18 +128,19 @@ class StoreDaemon:
         conn.sock.close()
 
     def _read(self, conn: _Conn) -> None:
+        scratch = self._scratch
         try:
-            data = conn.sock.recv(1 << 20)
+            got = conn.sock.recv_into(scratch)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._drop(conn, str(exc))
             return
-        if not data:
+        if not got:
             self._drop(conn, "closed")
             return
         buf = conn.inbuf
-        buf += data
+        buf += self._scratch_view[:got]
         pos = 0
         try:
             while len(buf) - pos >= wire.HEADER.size:
@@ -169,8 +173,12 @@ class StoreDaemon:
             self._drop(conn, str(exc))
             return
         del conn.outbuf[:sent]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
-        self.sel.modify(conn.sock, events, conn)
+        # Watch for writability only while a reply is left over (rare: a
+        # reply is small and the socket buffer empty), not on every reply.
+        if bool(conn.outbuf) != conn.writing:
+            conn.writing = bool(conn.outbuf)
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.writing else 0)
+            self.sel.modify(conn.sock, events, conn)
 
     # -- requests ---------------------------------------------------------------
 

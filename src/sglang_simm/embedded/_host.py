@@ -108,8 +108,20 @@ class _Connection:
             self.sock.sendall(data)
             if not reply:
                 return 0, b""
-            length, op = wire.HEADER.unpack(self._recv_exact(wire.HEADER.size))
-            return op, self._recv_exact(length)
+            # One receive gets the header and, nearly always, the whole reply.
+            head = self.sock.recv(1 << 16)
+            while len(head) < wire.HEADER.size:
+                more = self.sock.recv(1 << 16)
+                if not more:
+                    raise ConnectionResetError("the store process closed the connection")
+                head += more
+            length, op = wire.HEADER.unpack_from(head)
+            body = head[wire.HEADER.size:]
+            if len(body) < length:
+                body += self._recv_exact(length - len(body))
+            elif len(body) > length:
+                raise ConnectionResetError("the store process sent more than one reply")
+            return op, body
         finally:
             if timeout_s is not None:
                 self.sock.settimeout(self.timeout_s)

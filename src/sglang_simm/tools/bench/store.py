@@ -104,37 +104,46 @@ def _file_backend(geom: Any) -> Iterator[Any]:
 
 
 def _keys(tag: str, rep: int, n: int) -> list[str]:
-    return [f"{tag}-{rep}-{uuid.uuid4().hex}" for _ in range(n)]
+    """Page keys no call has seen (made before the timing starts)."""
+    run = uuid.uuid4().hex
+    return [f"{run}{tag}{rep:04d}{i:06d}" for i in range(n)]
 
 
 def _ours(backend: Any, write_idx: Any, read_idx: Any, pages: int, page_bytes: int):
-    """set(rep) on fresh keys; get(rep) after an exists on keys stored just before."""
-    stored: dict[int, list[str]] = {}
+    """set(rep) and exists(rep) on fresh keys; get(rep) after an exists on
+    keys stored just before. ``prepare(rep)`` makes the keys and stores the
+    get's pages, untimed."""
+    keys: dict[tuple[str, int], list[str]] = {}
 
     def prepare(rep: int) -> None:
-        keys = _keys("get", rep, pages)
-        assert all(backend.batch_set_v1(keys, write_idx))
-        stored[rep] = keys
+        for what in ("set", "miss"):
+            keys[what, rep] = _keys(what, rep, pages)
+        keys["get", rep] = _keys("get", rep, pages)
+        assert all(backend.batch_set_v1(keys["get", rep], write_idx))
 
     def set_(rep: int) -> int:
-        keys = _keys("set", rep, pages)
-        ok = backend.batch_set_v1(keys, write_idx)
+        ok = backend.batch_set_v1(keys.pop(("set", rep)), write_idx)
         assert all(ok), "the backend refused a backup"
         return pages * page_bytes
 
+    def exists(rep: int) -> int:
+        assert backend.batch_exists(keys.pop(("miss", rep))) == 0
+        return 0
+
     def get(rep: int) -> int:
-        keys = stored.pop(rep)
-        assert backend.batch_exists(keys) == pages
-        assert all(backend.batch_get_v1(keys, read_idx))
+        got = keys.pop(("get", rep))
+        assert backend.batch_exists(got) == pages
+        assert all(backend.batch_get_v1(got, read_idx))
         return pages * page_bytes
 
-    return prepare, set_, get
+    return prepare, set_, exists, get
 
 
 def _file(backend: Any, host: Any, write_idx: Any, read_idx: Any, pages: int, page_bytes: int, page_size: int):
     """The controller's generic page path, the one SGLang takes with ``file``
     (``_generic_page_set`` / ``_generic_page_get``)."""
     stored: dict[int, list[str]] = {}
+    fresh: dict[int, list[str]] = {}
 
     def put(keys: list[str]) -> None:
         data = [host.get_data_page(write_idx[i * page_size]) for i in range(len(keys))]
@@ -142,10 +151,11 @@ def _file(backend: Any, host: Any, write_idx: Any, read_idx: Any, pages: int, pa
 
     def prepare(rep: int) -> None:
         stored[rep] = _keys("fget", rep, pages)
+        fresh[rep] = _keys("fset", rep, pages)
         put(stored[rep])
 
     def set_(rep: int) -> int:
-        put(_keys("fset", rep, pages))
+        put(fresh.pop(rep))
         return pages * page_bytes
 
     def get(rep: int) -> int:
@@ -198,7 +208,7 @@ def measure(*, repeat: int = 15, pages: int = 128, bandwidth_page_size: int = 16
     capacity = 6 * pages * page_bytes
     buffers = _Buffers(pages * page_bytes)
     with _simm_backend(f"local://{name}", geom, host, capacity) as ours, _file_backend(geom) as file:
-        o_prep, o_set, o_get = _ours(ours, write_idx, read_idx, pages, page_bytes)
+        o_prep, o_set, _, o_get = _ours(ours, write_idx, read_idx, pages, page_bytes)
         f_prep, f_set, f_get = _file(file, host, write_idx, read_idx, pages, page_bytes, ps)
         # A warm server's store: every byte of its memory committed and mapped
         # once (fill it past capacity), so timed calls see steady state.
@@ -227,19 +237,12 @@ def measure(*, repeat: int = 15, pages: int = 128, bandwidth_page_size: int = 16
     r = torch.arange(control_pages * tps, 2 * control_pages * tps, dtype=torch.int64)
     with _simm_backend(f"local://{name}-c", tiny, host, 256 << 20) as hostb, \
             _simm_backend(f"inprocess://{name}-c", tiny, host, 256 << 20) as inproc:
-        h_prep, h_set, h_get = _ours(hostb, w, r, control_pages, tiny.page_bytes())
-        i_prep, i_set, i_get = _ours(inproc, w, r, control_pages, tiny.page_bytes())
-
-        def exists_of(backend: Any) -> Callable[[int], int]:
-            def fn(rep: int) -> int:
-                assert backend.batch_exists(_keys("miss", rep, control_pages)) == 0
-                return 0
-            return fn
-
+        h_prep, h_set, h_exists, h_get = _ours(hostb, w, r, control_pages, tiny.page_bytes())
+        i_prep, i_set, i_exists, i_get = _ours(inproc, w, r, control_pages, tiny.page_bytes())
         control = _timed_pair(
             [h_prep, i_prep],
             {
-                "host exists": exists_of(hostb), "in-process exists": exists_of(inproc),
+                "host exists": h_exists, "in-process exists": i_exists,
                 "host set": h_set, "in-process set": i_set,
                 "host get": h_get, "in-process get": i_get,
             },
