@@ -339,7 +339,7 @@ def test_copying_path_failed_puts_are_counted_by_code(attach, store_name):
 def test_get_stats_returns_sglangs_storage_metrics_drained_per_call(attach):
     from sglang_simm.metrics import storage_metrics_class
 
-    backend, host = attach(tiny())
+    backend, host = attach(tiny(), enable_storage_metrics=True)
     fill_random(host, 16)
     keys = hashes(3)
     backend.batch_set_v1(keys, slots(host, 0, 3))
@@ -350,6 +350,37 @@ def test_get_stats_returns_sglangs_storage_metrics_drained_per_call(attach):
     assert len(metrics.prefetch_bandwidth) == 1 and metrics.prefetch_bandwidth[0] > 0
     again = backend.get_stats()
     assert again.backup_pgs == [] and again.prefetch_pgs == []
+
+
+def test_with_sglangs_default_metrics_off_nothing_waits_for_get_stats(attach):
+    """SGLang calls get_stats() only with --enable-metrics (off by default):
+    then nothing may pile up for it, however long the server runs."""
+    backend, host = attach(tiny())
+    assert backend.storage_config.enable_storage_metrics is False  # SGLang's default
+    fill_random(host, 40)
+    keys = hashes(2)
+    assert backend.batch_set_v1(keys, slots(host, 0, 2)) == [True, True]
+    for _ in range(3000):
+        backend.batch_get_v1(keys, slots(host, 4, 2))
+    backend.batch_set_v1(hashes(2, salt="more"), slots(host, 0, 2))
+    assert backend.counters.pending == 0
+    stats = backend.stats()  # our own counters still count
+    assert stats["pages_read"] == 6000 and stats["pages_written"] == 4
+
+
+def test_metrics_on_but_never_drained_stay_bounded(attach):
+    from sglang_simm.metrics import PENDING_LIMIT
+
+    backend, host = attach(tiny(), enable_storage_metrics=True)
+    fill_random(host, 41)
+    keys = hashes(1)
+    assert backend.batch_set_v1(keys, slots(host, 0, 1)) == [True]
+    for _ in range(PENDING_LIMIT + 300):
+        backend.batch_get_v1(keys, slots(host, 4, 1))
+    assert backend.counters.pending == PENDING_LIMIT + 1  # the newest gets, and the one set
+    metrics = backend.get_stats()
+    assert metrics.prefetch_pgs == [1] * PENDING_LIMIT and metrics.backup_pgs == [1]
+    assert backend.counters.pending == 0
 
 
 def test_clear_removes_only_this_namespace(attach, store_name):

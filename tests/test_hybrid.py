@@ -329,7 +329,7 @@ def test_mamba_geometry_is_the_pools_own_for_every_slot(hybrid_attach):
 
 
 def test_side_pool_pages_round_trip_byte_for_byte(hybrid_attach):
-    backend, pools = hybrid_attach()
+    backend, pools = hybrid_attach(enable_storage_metrics=True)
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, count_pool_hits
 
     mamba, swa, draft = pools["mamba"], pools["swa"], pools["draft"]

@@ -61,7 +61,10 @@ class HiCacheSiMM(HiCacheStorage):
             log_resolved(resolved, logger)
             config = resolved.config
         self.config = config
-        self.counters = BackendCounters()
+        # SGLang drains get_stats() only with --enable-metrics (off by default).
+        self.counters = BackendCounters(
+            storage_metrics=bool(getattr(storage_config, "enable_storage_metrics", False))
+        )
         self._log = RateLimitedLog(logger)
         self._profile = bool(config.enable_profile)
         self._lock = threading.Lock()
