@@ -180,6 +180,42 @@ def test_eviction_between_exists_and_get_gives_a_correct_prefix(attach, store_na
     assert got[:3] == [True] * 3 and got[3] is False
 
 
+def test_get_object_failed_is_a_miss_when_absent_and_a_fault_when_present(attach, store_name, caplog):
+    """The synchronous client answers GetObjectFailed for every server-side
+    get failure, an absent key included. Absent (evicted since SGLang's
+    exists query, or never stored): a miss, not an error. Present (here an
+    object longer than its view, which SiMM HEAD's server refuses): a fault,
+    counted under its own code and logged at most once per interval."""
+    import logging
+
+    backend, host = attach(tiny())
+    fill_random(host, 23)
+    keys = hashes(3)
+    assert all(backend.batch_set_v1(keys[:2], slots(host, 0, 2)))
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.backend"):
+        assert backend.batch_get_v1(keys, slots(host, 4, 3)) == [True, True, False]  # never stored
+        server = get_server(store_name)
+        for k in [k for k in server.keys() if keys[1] in k]:
+            server.delete(k)  # evicted between exists and get
+        assert backend.batch_get_v1(keys[:2], slots(host, 4, 2)) == [True, False]
+    assert backend.stats()["errors"] == {}
+    assert not caplog.records
+
+    from sglang_simm.embedded import Store, set_flag
+
+    k_key = next(k for k in server.keys() if keys[0] in k and k.endswith(".k"))
+    set_flag("cm_primary_node_ip", store_name)
+    store = Store()
+    long = store.allocate(backend._kv.sizes_list[0] + 64)
+    assert store.put(k_key, long.view()) == 0
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.backend"):
+        for _ in range(5):
+            assert backend.batch_get_v1(keys[:1], slots(host, 4, 1)) == [False]
+    assert backend.stats()["errors"] == {errors.code_name(errors.GET_OBJECT_FAILED): 5}
+    warned = [r for r in caplog.records if "GetObjectFailed" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+
+
 @pytest.mark.parametrize(
     "faults, expect_codes",
     [

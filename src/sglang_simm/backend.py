@@ -30,9 +30,11 @@ from sglang_simm.metrics import BackendCounters, RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
-#: Codes that mean "not there": the synchronous client folds every server
-#: answer of a get, a plain miss included, into GetObjectFailed.
-_MISS_CODES = (errors.DS_KEY_NOT_FOUND, errors.GET_OBJECT_FAILED)
+#: The one code that means "not there" for certain (SiMM's async get). The
+#: synchronous client folds every server-side failure of a get, a plain miss
+#: included, into GetObjectFailed, which ``_read_faults`` tells apart.
+_MISS_CODES = (errors.DS_KEY_NOT_FOUND,)
+_GET_FAILED = errors.GET_OBJECT_FAILED
 #: A concurrent writer stored the object first (same key, same bytes).
 _ALREADY_EXISTS = errors.DS_DATA_ALREADY_EXISTS
 
@@ -124,6 +126,18 @@ class HiCacheSiMM(HiCacheStorage):
             self.mem_pool_host = mem_pool_host
         if old is not None:
             old.close()
+        if self.config.key_scheme == "legacy":
+            logger.warning(
+                "sglang-simm: key_scheme 'legacy' is in use. Its keys name no model, layout or object "
+                "size, and SiMM's client bounds a get by the whole registered host pool, not by the "
+                "page's object (docs/upstream-simm-get-bound.md): an object stored under a legacy key "
+                "by another model or layout, a foreign tenant or a corrupt store that is longer than "
+                "the page's object is written past it, over neighbouring host pages, before this "
+                "backend can check its size. Such reads are counted (get_overrun) and miss, with "
+                "the pages they may have reached in the same batch, but pages outside the batch "
+                "cannot be recalled. Use key_scheme 'namespaced' (the default) once the migration "
+                "is over."
+            )
         g = binding.geometry
         logger.info(
             "sglang-simm: bound %s (%s, %d pages of %d tokens, %d objects of %s bytes per page%s) "
@@ -268,16 +282,16 @@ class HiCacheSiMM(HiCacheStorage):
 
     def _pages_read(self, b: PoolBinding, plan: Plan, n: int, codes: np.ndarray) -> tuple[list[bool], int]:
         """One bool per caller page from mget's codes for ``plan``: True where
-        every object read back exactly its size; and how many were. Faults
-        among the rest are counted."""
+        every object read back exactly its size and no other object of the
+        batch ran over it; and how many were. Faults among the rest are
+        counted."""
         got = codes.reshape(-1, b.parts)
         ok = (got == b.sizes[None, :]).all(axis=1)
+        if not ok.all():
+            ok &= ~self._read_faults(b, plan, codes)
         result = np.zeros(n, dtype=bool)
         result[plan.rows] = ok
-        hits = int(ok.sum())
-        if hits != ok.size:
-            self._count_codes(got[~ok], b.sizes)
-        return result.tolist(), hits
+        return result.tolist(), int(ok.sum())
 
     def _write(self, segments: Sequence[tuple[PoolBinding, Plan, int]]) -> _Written:
         """The one write step of every path (v1, v2 and copying): one
@@ -388,8 +402,13 @@ class HiCacheSiMM(HiCacheStorage):
             out: list[Any] = [None] * n
             pages, obj_keys = b.page_object_keys(keys)
             blocks = [self.client.allocate(s) for s in b.sizes_list * len(pages)]
-            codes = np.asarray(self.client.mget(obj_keys, [blk.view() for blk in blocks]), dtype=np.int64)
+            views = [blk.view() for blk in blocks]
+            codes = np.asarray(self.client.mget(obj_keys, views), dtype=np.int64)
+            if codes.size != len(obj_keys):
+                raise RuntimeError(f"mget answered {codes.size} results for {len(obj_keys)} objects")
             ok = (codes.reshape(-1, b.parts) == b.sizes[None, :]).all(axis=1)
+            if not ok.all():
+                ok &= ~self._read_faults(b, Plan(pages=pages, keys=obj_keys, views=views), codes)
             for row, page in enumerate(pages.tolist()):
                 target = targets[page]
                 if not ok[row] or not _fits_flat(target, b.page_bytes):
@@ -679,17 +698,63 @@ class HiCacheSiMM(HiCacheStorage):
         self._log(f"exc:{where}", "SiMM %s failed (%s: %s); answering misses",
                   where, type(exc).__name__, exc, exc_info=True)
 
-    def _count_codes(self, got: np.ndarray, sizes: np.ndarray) -> None:
-        negative = got[(got < 0) & ~np.isin(got, _MISS_CODES)]
-        if negative.size:
-            codes = Counter(negative.tolist())
-            self.counters.record_codes(codes)
+    def _read_faults(self, b: PoolBinding, plan: Plan, codes: np.ndarray) -> np.ndarray:
+        """Count and log what went wrong in one pool's mget answer (one code
+        per planned object); return the planned pages an object read back
+        longer than its view may have overwritten (``overrun_pages``), which
+        must miss too. Off the fast path: only batches with a miss get here."""
+        sizes = np.tile(b.sizes, codes.size // b.parts)
+        failed = codes < 0
+        get_failed = np.flatnonzero(codes == _GET_FAILED)
+        if get_failed.size:
+            self._get_failed([plan.keys[i] for i in get_failed.tolist()])
+        other = codes[failed & (codes != _GET_FAILED) & ~np.isin(codes, _MISS_CODES)]
+        if other.size:
+            counted = Counter(other.tolist())
+            self.counters.record_codes(counted)
             self._log("codes", "SiMM read errors: %s",
-                      ", ".join(f"{errors.code_name(c)} x{k}" for c, k in codes.items()))
-        wrong = int(((got > 0) & (got != np.broadcast_to(sizes, got.shape))).sum())
-        if wrong:
-            self.counters.record_error("size_mismatch", wrong)
-            self._log("size", "SiMM: %d objects read back with an unexpected size; those pages miss", wrong)
+                      ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counted.items()))
+        short = int(((codes >= 0) & (codes < sizes)).sum())
+        if short:
+            self.counters.record_error("size_mismatch", short)
+            self._log("size", "SiMM: %d objects read back shorter than expected; those pages miss", short)
+        over = np.flatnonzero(codes > sizes)
+        if not over.size:
+            return np.zeros(codes.size // b.parts, dtype=bool)
+        reached = b.overrun_pages(plan, codes)
+        self.counters.record_error("get_overrun", int(over.size))
+        first = int(over[0])
+        self._log(
+            "overrun",
+            "SiMM: object %r read back %d bytes into a view of %d (%d such objects in this batch): "
+            "SiMM's client writes a get up to the end of the registered host pool, so the bytes "
+            "past the view overwrote host memory next to it. This page and the %d other pages of "
+            "the batch that memory may hold miss; pages outside this batch that it reached cannot "
+            "be recalled. A longer object under this key means another writer's bytes (key_scheme "
+            "'legacy', a foreign tenant or a corrupt store)",
+            plan.keys[first], int(codes[first]), int(sizes[first]), int(over.size),
+            int(reached.sum()) - len(set((over // b.parts).tolist())),
+            level=logging.ERROR,
+        )
+        return reached
+
+    def _get_failed(self, keys: list[str]) -> None:
+        """Sort GetObjectFailed answers into misses and faults. The
+        synchronous client answers it for any server-side failure, an absent
+        key included (SiMM's only answer for a miss there, and the embedded
+        store's), so the objects are looked up: one that exists failed for
+        another reason (a fault, counted under its code); one that does not
+        was evicted since SGLang's exists query (a miss, not logged)."""
+        try:
+            present = self.client.mexists(keys)
+            faults = sum(bool(p) for p in present) if len(present) == len(keys) else len(keys)
+        except Exception:
+            faults = len(keys)
+        if not faults:
+            return
+        self.counters.record_codes(Counter({_GET_FAILED: faults}))
+        self._log("get_failed", "SiMM: %d objects exist but their get failed (%s); those pages miss",
+                  faults, errors.code_name(_GET_FAILED))
 
     def _count_failed_puts(self, codes: np.ndarray) -> None:
         counts = Counter(codes.tolist())

@@ -50,6 +50,9 @@ class Plan:
     keys: list[str]
     #: one view per key (a list, or a sequence that makes them on demand)
     views: Sequence[Any]
+    #: first host slot of every caller page; None where the batch names no
+    #: host slots (the copying path's client-owned blocks)
+    starts: np.ndarray | None = None
 
     @property
     def rows(self) -> Any:
@@ -253,6 +256,12 @@ class PoolBinding:
         self.sizes = g.sizes
         self.sizes_list = g.sizes.tolist()
         self.page_bytes = g.page_bytes
+        #: where the registered region holding each part ends (an object
+        #: read past its view can reach up to there, ``overrun_pages``)
+        self.part_region_end = np.asarray(
+            [tensors[r].data_ptr() + tensors[r].numel() * tensors[r].element_size() for r in part_region.tolist()],
+            dtype=np.int64,
+        )
         self.mrs = register_regions(client, tensors)
         self.views = ViewTable(g, client.view, [self.mrs[r] for r in part_region.tolist()])
 
@@ -282,13 +291,54 @@ class PoolBinding:
             return None
         obj_keys = self.keys.of_all(page_keys, remember=remember)
         if obj_keys is not None:
-            return Plan(pages=None, keys=obj_keys, views=views)
+            return Plan(pages=None, keys=obj_keys, views=views, starts=starts)
         pages, obj_keys = self.keys.of_usable(page_keys)
         if len(pages) != n:
             log("bad_key", "SiMM: %d page keys are not strings within %d bytes; those pages miss",
                 n - len(pages), self.keys.budget)
         ids = self.geometry.object_ids(pages).tolist()
-        return Plan(pages=pages, keys=obj_keys, views=[views[i] for i in ids])
+        return Plan(pages=pages, keys=obj_keys, views=[views[i] for i in ids], starts=starts)
+
+    def overrun_pages(self, plan: Plan, got: np.ndarray) -> np.ndarray:
+        """Planned pages (rows of ``got``, one per planned page) whose bytes
+        an object read back longer than its view may have overwritten.
+
+        SiMM's client bounds a get by the view's whole registered region,
+        not by the view (docs/upstream-simm-get-bound.md), so an object of
+        ``got`` bytes into a view of ``size`` bytes writes
+        ``[ptr + size, min(ptr + got, region end))`` too. In every layout the
+        host pool's objects are plain byte ranges of its regions (page_first
+        and page_first_direct: a K object runs into the next pages' K, the
+        last into the first V; page_head: into the next head group's K, then
+        the next page's; MLA and Mamba: into the next slots), so comparing
+        byte ranges finds every planned page that range touches, in any
+        layout, whatever order the client wrote the objects in. Pages
+        outside this batch (other batches in flight, pages loaded earlier)
+        may have been reached too; they are not ours to recall.
+        """
+        parts = self.parts
+        rows = got.reshape(-1, parts)
+        over = np.flatnonzero((rows > self.sizes[None, :]).ravel())
+        hit = np.zeros(rows.shape[0], dtype=bool)
+        if not over.size:
+            return hit
+        if plan.starts is None:
+            # client-owned blocks (the copying path): where they lie, and
+            # so which of them an overrun reached, is the client's business
+            hit[:] = True
+            return hit
+        starts = plan.starts[plan.rows]
+        ptrs = self.geometry.pointers(np.asarray(starts, dtype=np.int64))
+        sizes = np.tile(self.sizes, rows.shape[0])
+        ends = np.tile(self.part_region_end, rows.shape[0])
+        flat = got.reshape(-1)
+        for i in over.tolist():
+            lo = ptrs[i] + sizes[i]
+            hi = min(ptrs[i] + int(flat[i]), ends[i])
+            reached = (ptrs < hi) & (ptrs + sizes > lo)
+            hit[np.flatnonzero(reached) // parts] = True
+            hit[i // parts] = True
+        return hit
 
     def page_object_keys(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
         """The usable pages of a batch and their object keys (no indices)."""

@@ -162,7 +162,9 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
-    def __call__(self, kind: str, msg: str, *args: Any, exc_info: bool = False) -> bool:
+    def __call__(
+        self, kind: str, msg: str, *args: Any, exc_info: bool = False, level: int = logging.WARNING
+    ) -> bool:
         now = time.monotonic()
         with self._lock:
             last = self._last.get(kind)
@@ -174,5 +176,5 @@ class RateLimitedLog:
         if suppressed:
             msg += " (%d more like this suppressed)"
             args = (*args, suppressed)
-        self._logger.warning(msg, *args, exc_info=exc_info)
+        self._logger.log(level, msg, *args, exc_info=exc_info)
         return True
