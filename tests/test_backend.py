@@ -491,6 +491,31 @@ def test_head_groups_let_different_tp_sizes_share_pages(attach):
             assert torch.equal(got, want)
 
 
+def test_copying_path_stores_head_groups_that_other_tp_sizes_read(attach):
+    """The copying path's flat page is SGLang's ``get_data_page``: K of every
+    head, then V of every head. With tp_lcm_size 2, the TP-1 rank's page is
+    objects K0, V0, K1, V1 (head groups 0 and 1), which lie in that flat
+    page at K0, K1, V0, V1. TP-2 ranks read their group through v1 and
+    through the copying path."""
+    one, host1 = attach(tiny(head_num=4), layout="page_head", tp_size=1, tp_rank=0,
+                        tp_lcm_size=2, should_split_heads=True)
+    fill_random(host1, 25)
+    keys = hashes(2)
+    values = [host1.get_data_page(p * host1.page_size, flat=True) for p in range(2)]
+    full = [page(host1, p) for p in range(2)]
+    assert one.batch_set(keys, values) is True
+    back = one.batch_get(keys, [host1.get_dummy_flat_data_page() for _ in keys])
+    assert all(torch.equal(back[p].view(torch.uint8), full[p]) for p in range(2))
+    for rank in (0, 1):
+        part, host2 = attach(tiny(head_num=2), layout="page_head", tp_size=2, tp_rank=rank,
+                             tp_lcm_size=2, should_split_heads=False)
+        want = [full[p].view(2, 2, -1)[:, rank].reshape(-1) for p in range(2)]  # K, V of group `rank`
+        assert all(part.batch_get_v1(keys, slots(host2, 0, 2)))
+        assert all(torch.equal(page(host2, p), want[p]) for p in range(2))
+        got = part.batch_get(keys, [host2.get_dummy_flat_data_page() for _ in keys])
+        assert all(torch.equal(got[p].view(torch.uint8), want[p]) for p in range(2))
+
+
 def test_key_cache_overflow_and_non_ascii_keys_stay_correct(attach, monkeypatch):
     from sglang_simm import binding as binding_module
 

@@ -389,8 +389,9 @@ class HiCacheSiMM(HiCacheStorage):
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         """SGLang's copying path: fill each flat page tensor, or None on a miss.
 
-        The flat page SGLang hands over is the page's objects back to back,
-        so the same objects serve both paths.
+        The flat page SGLang hands over is the page's objects back to back in
+        address order (``PoolBinding.flat_offsets``), so the same objects
+        serve both paths.
         """
         n = len(keys) if keys is not None else 0
         targets = list(target_locations) if target_locations is not None else []
@@ -409,13 +410,15 @@ class HiCacheSiMM(HiCacheStorage):
             ok = (codes.reshape(-1, b.parts) == b.sizes[None, :]).all(axis=1)
             if not ok.all():
                 ok &= ~self._read_faults(b, Plan(pages=pages, keys=obj_keys, views=views), codes)
+            offsets, sizes = b.flat_offsets.tolist(), b.sizes_list
             for row, page in enumerate(pages.tolist()):
                 target = targets[page]
                 if not ok[row] or not _fits_flat(target, b.page_bytes):
                     continue
                 flat = target.view(torch.uint8) if target.dtype != torch.uint8 else target
-                parts = [blk.as_ref() for blk in blocks[row * b.parts:(row + 1) * b.parts]]
-                flat.copy_(torch.cat(parts))
+                flat = flat.reshape(-1)
+                for part, blk in enumerate(blocks[row * b.parts:(row + 1) * b.parts]):
+                    flat[offsets[part]:offsets[part] + sizes[part]].copy_(blk.as_ref())
                 out[page] = target
             hits = sum(x is not None for x in out)
             self.counters.record_get(hits, n - hits, hits * b.page_bytes, 0.0, b.page_bytes)
@@ -786,7 +789,7 @@ class _Staged:
         self._client = client
         self._parts = b.parts
         self._sizes = b.sizes_list
-        self._offsets = np.concatenate([[0], np.cumsum(b.sizes)[:-1]]).tolist()
+        self._offsets = b.flat_offsets.tolist()
         self._pages = pages
         self._blocks: list[Any] = []  # held until the put is done
 

@@ -256,6 +256,13 @@ class PoolBinding:
         self.sizes = g.sizes
         self.sizes_list = g.sizes.tolist()
         self.page_bytes = g.page_bytes
+        #: where each part starts in SGLang's flat page (``get_data_page``
+        #: flattens a slice of the pool's buffer: its parts in address
+        #: order; K of every head group, then V, under ``page_head``)
+        order = np.argsort(g.base, kind="stable")
+        offsets = np.empty_like(g.sizes)
+        offsets[order] = np.cumsum(g.sizes[order]) - g.sizes[order]
+        self.flat_offsets = offsets
         #: where the registered region holding each part ends (an object
         #: read past its view can reach up to there, ``overrun_pages``)
         self.part_region_end = np.asarray(
