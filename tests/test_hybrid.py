@@ -231,12 +231,12 @@ MAMBA_LAYERS = 2
 MAMBA_CAPACITY = 8  # device slots; the host pool holds twice that, plus one
 
 
-def mamba_pool(*, temporal=(2, 4, 4), convs=((3, 8), (5,)), extra=()):
+def mamba_pool(*, temporal=(2, 4, 4), convs=((3, 8), (5,)), extra=(), temporal_dtype=torch.float32):
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
     info = MambaStateBufferInfo(
-        temporal=torch.zeros(MAMBA_LAYERS, MAMBA_CAPACITY, *temporal, dtype=torch.float32),
+        temporal=torch.zeros(MAMBA_LAYERS, MAMBA_CAPACITY, *temporal, dtype=temporal_dtype),
         conv=tuple(torch.zeros(MAMBA_LAYERS, MAMBA_CAPACITY, *c, dtype=torch.bfloat16) for c in convs),
         extra_checkpoint_buffers=tuple(extra),
     )
@@ -582,6 +582,24 @@ def test_mamba_keys_carry_the_tp_rank_and_mla_draft_keys_do_not(attach):
         assert backend._side["draft"].suffixes == (".draft.kv",)
     assert prefixes[0][0] != prefixes[1][0]
     assert prefixes[0][1] == prefixes[1][1]
+
+
+def test_mamba_keys_carry_the_dtype_of_every_state(attach):
+    """SGLang's MambaPoolHost.dtype is the conv state's; a bf16 and an fp16
+    temporal state of one model hold different bytes (same sizes)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    prefixes = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
+        backend, _ = attach(tiny(), tokens=32)
+        pool = mamba_pool(temporal_dtype=dtype)
+        assert pool.dtype == torch.bfloat16  # the conv dtype, whatever the temporal state's
+        backend.register_mem_host_pool_v2(pool, PoolName.MAMBA)
+        b = backend._side["mamba"]
+        assert str(dtype) in b.identity.dtype
+        prefixes.setdefault(dtype, set()).add(b.prefix)
+    assert len(prefixes[torch.bfloat16]) == 1  # one model, one dtype: one namespace
+    assert prefixes[torch.bfloat16] != prefixes[torch.float16]
 
 
 # --------------------------------------------- DSA indexer (DeepSeek V3.2)

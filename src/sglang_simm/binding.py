@@ -247,7 +247,10 @@ class PoolBinding:
         tensors = host_regions(pool, regions)
         self.geometry, part_region = pool_geometry(pool, meta, tensors)
         g = self.geometry
-        self.identity = replace(identity, object_bytes=g.object_bytes)
+        self.identity = replace(
+            identity, object_bytes=g.object_bytes,
+            dtype=keyspace.pool_dtype(identity.dtype, [str(t.dtype) for t in tensors]),
+        )
         self.prefix, self.suffixes = keyspace.key_layout(self.identity, scheme, g.chunks, part_names)
         check_parts(pool, self.identity, g, self.suffixes)
         self.keys = KeyCache(self.prefix, self.suffixes)
