@@ -463,8 +463,15 @@ class HiCacheSiMM(HiCacheStorage):
             current = self._side.get(name)
             if current is not None and current.pool is host_pool:
                 return
-        model_is_mla = bool(getattr(self.storage_config, "is_mla_model", False))
+        sc = self.storage_config
+        model_is_mla = bool(getattr(sc, "is_mla_model", False))
         layout = hybrid.describe_side_pool(host_pool, name, model_is_mla=model_is_mla)
+        refusal = hybrid.writer_only_refusal(
+            layout, name, type(host_pool).__name__, model_is_mla=model_is_mla,
+            tp_size=int(getattr(sc, "tp_size", 1) or 1), dcp_size=int(getattr(sc, "dcp_size", 1) or 1),
+        )
+        if refusal:
+            raise UnsupportedPoolError(refusal)
         identity = replace(
             self.page_identity(host_pool, name), is_mla=layout.replicated, tp_lcm_size=None
         )
