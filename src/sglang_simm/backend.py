@@ -9,6 +9,7 @@ there are counted by code and logged rate-limited.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ from sglang_simm import errors, hybrid, keys as keyspace
 from sglang_simm.binding import Plan, PoolBinding
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, log_resolved
-from sglang_simm.errors import UnsupportedPoolError
+from sglang_simm.errors import BackendClosedError, UnsupportedPoolError
 from sglang_simm.geometry import SUPPORTED_LAYOUTS
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
 
@@ -37,6 +38,60 @@ _MISS_CODES = (errors.DS_KEY_NOT_FOUND,)
 _GET_FAILED = errors.GET_OBJECT_FAILED
 #: A concurrent writer stored the object first (same key, same bytes).
 _ALREADY_EXISTS = errors.DS_DATA_ALREADY_EXISTS
+
+
+def _data_path(method: Any) -> Any:
+    """Mark a data-path call in flight for its duration, so memory that a
+    re-registration replaces is deregistered only once no call can still
+    be using its views (``_InFlight``)."""
+
+    @functools.wraps(method)
+    def call(self: HiCacheSiMM, *args: Any, **kwargs: Any) -> Any:
+        calls = self._in_flight.calls
+        calls.append(None)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            calls.pop()
+            if self._in_flight.retired and not calls:
+                self._in_flight.release()
+
+    return call
+
+
+class _InFlight:
+    """Data-path calls in progress, and the bindings a re-registration
+    replaced, closed (memory deregistered) once no call is in progress.
+
+    ``calls`` is a list used as a counter: ``append``/``pop`` are atomic
+    and cheaper than a lock on every call. A replaced binding is closed at
+    once when no call is in flight; otherwise by the next call to end with
+    none left (or by ``close()``). A call reads the binding after entering,
+    so one that enters after the swap never sees the old binding.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[None] = []
+        self.retired: list[PoolBinding] = []
+        self._lock = threading.Lock()
+
+    def retire(self, binding: PoolBinding) -> None:
+        with self._lock:
+            self.retired.append(binding)
+        if not self.calls:
+            self.release()
+
+    def release(self, *, every: bool = False) -> None:
+        with self._lock:
+            if self.calls and not every:
+                return
+            retired, self.retired = self.retired, []
+        for b in retired:
+            try:
+                b.close()
+            except Exception as exc:  # deregistration failed: log, keep going
+                logger.warning("SiMM: closing a replaced host pool binding failed: %s: %s",
+                               type(exc).__name__, exc)
 
 
 class HiCacheSiMM(HiCacheStorage):
@@ -71,6 +126,7 @@ class HiCacheSiMM(HiCacheStorage):
         self._profile = bool(config.enable_profile)
         self._lock = threading.Lock()
         self._closed = False
+        self._in_flight = _InFlight()
         self.mem_pool_host = None
         self._kv: PoolBinding | None = None
         #: hybrid side pools by name (v2): Mamba, SWA, draft, DSA indexer
@@ -85,8 +141,16 @@ class HiCacheSiMM(HiCacheStorage):
                 "Add \"interface_v1\": 1 to the extra config (or use --hicache-storage-backend simm)."
             )
         self.client = client if client is not None else connect(config)
-        if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
-            self.register_mem_pool_host(mem_pool_host)
+        try:
+            if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
+                self.register_mem_pool_host(mem_pool_host)
+        except BaseException:
+            # A failed attach releases what it opened; an injected client
+            # stays its owner's.
+            self._closed = True
+            if client is None:
+                self.client.close()
+            raise
 
     # ------------------------------------------------------------------ attach
 
@@ -104,6 +168,7 @@ class HiCacheSiMM(HiCacheStorage):
                 "uses); sglang-simm stores MHA and MLA KV pools only"
             )
         with self._lock:
+            self._check_open("register_mem_pool_host")
             if self._kv is not None and self._kv.pool is mem_pool_host:
                 return
             layout = getattr(mem_pool_host, "layout", None)
@@ -125,7 +190,7 @@ class HiCacheSiMM(HiCacheStorage):
             old, self._kv = self._kv, binding
             self.mem_pool_host = mem_pool_host
         if old is not None:
-            old.close()
+            self._in_flight.retire(old)
         if self.config.key_scheme == "legacy":
             logger.warning(
                 "sglang-simm: key_scheme 'legacy' is in use. Its keys name no model, layout or object "
@@ -177,8 +242,16 @@ class HiCacheSiMM(HiCacheStorage):
             pool=pool_name,
         )
 
+    def _check_open(self, where: str) -> None:
+        if self._closed:
+            raise BackendClosedError(
+                f"{where}: this HiCacheSiMM backend is closed; SGLang attaches a new backend "
+                "(create_backend) instead of reusing a closed one"
+            )
+
     # ----------------------------------------------------------- v1 data path
 
+    @_data_path
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Number of leading pages whose every object exists."""
         n = len(keys) if keys is not None else 0
@@ -228,6 +301,7 @@ class HiCacheSiMM(HiCacheStorage):
             self.counters.record_error("bad_indices")
         return plan
 
+    @_data_path
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool; True only where every object of the
         page read back exactly its expected size."""
@@ -261,6 +335,7 @@ class HiCacheSiMM(HiCacheStorage):
             self._fault("batch_get_v1", exc)
             return [False] * n
 
+    @_data_path
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Write pages not yet stored (one mexists, one mput of the rest)."""
         n = len(keys) if keys is not None else 0
@@ -386,6 +461,7 @@ class HiCacheSiMM(HiCacheStorage):
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
+    @_data_path
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         """SGLang's copying path: fill each flat page tensor, or None on a miss.
 
@@ -427,6 +503,7 @@ class HiCacheSiMM(HiCacheStorage):
             self._fault("batch_get", exc)
             return [None] * n
 
+    @_data_path
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
         """SGLang's copying path: store flat page tensors; True if all stored."""
         n = len(keys) if keys is not None else 0
@@ -460,6 +537,7 @@ class HiCacheSiMM(HiCacheStorage):
                 self.register_mem_pool_host(host_pool)
             return
         with self._lock:
+            self._check_open("register_mem_host_pool_v2")
             current = self._side.get(name)
             if current is not None and current.pool is host_pool:
                 return
@@ -480,14 +558,14 @@ class HiCacheSiMM(HiCacheStorage):
             meta=host_pool.get_page_buffer_meta, regions=layout.regions, part_names=layout.part_names,
         )
         with self._lock:
-            if self._closed:
-                old, binding = binding, None
-            else:
+            closed = self._closed
+            if not closed:
                 old, self._side[name] = self._side.get(name), binding
+        if closed:  # closed while this pool was being bound
+            binding.close()
+            self._check_open("register_mem_host_pool_v2")
         if old is not None:
-            old.close()
-        if binding is None:
-            return
+            self._in_flight.retire(old)
         g = binding.geometry
         logger.info(
             "sglang-simm: bound hybrid pool %r (%s, %s, %d pages of %d slots, %d objects of %s bytes "
@@ -513,6 +591,7 @@ class HiCacheSiMM(HiCacheStorage):
         key = hybrid.pool_name(name)
         return self._kv if key == hybrid.KV else self._side.get(key)
 
+    @_data_path
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
         """Restorable prefixes of a hybrid model's pages.
 
@@ -595,6 +674,7 @@ class HiCacheSiMM(HiCacheStorage):
                 plans.append((t.name, b, len(keys), plan))
         return plans
 
+    @_data_path
     def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Read hybrid pools' pages into their host pools (one mget for all):
         ``{pool name: one bool per key}``, True only where every object of
@@ -629,6 +709,7 @@ class HiCacheSiMM(HiCacheStorage):
             self._fault("batch_get_v2", exc)
             return _all_false(transfers)
 
+    @_data_path
     def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Write hybrid pools' pages not yet stored (one mexists, one mput of
         the rest, for all pools): ``{pool name: one bool per key}``."""
@@ -694,9 +775,11 @@ class HiCacheSiMM(HiCacheStorage):
             binding, self._kv = self._kv, None
             side, self._side = list(self._side.values()), {}
         try:
+            # Calls still in flight (SGLang joins its storage threads with a
+            # timeout) keep their memory registered until they end.
             for b in [binding, *side]:
                 if b is not None:
-                    b.close()
+                    self._in_flight.retire(b)
             self.client.close()
         except Exception as exc:
             logger.warning("SiMM close(): %s: %s", type(exc).__name__, exc)

@@ -273,7 +273,11 @@ class PoolBinding:
             dtype=np.int64,
         )
         self.mrs = register_regions(client, tensors)
-        self.views = ViewTable(g, client.view, [self.mrs[r] for r in part_region.tolist()])
+        try:
+            self.views = ViewTable(g, client.view, [self.mrs[r] for r in part_region.tolist()])
+        except BaseException:
+            self._deregister()
+            raise
 
     def plan(
         self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog, *, remember: bool = True
@@ -356,6 +360,9 @@ class PoolBinding:
 
     def close(self) -> None:
         self.views.close()
+        self._deregister()
+
+    def _deregister(self) -> None:
         mrs, self.mrs = self.mrs, []
         for mr in mrs:
             if mr is not None:
