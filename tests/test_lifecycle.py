@@ -127,3 +127,32 @@ def test_a_replaced_pool_stays_registered_until_the_calls_using_it_end(attach, w
     assert result["got"] == [True, True]
     assert all(torch.equal(page(old, 4 + p), want[p]) for p in range(2))
     assert binding.mrs == []  # released once the get was done
+
+
+def test_views_are_made_on_first_use_and_kept_up_to_the_limit(attach, monkeypatch):
+    from sglang_simm import binding as binding_module
+
+    backend, host = attach(tiny())
+    table = backend._kv.views
+    assert len(table) == 0  # attach makes no view
+    fill_random(host, 53)
+    keys = hashes(6)
+    want = [page(host, p) for p in range(6)]
+    assert all(backend.batch_set_v1(keys, slots(host, 0, 6)))
+    assert len(table) == 6
+    fill_random(host, 54)
+    assert all(backend.batch_get_v1(keys, slots(host, 0, 6)))  # the views kept
+    assert all(torch.equal(page(host, p), want[p]) for p in range(6))
+
+    monkeypatch.setattr(binding_module, "VIEW_TABLE_LIMIT", 2 * 3)  # 3 pages of 2 objects
+    small, shost = attach(tiny())
+    keys = hashes(6, salt="small")  # not the pages the first backend stored
+    fill_random(shost, 55)
+    want = [page(shost, p) for p in range(6)]
+    assert all(small.batch_set_v1(keys[:2], slots(shost, 0, 2)))
+    assert all(small.batch_set_v1(keys[2:], slots(shost, 2, 4)))  # past the limit: made per call
+    assert len(small._kv.views) == 2
+    fill_random(shost, 56)
+    assert all(small.batch_get_v1(keys, slots(shost, 8, 6)))
+    assert all(torch.equal(page(shost, 8 + p), want[p]) for p in range(6))
+    assert len(small._kv.views) <= 3

@@ -7,7 +7,8 @@ A binding is built at attach, in steps that each stand alone here:
 3. ``keys.key_layout`` and ``check_parts``: the key prefix and the suffix of
    every object, one per object the pool reports;
 4. ``register_regions``: the tensors registered with the client, once;
-5. ``ViewTable``: a ``BlockView`` per object, built once for the pool's life;
+5. ``ViewTable``: a ``BlockView`` per object, made on first use and kept
+   for the pool's life (up to ``VIEW_TABLE_LIMIT``);
 
 plus a ``KeyCache`` of object keys for lookups. Per call, ``plan`` resolves a
 batch (page keys and host indices) to the objects to move, or None. Every
@@ -30,8 +31,11 @@ from sglang_simm.errors import UnsupportedPoolError
 from sglang_simm.geometry import PageGeometry, derive_geometry, derive_region_geometry, page_starts
 from sglang_simm.metrics import RateLimitedLog
 
-#: Above this many objects per pool, views are built per call instead of
-#: once for the pool's lifetime (memory over speed).
+#: Views kept per pool, at most (``ViewTable``). Past it, views of further
+#: pages are made per call (about 1 us per view instead of a lookup): memory
+#: over speed. Two million views take about 330 MiB with the embedded client
+#: (measured) and an estimated 700 MiB with SiMM's, under 1% of any host
+#: pool with objects of 64 KiB or more (README, "Views and attach cost").
 VIEW_TABLE_LIMIT = 1 << 21
 
 #: Page keys whose object keys are kept (about 200 bytes each per object).
@@ -129,11 +133,14 @@ def register_regions(client: KVClient, regions: Sequence[torch.Tensor]) -> list[
 
 
 class ViewTable:
-    """``BlockView``s of the pool's objects.
+    """``BlockView``s of the pool's objects, each page's under its first slot.
 
-    Built once for the pool's lifetime, each page's views under its first
-    slot, when the pool has at most ``VIEW_TABLE_LIMIT`` objects; larger
-    pools get views made per call.
+    Made on first use, for the pages a batch names and the table does not
+    hold yet, and kept for the pool's lifetime, up to ``VIEW_TABLE_LIMIT``
+    objects; past that, views of pages not kept are made per call. Attach
+    therefore costs nothing per page (a million-page pool made two million
+    views at attach before: seconds and hundreds of MiB, README), and a
+    batch of pages already seen costs one dictionary lookup per page.
     """
 
     def __init__(self, geometry: PageGeometry, view: Callable[[int, int, Any], Any], part_mrs: list[Any]):
@@ -142,11 +149,13 @@ class ViewTable:
         #: the memory region of each part, in part order
         self._part_mrs = part_mrs
         self._sizes = geometry.sizes.tolist()
-        self._by_start: dict[int, tuple[Any, ...]] | None = None
-        pages, parts, ps = geometry.num_pages, geometry.parts, geometry.page_size
-        if pages * parts <= VIEW_TABLE_LIMIT:
-            table = self._make(np.arange(pages, dtype=np.int64) * ps)
-            self._by_start = {page * ps: tuple(table[page * parts:(page + 1) * parts]) for page in range(pages)}
+        self._by_start: dict[int, tuple[Any, ...]] | None = {}
+        self._max_pages = max(0, VIEW_TABLE_LIMIT // geometry.parts)
+        self._slots = geometry.num_pages * geometry.page_size
+
+    def __len__(self) -> int:
+        """Pages whose views are kept."""
+        return len(self._by_start or ())
 
     def _make(self, starts: np.ndarray) -> list[Any]:
         n = len(starts)
@@ -156,17 +165,29 @@ class ViewTable:
 
     def of_pages(self, starts: np.ndarray) -> list[Any] | None:
         """Every view of the pages whose page-aligned first slots are
-        ``starts``, page-major; None when one of them is outside the pool."""
+        ``starts``, page-major; None when one of them is outside the pool
+        (or the table is closed)."""
         by_start = self._by_start
-        if by_start is not None:
-            try:
-                return list(chain.from_iterable(map(by_start.__getitem__, starts.tolist())))
-            except KeyError:
-                return None
-        g = self._geometry
-        if len(starts) and (starts.min() < 0 or starts.max() >= g.num_pages * g.page_size):
+        if by_start is None:
             return None
-        return self._make(starts)
+        try:
+            return list(chain.from_iterable(map(by_start.__getitem__, starts.tolist())))
+        except KeyError:  # a page not seen yet, or outside the pool
+            return self._add(by_start, starts)
+
+    def _add(self, by_start: dict[int, tuple[Any, ...]], starts: np.ndarray) -> list[Any] | None:
+        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) >= self._slots):
+            return None
+        wanted = starts.tolist()
+        new = [s for s in dict.fromkeys(wanted) if s not in by_start]
+        parts = self._geometry.parts
+        made = self._make(np.asarray(new, dtype=np.int64))
+        fresh = {s: tuple(made[i * parts:(i + 1) * parts]) for i, s in enumerate(new)}
+        if len(by_start) + len(fresh) <= self._max_pages:
+            # Threads may add the same page at once: either's views are right.
+            by_start.update(fresh)
+        get = by_start.get
+        return list(chain.from_iterable(fresh[s] if s in fresh else get(s) for s in wanted))
 
     def close(self) -> None:
         self._by_start = None
