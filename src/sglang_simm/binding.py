@@ -32,10 +32,10 @@ from sglang_simm.geometry import PageGeometry, derive_geometry, derive_region_ge
 from sglang_simm.metrics import RateLimitedLog
 
 #: Views kept per pool, at most (``ViewTable``). Past it, views of further
-#: pages are made per call (about 1 us per view instead of a lookup): memory
-#: over speed. Two million views take about 330 MiB with the embedded client
-#: (measured) and an estimated 700 MiB with SiMM's, under 1% of any host
-#: pool with objects of 64 KiB or more (README, "Views and attach cost").
+#: pages are made per call (a few us of CPU per view instead of a lookup):
+#: memory over speed. Two million views take about 330 MiB with the embedded
+#: client (measured) and an estimated 650 MiB with SiMM's, under 1% of any
+#: host pool with objects of 64 KiB or more (README, "Views").
 VIEW_TABLE_LIMIT = 1 << 21
 
 #: Page keys whose object keys are kept (about 200 bytes each per object).
