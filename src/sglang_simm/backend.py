@@ -81,9 +81,9 @@ class _InFlight:
         if not self.calls:
             self.release()
 
-    def release(self, *, every: bool = False) -> None:
+    def release(self) -> None:
         with self._lock:
-            if self.calls and not every:
+            if self.calls:
                 return
             retired, self.retired = self.retired, []
         for b in retired:
