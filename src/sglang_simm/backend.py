@@ -9,7 +9,6 @@ there are counted by code and logged rate-limited.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -40,34 +39,16 @@ _GET_FAILED = errors.GET_OBJECT_FAILED
 _ALREADY_EXISTS = errors.DS_DATA_ALREADY_EXISTS
 
 
-def _data_path(method: Any) -> Any:
-    """Mark a data-path call in flight for its duration, so memory that a
-    re-registration replaces is deregistered only once no call can still
-    be using its views (``_InFlight``)."""
-
-    @functools.wraps(method)
-    def call(self: HiCacheSiMM, *args: Any, **kwargs: Any) -> Any:
-        calls = self._in_flight.calls
-        calls.append(None)
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            calls.pop()
-            if self._in_flight.retired and not calls:
-                self._in_flight.release()
-
-    return call
-
-
 class _InFlight:
-    """Data-path calls in progress, and the bindings a re-registration
-    replaced, closed (memory deregistered) once no call is in progress.
+    """Data-path calls in progress, and the bindings a re-registration (or
+    ``close()``) replaced, closed (memory deregistered) once no call is in
+    progress.
 
-    ``calls`` is a list used as a counter: ``append``/``pop`` are atomic
-    and cheaper than a lock on every call. A replaced binding is closed at
-    once when no call is in flight; otherwise by the next call to end with
-    none left (or by ``close()``). A call reads the binding after entering,
-    so one that enters after the swap never sees the old binding.
+    Every data-path method appends to ``calls`` before it reads a binding
+    and calls ``leave()`` when done: ``append``/``pop`` of a list are atomic
+    and cheaper than a lock or a wrapper on every call. A replaced binding
+    is closed at once when no call is in flight, otherwise by the last call
+    to leave. A call that enters after the swap never sees the old binding.
     """
 
     def __init__(self) -> None:
@@ -79,6 +60,12 @@ class _InFlight:
         with self._lock:
             self.retired.append(binding)
         if not self.calls:
+            self.release()
+
+    def leave(self) -> None:
+        calls = self.calls
+        calls.pop()
+        if self.retired and not calls:
             self.release()
 
     def release(self) -> None:
@@ -251,12 +238,12 @@ class HiCacheSiMM(HiCacheStorage):
 
     # ----------------------------------------------------------- v1 data path
 
-    @_data_path
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Number of leading pages whose every object exists."""
         n = len(keys) if keys is not None else 0
         if n == 0:
             return 0
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             b = self._kv
             if b is None:
@@ -281,6 +268,8 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_exists", exc)
             return 0
+        finally:
+            self._in_flight.leave()
 
     def _planned(self, where: str, keys: Sequence[str], host_indices: Any, *, write: bool) -> tuple[PoolBinding, Plan] | None:
         """The KV binding and the batch's objects, or None when it can only miss."""
@@ -301,13 +290,13 @@ class HiCacheSiMM(HiCacheStorage):
             self.counters.record_error("bad_indices")
         return plan
 
-    @_data_path
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool; True only where every object of the
         page read back exactly its expected size."""
         n = len(keys) if keys is not None else 0
         if n == 0:
             return []
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             planned = self._planned("batch_get_v1", keys, host_indices, write=False)
             if planned is None:
@@ -334,13 +323,15 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_get_v1", exc)
             return [False] * n
+        finally:
+            self._in_flight.leave()
 
-    @_data_path
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Write pages not yet stored (one mexists, one mput of the rest)."""
         n = len(keys) if keys is not None else 0
         if n == 0:
             return []
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             planned = self._planned("batch_set_v1", keys, host_indices, write=True)
             if planned is None:
@@ -354,6 +345,8 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_set_v1", exc)
             return [False] * n
+        finally:
+            self._in_flight.leave()
 
     def _pages_read(self, b: PoolBinding, plan: Plan, n: int, codes: np.ndarray) -> tuple[list[bool], int]:
         """One bool per caller page from mget's codes for ``plan``: True where
@@ -461,7 +454,6 @@ class HiCacheSiMM(HiCacheStorage):
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
-    @_data_path
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         """SGLang's copying path: fill each flat page tensor, or None on a miss.
 
@@ -471,6 +463,7 @@ class HiCacheSiMM(HiCacheStorage):
         """
         n = len(keys) if keys is not None else 0
         targets = list(target_locations) if target_locations is not None else []
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             b = self._kv
             if b is None or len(targets) != n:
@@ -502,14 +495,16 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_get", exc)
             return [None] * n
+        finally:
+            self._in_flight.leave()
 
-    @_data_path
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
         """SGLang's copying path: store flat page tensors; True if all stored."""
         n = len(keys) if keys is not None else 0
         vals = list(values) if values is not None else []
         if n == 0:
             return False
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             b = self._kv
             if b is None or len(vals) != n:
@@ -523,6 +518,8 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_set", exc)
             return False
+        finally:
+            self._in_flight.leave()
 
     # ------------------------------------------------- v2 (hybrid models)
 
@@ -591,7 +588,6 @@ class HiCacheSiMM(HiCacheStorage):
         key = hybrid.pool_name(name)
         return self._kv if key == hybrid.KV else self._side.get(key)
 
-    @_data_path
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
         """Restorable prefixes of a hybrid model's pages.
 
@@ -601,6 +597,7 @@ class HiCacheSiMM(HiCacheStorage):
         the set of restorable prefix lengths by its hit policy; the KV hit is
         the longest length left. Never raises; a fault is a miss.
         """
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             transfers = list(pool_transfers or [])
             for t in transfers:
@@ -652,6 +649,8 @@ class HiCacheSiMM(HiCacheStorage):
                 return hybrid.to_pool_transfer_result(hybrid.miss())
             except Exception:
                 return None
+        finally:
+            self._in_flight.leave()
 
     def _plan_v2(
         self, transfers: list[Any], results: dict[Any, list[bool]], op: str, *, write: bool
@@ -674,13 +673,13 @@ class HiCacheSiMM(HiCacheStorage):
                 plans.append((t.name, b, len(keys), plan))
         return plans
 
-    @_data_path
     def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Read hybrid pools' pages into their host pools (one mget for all):
         ``{pool name: one bool per key}``, True only where every object of
         the page read back exactly its expected size."""
         transfers = list(transfers or [])
         results: dict[Any, list[bool]] = {}
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             plans = self._plan_v2(transfers, results, "batch_get_v2", write=False)
             if not plans:
@@ -708,13 +707,15 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_get_v2", exc)
             return _all_false(transfers)
+        finally:
+            self._in_flight.leave()
 
-    @_data_path
     def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Write hybrid pools' pages not yet stored (one mexists, one mput of
         the rest, for all pools): ``{pool name: one bool per key}``."""
         transfers = list(transfers or [])
         results: dict[Any, list[bool]] = {}
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             plans = self._plan_v2(transfers, results, "batch_set_v2", write=True)
             if not plans:
@@ -729,6 +730,8 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_set_v2", exc)
             return _all_false(transfers)
+        finally:
+            self._in_flight.leave()
 
     # ---------------------------------------------------- lifecycle and stats
 
