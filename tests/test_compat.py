@@ -36,7 +36,9 @@ for route in routes:
         else:
             geom = PRESETS["tiny"]
         host = build_host_pool(geom, tokens=64)
-        extra = {"manager_address": f"local://compat-{route}-{name}"}
+        # one host store per release: stores outlive their clients, and every
+        # release's probe writes the same keys with its own random bytes
+        extra = {"manager_address": f"local://compat-{result['sglang']}-{route}-{name}"}
         if route == "dynamic":
             extra.update(backend_name="simm", module_path="sglang_simm", class_name="HiCacheSiMM", interface_v1=1)
         cfg = storage_config(extra_config=extra, is_mla_model=geom.is_mla)
