@@ -180,6 +180,42 @@ def test_eviction_between_exists_and_get_gives_a_correct_prefix(attach, store_na
     assert got[:3] == [True] * 3 and got[3] is False
 
 
+def test_get_object_failed_is_a_miss_when_absent_and_a_fault_when_present(attach, store_name, caplog):
+    """The synchronous client answers GetObjectFailed for every server-side
+    get failure, an absent key included. Absent (evicted since SGLang's
+    exists query, or never stored): a miss, not an error. Present (here an
+    object longer than its view, which SiMM HEAD's server refuses): a fault,
+    counted under its own code and logged at most once per interval."""
+    import logging
+
+    backend, host = attach(tiny())
+    fill_random(host, 23)
+    keys = hashes(3)
+    assert all(backend.batch_set_v1(keys[:2], slots(host, 0, 2)))
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.backend"):
+        assert backend.batch_get_v1(keys, slots(host, 4, 3)) == [True, True, False]  # never stored
+        server = get_server(store_name)
+        for k in [k for k in server.keys() if keys[1] in k]:
+            server.delete(k)  # evicted between exists and get
+        assert backend.batch_get_v1(keys[:2], slots(host, 4, 2)) == [True, False]
+    assert backend.stats()["errors"] == {}
+    assert not caplog.records
+
+    from sglang_simm.embedded import Store, set_flag
+
+    k_key = next(k for k in server.keys() if keys[0] in k and k.endswith(".k"))
+    set_flag("cm_primary_node_ip", store_name)
+    store = Store()
+    long = store.allocate(backend._kv.sizes_list[0] + 64)
+    assert store.put(k_key, long.view()) == 0
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.backend"):
+        for _ in range(5):
+            assert backend.batch_get_v1(keys[:1], slots(host, 4, 1)) == [False]
+    assert backend.stats()["errors"] == {errors.code_name(errors.GET_OBJECT_FAILED): 5}
+    warned = [r for r in caplog.records if "GetObjectFailed" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+
+
 @pytest.mark.parametrize(
     "faults, expect_codes",
     [
@@ -339,7 +375,7 @@ def test_copying_path_failed_puts_are_counted_by_code(attach, store_name):
 def test_get_stats_returns_sglangs_storage_metrics_drained_per_call(attach):
     from sglang_simm.metrics import storage_metrics_class
 
-    backend, host = attach(tiny())
+    backend, host = attach(tiny(), enable_storage_metrics=True)
     fill_random(host, 16)
     keys = hashes(3)
     backend.batch_set_v1(keys, slots(host, 0, 3))
@@ -350,6 +386,37 @@ def test_get_stats_returns_sglangs_storage_metrics_drained_per_call(attach):
     assert len(metrics.prefetch_bandwidth) == 1 and metrics.prefetch_bandwidth[0] > 0
     again = backend.get_stats()
     assert again.backup_pgs == [] and again.prefetch_pgs == []
+
+
+def test_with_sglangs_default_metrics_off_nothing_waits_for_get_stats(attach):
+    """SGLang calls get_stats() only with --enable-metrics (off by default):
+    then nothing may pile up for it, however long the server runs."""
+    backend, host = attach(tiny())
+    assert backend.storage_config.enable_storage_metrics is False  # SGLang's default
+    fill_random(host, 40)
+    keys = hashes(2)
+    assert backend.batch_set_v1(keys, slots(host, 0, 2)) == [True, True]
+    for _ in range(3000):
+        backend.batch_get_v1(keys, slots(host, 4, 2))
+    backend.batch_set_v1(hashes(2, salt="more"), slots(host, 0, 2))
+    assert backend.counters.pending == 0
+    stats = backend.stats()  # our own counters still count
+    assert stats["pages_read"] == 6000 and stats["pages_written"] == 4
+
+
+def test_metrics_on_but_never_drained_stay_bounded(attach):
+    from sglang_simm.metrics import PENDING_LIMIT
+
+    backend, host = attach(tiny(), enable_storage_metrics=True)
+    fill_random(host, 41)
+    keys = hashes(1)
+    assert backend.batch_set_v1(keys, slots(host, 0, 1)) == [True]
+    for _ in range(PENDING_LIMIT + 300):
+        backend.batch_get_v1(keys, slots(host, 4, 1))
+    assert backend.counters.pending == PENDING_LIMIT + 1  # the newest gets, and the one set
+    metrics = backend.get_stats()
+    assert metrics.prefetch_pgs == [1] * PENDING_LIMIT and metrics.backup_pgs == [1]
+    assert backend.counters.pending == 0
 
 
 def test_clear_removes_only_this_namespace(attach, store_name):
@@ -422,6 +489,31 @@ def test_head_groups_let_different_tp_sizes_share_pages(attach):
             got = page(host2, p).view(2, -1)  # K, V of this rank's 2 heads
             want = full[p].view(2, 2, -1)[:, rank]  # K, V of head group `rank`
             assert torch.equal(got, want)
+
+
+def test_copying_path_stores_head_groups_that_other_tp_sizes_read(attach):
+    """The copying path's flat page is SGLang's ``get_data_page``: K of every
+    head, then V of every head. With tp_lcm_size 2, the TP-1 rank's page is
+    objects K0, V0, K1, V1 (head groups 0 and 1), which lie in that flat
+    page at K0, K1, V0, V1. TP-2 ranks read their group through v1 and
+    through the copying path."""
+    one, host1 = attach(tiny(head_num=4), layout="page_head", tp_size=1, tp_rank=0,
+                        tp_lcm_size=2, should_split_heads=True)
+    fill_random(host1, 25)
+    keys = hashes(2)
+    values = [host1.get_data_page(p * host1.page_size, flat=True) for p in range(2)]
+    full = [page(host1, p) for p in range(2)]
+    assert one.batch_set(keys, values) is True
+    back = one.batch_get(keys, [host1.get_dummy_flat_data_page() for _ in keys])
+    assert all(torch.equal(back[p].view(torch.uint8), full[p]) for p in range(2))
+    for rank in (0, 1):
+        part, host2 = attach(tiny(head_num=2), layout="page_head", tp_size=2, tp_rank=rank,
+                             tp_lcm_size=2, should_split_heads=False)
+        want = [full[p].view(2, 2, -1)[:, rank].reshape(-1) for p in range(2)]  # K, V of group `rank`
+        assert all(part.batch_get_v1(keys, slots(host2, 0, 2)))
+        assert all(torch.equal(page(host2, p), want[p]) for p in range(2))
+        got = part.batch_get(keys, [host2.get_dummy_flat_data_page() for _ in keys])
+        assert all(torch.equal(got[p].view(torch.uint8), want[p]) for p in range(2))
 
 
 def test_key_cache_overflow_and_non_ascii_keys_stay_correct(attach, monkeypatch):

@@ -72,3 +72,32 @@ def test_missing_real_client_names_the_install_route(monkeypatch):
     with pytest.raises(ClientNotInstalledError, match="not on PyPI") as info:
         import_real_client()
     assert "scitix/SiMM" in str(info.value) and "'local'" in str(info.value)
+
+
+def test_a_failed_warm_up_closes_the_store_it_opened():
+    """connect() made the store; when the warm-up then fails, the store is
+    closed and dropped, not left to whoever holds the traceback."""
+    import uuid
+
+    closed = []
+
+    class Store(embedded.Store):
+        __slots__ = ()
+
+        def close(self):
+            closed.append(self)
+
+    kv = types.SimpleNamespace(**{n: getattr(embedded, n) for n in ("BlockView", "register_mr", "deregister_mr", "set_flag")})
+    kv.Store = Store
+    name = f"warm-{uuid.uuid4().hex[:8]}"
+    scope = embedded.get_flag("embedded_scope")
+    try:
+        embedded.set_flag("embedded_scope", "process")
+        embedded.get_server(name).faults.configure(error_rate=1.0)
+        config = SiMMConfig.from_mapping({"manager_address": f"inprocess://{name}"})
+        with pytest.raises(Exception, match="warm-up"):
+            connect(config, kv_module=kv)
+        assert len(closed) == 1
+    finally:
+        embedded.reset_servers(name)
+        embedded.set_flag("embedded_scope", scope)

@@ -44,6 +44,18 @@ def test_affine_pool_is_fitted_and_evaluated_like_the_pool():
     assert g.object_ids(starts // PAGE).tolist() == [0, 1, 6, 7, 30, 31]
 
 
+def test_pointers_of_int32_slots_past_2_gib_do_not_wrap():
+    """SGLang's host indices may be int32; slot * stride passes 2^31 in any
+    pool over 2 GiB (here a 64 KiB-per-token pool of 1M slots)."""
+    tokens, stride = 1 << 20, 64 << 10
+    g = derive_geometry(
+        lambda idx: ([(1 << 40) + idx[0] * stride], [PAGE * stride]), page_size=PAGE, pool_tokens=tokens,
+        buffer_start=1 << 40, buffer_bytes=tokens * stride, make_indices=lambda lo, hi: list(range(lo, hi)),
+    )
+    starts = np.array([0, tokens - PAGE], dtype=np.int32)
+    assert g.pointers(starts).tolist() == [(1 << 40) + int(s) * stride for s in starts]
+
+
 def test_objects_over_the_value_limit_are_chunked_contiguously():
     g = fit(mha_meta(4096, 64), limit=PAGE * STRIDE // 3 + 1)
     assert g.chunks == 3

@@ -231,12 +231,12 @@ MAMBA_LAYERS = 2
 MAMBA_CAPACITY = 8  # device slots; the host pool holds twice that, plus one
 
 
-def mamba_pool(*, temporal=(2, 4, 4), convs=((3, 8), (5,)), extra=()):
+def mamba_pool(*, temporal=(2, 4, 4), convs=((3, 8), (5,)), extra=(), temporal_dtype=torch.float32):
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
     info = MambaStateBufferInfo(
-        temporal=torch.zeros(MAMBA_LAYERS, MAMBA_CAPACITY, *temporal, dtype=torch.float32),
+        temporal=torch.zeros(MAMBA_LAYERS, MAMBA_CAPACITY, *temporal, dtype=temporal_dtype),
         conv=tuple(torch.zeros(MAMBA_LAYERS, MAMBA_CAPACITY, *c, dtype=torch.bfloat16) for c in convs),
         extra_checkpoint_buffers=tuple(extra),
     )
@@ -329,7 +329,7 @@ def test_mamba_geometry_is_the_pools_own_for_every_slot(hybrid_attach):
 
 
 def test_side_pool_pages_round_trip_byte_for_byte(hybrid_attach):
-    backend, pools = hybrid_attach()
+    backend, pools = hybrid_attach(enable_storage_metrics=True)
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, count_pool_hits
 
     mamba, swa, draft = pools["mamba"], pools["swa"], pools["draft"]
@@ -582,6 +582,77 @@ def test_mamba_keys_carry_the_tp_rank_and_mla_draft_keys_do_not(attach):
         assert backend._side["draft"].suffixes == (".draft.kv",)
     assert prefixes[0][0] != prefixes[1][0]
     assert prefixes[0][1] == prefixes[1][1]
+
+
+def test_sglang_backs_side_pools_up_on_mla_non_writer_ranks_only_for_mamba():
+    """The premise of the refusal below, read from SGLang's own controller:
+    on a rank that is not the MLA storage writer, only Mamba state is backed
+    up for this backend's names (Mooncake's MHA drafts are its own case)."""
+    import types
+
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    for backend_type in ("simm", "dynamic"):
+        rank1 = types.SimpleNamespace(backup_skip=True, storage_backend_type=backend_type)
+        assert not HybridCacheController.should_backup(rank1, transfer(PoolName.DRAFT, keys=[]))
+        assert HybridCacheController.should_backup(rank1, transfer(PoolName.MAMBA, keys=[]))
+
+
+def test_an_mha_draft_of_an_mla_model_is_refused_at_tp_2_on_every_rank(attach):
+    """Two ranks of one TP-2 server (two storage configs): an MHA draft
+    pool's heads differ per rank, yet only rank 0 would write it, so rank 1
+    would always miss and void every prefetch. Both ranks refuse it, naming
+    the fix; Mamba state and an MLA draft stay accepted."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    from sglang_simm.errors import UnsupportedPoolError
+
+    for rank in (0, 1):
+        backend, _ = attach(tiny_mla(), tokens=32, tp_size=2, tp_rank=rank)
+        mha_draft = kv_side_pool(tiny(layer_num=1, head_num=1, name="draft-model"))
+        with pytest.raises(UnsupportedPoolError, match="MLA draft") as info:
+            backend.register_mem_host_pool_v2(mha_draft, PoolName.DRAFT)
+        assert "'draft'" in str(info.value) and "TP 2" in str(info.value)
+        assert "draft" not in backend._side
+        backend.register_mem_host_pool_v2(mamba_pool(), PoolName.MAMBA)
+        backend.register_mem_host_pool_v2(kv_side_pool(tiny_mla(layer_num=1, name="draft")), PoolName.DRAFT)
+        assert sorted(backend._side) == ["draft", "mamba"]
+
+
+def test_an_mha_draft_of_an_mla_model_round_trips_at_tp_1(attach):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend, _ = attach(tiny_mla(), tokens=32, tp_size=1, tp_rank=0)
+    draft = kv_side_pool(tiny(layer_num=1, head_num=1, name="draft-model"))
+    backend.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+    randomize(draft, 7)
+    keys = hashes(2)
+    want = [page(draft, p) for p in range(2)]
+    assert backend.batch_set_v2([transfer(PoolName.DRAFT, keys=keys, host_indices=slots(draft, 0, 2))]) == {
+        PoolName.DRAFT: [True, True]}
+    randomize(draft, 8)
+    got = backend.batch_get_v2([transfer(PoolName.DRAFT, keys=keys, host_indices=slots(draft, 2, 2))])
+    assert got == {PoolName.DRAFT: [True, True]}
+    assert all(torch.equal(page(draft, 2 + p), want[p]) for p in range(2))
+
+
+def test_mamba_keys_carry_the_dtype_of_every_state(attach):
+    """SGLang's MambaPoolHost.dtype is the conv state's; a bf16 and an fp16
+    temporal state of one model hold different bytes (same sizes)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    prefixes = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
+        backend, _ = attach(tiny(), tokens=32)
+        pool = mamba_pool(temporal_dtype=dtype)
+        assert pool.dtype == torch.bfloat16  # the conv dtype, whatever the temporal state's
+        backend.register_mem_host_pool_v2(pool, PoolName.MAMBA)
+        b = backend._side["mamba"]
+        assert str(dtype) in b.identity.dtype
+        prefixes.setdefault(dtype, set()).add(b.prefix)
+    assert len(prefixes[torch.bfloat16]) == 1  # one model, one dtype: one namespace
+    assert prefixes[torch.bfloat16] != prefixes[torch.float16]
 
 
 # --------------------------------------------- DSA indexer (DeepSeek V3.2)

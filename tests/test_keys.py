@@ -147,3 +147,10 @@ def test_a_batch_fits_exactly_when_every_key_does(batch, ok):
 def test_key_fits_defaults_to_simms_limit():
     assert keys.key_fits("k" * MAX_KEY_BYTES) and not keys.key_fits("k" * (MAX_KEY_BYTES + 1))
     assert not keys.key_fits("\ud800")  # no UTF-8 form: no key (and no exception)
+
+
+def test_a_pools_dtype_names_every_regions_dtype_where_they_differ():
+    assert keys.pool_dtype("torch.bfloat16", ["torch.bfloat16"]) == "torch.bfloat16"  # KV keys unchanged
+    mixed = keys.pool_dtype("torch.bfloat16", ["torch.float32", "torch.bfloat16"])
+    assert mixed == "torch.bfloat16[torch.float32,torch.bfloat16]"
+    assert mixed != keys.pool_dtype("torch.bfloat16", ["torch.float16", "torch.bfloat16"])

@@ -24,17 +24,61 @@ from sglang_simm import errors, hybrid, keys as keyspace
 from sglang_simm.binding import Plan, PoolBinding
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, log_resolved
-from sglang_simm.errors import UnsupportedPoolError
+from sglang_simm.errors import BackendClosedError, UnsupportedPoolError
 from sglang_simm.geometry import SUPPORTED_LAYOUTS
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
-#: Codes that mean "not there": the synchronous client folds every server
-#: answer of a get, a plain miss included, into GetObjectFailed.
-_MISS_CODES = (errors.DS_KEY_NOT_FOUND, errors.GET_OBJECT_FAILED)
+#: The one code that means "not there" for certain (SiMM's async get). The
+#: synchronous client folds every server-side failure of a get, a plain miss
+#: included, into GetObjectFailed, which ``_read_faults`` tells apart.
+_MISS_CODES = (errors.DS_KEY_NOT_FOUND,)
+_GET_FAILED = errors.GET_OBJECT_FAILED
 #: A concurrent writer stored the object first (same key, same bytes).
 _ALREADY_EXISTS = errors.DS_DATA_ALREADY_EXISTS
+
+
+class _InFlight:
+    """Data-path calls in progress, and the bindings a re-registration (or
+    ``close()``) replaced, closed (memory deregistered) once no call is in
+    progress.
+
+    Every data-path method appends to ``calls`` before it reads a binding
+    and calls ``leave()`` when done: ``append``/``pop`` of a list are atomic
+    and cheaper than a lock or a wrapper on every call. A replaced binding
+    is closed at once when no call is in flight, otherwise by the last call
+    to leave. A call that enters after the swap never sees the old binding.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[None] = []
+        self.retired: list[PoolBinding] = []
+        self._lock = threading.Lock()
+
+    def retire(self, binding: PoolBinding) -> None:
+        with self._lock:
+            self.retired.append(binding)
+        if not self.calls:
+            self.release()
+
+    def leave(self) -> None:
+        calls = self.calls
+        calls.pop()
+        if self.retired and not calls:
+            self.release()
+
+    def release(self) -> None:
+        with self._lock:
+            if self.calls:
+                return
+            retired, self.retired = self.retired, []
+        for b in retired:
+            try:
+                b.close()
+            except Exception as exc:  # deregistration failed: log, keep going
+                logger.warning("SiMM: closing a replaced host pool binding failed: %s: %s",
+                               type(exc).__name__, exc)
 
 
 class HiCacheSiMM(HiCacheStorage):
@@ -61,11 +105,15 @@ class HiCacheSiMM(HiCacheStorage):
             log_resolved(resolved, logger)
             config = resolved.config
         self.config = config
-        self.counters = BackendCounters()
+        # SGLang drains get_stats() only with --enable-metrics (off by default).
+        self.counters = BackendCounters(
+            storage_metrics=bool(getattr(storage_config, "enable_storage_metrics", False))
+        )
         self._log = RateLimitedLog(logger)
         self._profile = bool(config.enable_profile)
         self._lock = threading.Lock()
         self._closed = False
+        self._in_flight = _InFlight()
         self.mem_pool_host = None
         self._kv: PoolBinding | None = None
         #: hybrid side pools by name (v2): Mamba, SWA, draft, DSA indexer
@@ -80,8 +128,16 @@ class HiCacheSiMM(HiCacheStorage):
                 "Add \"interface_v1\": 1 to the extra config (or use --hicache-storage-backend simm)."
             )
         self.client = client if client is not None else connect(config)
-        if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
-            self.register_mem_pool_host(mem_pool_host)
+        try:
+            if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
+                self.register_mem_pool_host(mem_pool_host)
+        except BaseException:
+            # A failed attach releases what it opened; an injected client
+            # stays its owner's.
+            self._closed = True
+            if client is None:
+                self.client.close()
+            raise
 
     # ------------------------------------------------------------------ attach
 
@@ -99,6 +155,7 @@ class HiCacheSiMM(HiCacheStorage):
                 "uses); sglang-simm stores MHA and MLA KV pools only"
             )
         with self._lock:
+            self._check_open("register_mem_pool_host")
             if self._kv is not None and self._kv.pool is mem_pool_host:
                 return
             layout = getattr(mem_pool_host, "layout", None)
@@ -120,7 +177,19 @@ class HiCacheSiMM(HiCacheStorage):
             old, self._kv = self._kv, binding
             self.mem_pool_host = mem_pool_host
         if old is not None:
-            old.close()
+            self._in_flight.retire(old)
+        if self.config.key_scheme == "legacy":
+            logger.warning(
+                "sglang-simm: key_scheme 'legacy' is in use. Its keys name no model, layout or object "
+                "size, and SiMM's client bounds a get by the whole registered host pool, not by the "
+                "page's object (docs/upstream-simm-get-bound.md): an object stored under a legacy key "
+                "by another model or layout, a foreign tenant or a corrupt store that is longer than "
+                "the page's object is written past it, over neighbouring host pages, before this "
+                "backend can check its size. Such reads are counted (get_overrun) and miss, with "
+                "the pages they may have reached in the same batch, but pages outside the batch "
+                "cannot be recalled. Use key_scheme 'namespaced' (the default) once the migration "
+                "is over."
+            )
         g = binding.geometry
         logger.info(
             "sglang-simm: bound %s (%s, %d pages of %d tokens, %d objects of %s bytes per page%s) "
@@ -160,6 +229,13 @@ class HiCacheSiMM(HiCacheStorage):
             pool=pool_name,
         )
 
+    def _check_open(self, where: str) -> None:
+        if self._closed:
+            raise BackendClosedError(
+                f"{where}: this HiCacheSiMM backend is closed; SGLang attaches a new backend "
+                "(create_backend) instead of reusing a closed one"
+            )
+
     # ----------------------------------------------------------- v1 data path
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -167,6 +243,7 @@ class HiCacheSiMM(HiCacheStorage):
         n = len(keys) if keys is not None else 0
         if n == 0:
             return 0
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             b = self._kv
             if b is None:
@@ -191,6 +268,8 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_exists", exc)
             return 0
+        finally:
+            self._in_flight.leave()
 
     def _planned(self, where: str, keys: Sequence[str], host_indices: Any, *, write: bool) -> tuple[PoolBinding, Plan] | None:
         """The KV binding and the batch's objects, or None when it can only miss."""
@@ -217,6 +296,7 @@ class HiCacheSiMM(HiCacheStorage):
         n = len(keys) if keys is not None else 0
         if n == 0:
             return []
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             planned = self._planned("batch_get_v1", keys, host_indices, write=False)
             if planned is None:
@@ -243,12 +323,15 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_get_v1", exc)
             return [False] * n
+        finally:
+            self._in_flight.leave()
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Write pages not yet stored (one mexists, one mput of the rest)."""
         n = len(keys) if keys is not None else 0
         if n == 0:
             return []
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             planned = self._planned("batch_set_v1", keys, host_indices, write=True)
             if planned is None:
@@ -262,19 +345,21 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_set_v1", exc)
             return [False] * n
+        finally:
+            self._in_flight.leave()
 
     def _pages_read(self, b: PoolBinding, plan: Plan, n: int, codes: np.ndarray) -> tuple[list[bool], int]:
         """One bool per caller page from mget's codes for ``plan``: True where
-        every object read back exactly its size; and how many were. Faults
-        among the rest are counted."""
+        every object read back exactly its size and no other object of the
+        batch ran over it; and how many were. Faults among the rest are
+        counted."""
         got = codes.reshape(-1, b.parts)
         ok = (got == b.sizes[None, :]).all(axis=1)
+        if not ok.all():
+            ok &= ~self._read_faults(b, plan, codes)
         result = np.zeros(n, dtype=bool)
         result[plan.rows] = ok
-        hits = int(ok.sum())
-        if hits != ok.size:
-            self._count_codes(got[~ok], b.sizes)
-        return result.tolist(), hits
+        return result.tolist(), int(ok.sum())
 
     def _write(self, segments: Sequence[tuple[PoolBinding, Plan, int]]) -> _Written:
         """The one write step of every path (v1, v2 and copying): one
@@ -372,11 +457,13 @@ class HiCacheSiMM(HiCacheStorage):
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         """SGLang's copying path: fill each flat page tensor, or None on a miss.
 
-        The flat page SGLang hands over is the page's objects back to back,
-        so the same objects serve both paths.
+        The flat page SGLang hands over is the page's objects back to back in
+        address order (``PoolBinding.flat_offsets``), so the same objects
+        serve both paths.
         """
         n = len(keys) if keys is not None else 0
         targets = list(target_locations) if target_locations is not None else []
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             b = self._kv
             if b is None or len(targets) != n:
@@ -385,15 +472,22 @@ class HiCacheSiMM(HiCacheStorage):
             out: list[Any] = [None] * n
             pages, obj_keys = b.page_object_keys(keys)
             blocks = [self.client.allocate(s) for s in b.sizes_list * len(pages)]
-            codes = np.asarray(self.client.mget(obj_keys, [blk.view() for blk in blocks]), dtype=np.int64)
+            views = [blk.view() for blk in blocks]
+            codes = np.asarray(self.client.mget(obj_keys, views), dtype=np.int64)
+            if codes.size != len(obj_keys):
+                raise RuntimeError(f"mget answered {codes.size} results for {len(obj_keys)} objects")
             ok = (codes.reshape(-1, b.parts) == b.sizes[None, :]).all(axis=1)
+            if not ok.all():
+                ok &= ~self._read_faults(b, Plan(pages=pages, keys=obj_keys, views=views), codes)
+            offsets, sizes = b.flat_offsets.tolist(), b.sizes_list
             for row, page in enumerate(pages.tolist()):
                 target = targets[page]
                 if not ok[row] or not _fits_flat(target, b.page_bytes):
                     continue
                 flat = target.view(torch.uint8) if target.dtype != torch.uint8 else target
-                parts = [blk.as_ref() for blk in blocks[row * b.parts:(row + 1) * b.parts]]
-                flat.copy_(torch.cat(parts))
+                flat = flat.reshape(-1)
+                for part, blk in enumerate(blocks[row * b.parts:(row + 1) * b.parts]):
+                    flat[offsets[part]:offsets[part] + sizes[part]].copy_(blk.as_ref())
                 out[page] = target
             hits = sum(x is not None for x in out)
             self.counters.record_get(hits, n - hits, hits * b.page_bytes, 0.0, b.page_bytes)
@@ -401,6 +495,8 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_get", exc)
             return [None] * n
+        finally:
+            self._in_flight.leave()
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
         """SGLang's copying path: store flat page tensors; True if all stored."""
@@ -408,6 +504,7 @@ class HiCacheSiMM(HiCacheStorage):
         vals = list(values) if values is not None else []
         if n == 0:
             return False
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             b = self._kv
             if b is None or len(vals) != n:
@@ -421,6 +518,8 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_set", exc)
             return False
+        finally:
+            self._in_flight.leave()
 
     # ------------------------------------------------- v2 (hybrid models)
 
@@ -435,11 +534,19 @@ class HiCacheSiMM(HiCacheStorage):
                 self.register_mem_pool_host(host_pool)
             return
         with self._lock:
+            self._check_open("register_mem_host_pool_v2")
             current = self._side.get(name)
             if current is not None and current.pool is host_pool:
                 return
-        model_is_mla = bool(getattr(self.storage_config, "is_mla_model", False))
+        sc = self.storage_config
+        model_is_mla = bool(getattr(sc, "is_mla_model", False))
         layout = hybrid.describe_side_pool(host_pool, name, model_is_mla=model_is_mla)
+        refusal = hybrid.writer_only_refusal(
+            layout, name, type(host_pool).__name__, model_is_mla=model_is_mla,
+            tp_size=int(getattr(sc, "tp_size", 1) or 1), dcp_size=int(getattr(sc, "dcp_size", 1) or 1),
+        )
+        if refusal:
+            raise UnsupportedPoolError(refusal)
         identity = replace(
             self.page_identity(host_pool, name), is_mla=layout.replicated, tp_lcm_size=None
         )
@@ -448,14 +555,14 @@ class HiCacheSiMM(HiCacheStorage):
             meta=host_pool.get_page_buffer_meta, regions=layout.regions, part_names=layout.part_names,
         )
         with self._lock:
-            if self._closed:
-                old, binding = binding, None
-            else:
+            closed = self._closed
+            if not closed:
                 old, self._side[name] = self._side.get(name), binding
+        if closed:  # closed while this pool was being bound
+            binding.close()
+            self._check_open("register_mem_host_pool_v2")
         if old is not None:
-            old.close()
-        if binding is None:
-            return
+            self._in_flight.retire(old)
         g = binding.geometry
         logger.info(
             "sglang-simm: bound hybrid pool %r (%s, %s, %d pages of %d slots, %d objects of %s bytes "
@@ -490,6 +597,7 @@ class HiCacheSiMM(HiCacheStorage):
         the set of restorable prefix lengths by its hit policy; the KV hit is
         the longest length left. Never raises; a fault is a miss.
         """
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             transfers = list(pool_transfers or [])
             for t in transfers:
@@ -541,6 +649,8 @@ class HiCacheSiMM(HiCacheStorage):
                 return hybrid.to_pool_transfer_result(hybrid.miss())
             except Exception:
                 return None
+        finally:
+            self._in_flight.leave()
 
     def _plan_v2(
         self, transfers: list[Any], results: dict[Any, list[bool]], op: str, *, write: bool
@@ -569,6 +679,7 @@ class HiCacheSiMM(HiCacheStorage):
         the page read back exactly its expected size."""
         transfers = list(transfers or [])
         results: dict[Any, list[bool]] = {}
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             plans = self._plan_v2(transfers, results, "batch_get_v2", write=False)
             if not plans:
@@ -596,12 +707,15 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_get_v2", exc)
             return _all_false(transfers)
+        finally:
+            self._in_flight.leave()
 
     def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Write hybrid pools' pages not yet stored (one mexists, one mput of
         the rest, for all pools): ``{pool name: one bool per key}``."""
         transfers = list(transfers or [])
         results: dict[Any, list[bool]] = {}
+        self._in_flight.calls.append(None)  # in flight until leave()
         try:
             plans = self._plan_v2(transfers, results, "batch_set_v2", write=True)
             if not plans:
@@ -616,6 +730,8 @@ class HiCacheSiMM(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_set_v2", exc)
             return _all_false(transfers)
+        finally:
+            self._in_flight.leave()
 
     # ---------------------------------------------------- lifecycle and stats
 
@@ -662,9 +778,11 @@ class HiCacheSiMM(HiCacheStorage):
             binding, self._kv = self._kv, None
             side, self._side = list(self._side.values()), {}
         try:
+            # Calls still in flight (SGLang joins its storage threads with a
+            # timeout) keep their memory registered until they end.
             for b in [binding, *side]:
                 if b is not None:
-                    b.close()
+                    self._in_flight.retire(b)
             self.client.close()
         except Exception as exc:
             logger.warning("SiMM close(): %s: %s", type(exc).__name__, exc)
@@ -676,17 +794,63 @@ class HiCacheSiMM(HiCacheStorage):
         self._log(f"exc:{where}", "SiMM %s failed (%s: %s); answering misses",
                   where, type(exc).__name__, exc, exc_info=True)
 
-    def _count_codes(self, got: np.ndarray, sizes: np.ndarray) -> None:
-        negative = got[(got < 0) & ~np.isin(got, _MISS_CODES)]
-        if negative.size:
-            codes = Counter(negative.tolist())
-            self.counters.record_codes(codes)
+    def _read_faults(self, b: PoolBinding, plan: Plan, codes: np.ndarray) -> np.ndarray:
+        """Count and log what went wrong in one pool's mget answer (one code
+        per planned object); return the planned pages an object read back
+        longer than its view may have overwritten (``overrun_pages``), which
+        must miss too. Off the fast path: only batches with a miss get here."""
+        sizes = np.tile(b.sizes, codes.size // b.parts)
+        failed = codes < 0
+        get_failed = np.flatnonzero(codes == _GET_FAILED)
+        if get_failed.size:
+            self._get_failed([plan.keys[i] for i in get_failed.tolist()])
+        other = codes[failed & (codes != _GET_FAILED) & ~np.isin(codes, _MISS_CODES)]
+        if other.size:
+            counted = Counter(other.tolist())
+            self.counters.record_codes(counted)
             self._log("codes", "SiMM read errors: %s",
-                      ", ".join(f"{errors.code_name(c)} x{k}" for c, k in codes.items()))
-        wrong = int(((got > 0) & (got != np.broadcast_to(sizes, got.shape))).sum())
-        if wrong:
-            self.counters.record_error("size_mismatch", wrong)
-            self._log("size", "SiMM: %d objects read back with an unexpected size; those pages miss", wrong)
+                      ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counted.items()))
+        short = int(((codes >= 0) & (codes < sizes)).sum())
+        if short:
+            self.counters.record_error("size_mismatch", short)
+            self._log("size", "SiMM: %d objects read back shorter than expected; those pages miss", short)
+        over = np.flatnonzero(codes > sizes)
+        if not over.size:
+            return np.zeros(codes.size // b.parts, dtype=bool)
+        reached = b.overrun_pages(plan, codes)
+        self.counters.record_error("get_overrun", int(over.size))
+        first = int(over[0])
+        self._log(
+            "overrun",
+            "SiMM: object %r read back %d bytes into a view of %d (%d such objects in this batch): "
+            "SiMM's client writes a get up to the end of the registered host pool, so the bytes "
+            "past the view overwrote host memory next to it. This page and the %d other pages of "
+            "the batch that memory may hold miss; pages outside this batch that it reached cannot "
+            "be recalled. A longer object under this key means another writer's bytes (key_scheme "
+            "'legacy', a foreign tenant or a corrupt store)",
+            plan.keys[first], int(codes[first]), int(sizes[first]), int(over.size),
+            int(reached.sum()) - len(set((over // b.parts).tolist())),
+            level=logging.ERROR,
+        )
+        return reached
+
+    def _get_failed(self, keys: list[str]) -> None:
+        """Sort GetObjectFailed answers into misses and faults. The
+        synchronous client answers it for any server-side failure, an absent
+        key included (SiMM's only answer for a miss there, and the embedded
+        store's), so the objects are looked up: one that exists failed for
+        another reason (a fault, counted under its code); one that does not
+        was evicted since SGLang's exists query (a miss, not logged)."""
+        try:
+            present = self.client.mexists(keys)
+            faults = sum(bool(p) for p in present) if len(present) == len(keys) else len(keys)
+        except Exception:
+            faults = len(keys)
+        if not faults:
+            return
+        self.counters.record_codes(Counter({_GET_FAILED: faults}))
+        self._log("get_failed", "SiMM: %d objects exist but their get failed (%s); those pages miss",
+                  faults, errors.code_name(_GET_FAILED))
 
     def _count_failed_puts(self, codes: np.ndarray) -> None:
         counts = Counter(codes.tolist())
@@ -718,7 +882,7 @@ class _Staged:
         self._client = client
         self._parts = b.parts
         self._sizes = b.sizes_list
-        self._offsets = np.concatenate([[0], np.cumsum(b.sizes)[:-1]]).tolist()
+        self._offsets = b.flat_offsets.tolist()
         self._pages = pages
         self._blocks: list[Any] = []  # held until the put is done
 

@@ -7,7 +7,8 @@ A binding is built at attach, in steps that each stand alone here:
 3. ``keys.key_layout`` and ``check_parts``: the key prefix and the suffix of
    every object, one per object the pool reports;
 4. ``register_regions``: the tensors registered with the client, once;
-5. ``ViewTable``: a ``BlockView`` per object, built once for the pool's life;
+5. ``ViewTable``: a ``BlockView`` per object, made on first use and kept
+   for the pool's life (up to ``VIEW_TABLE_LIMIT``);
 
 plus a ``KeyCache`` of object keys for lookups. Per call, ``plan`` resolves a
 batch (page keys and host indices) to the objects to move, or None. Every
@@ -30,8 +31,11 @@ from sglang_simm.errors import UnsupportedPoolError
 from sglang_simm.geometry import PageGeometry, derive_geometry, derive_region_geometry, page_starts
 from sglang_simm.metrics import RateLimitedLog
 
-#: Above this many objects per pool, views are built per call instead of
-#: once for the pool's lifetime (memory over speed).
+#: Views kept per pool, at most (``ViewTable``). Past it, views of further
+#: pages are made per call (a few us of CPU per view instead of a lookup):
+#: memory over speed. Two million views take about 330 MiB with the embedded
+#: client (measured) and an estimated 650 MiB with SiMM's, under 1% of any
+#: host pool with objects of 64 KiB or more (README, "Views").
 VIEW_TABLE_LIMIT = 1 << 21
 
 #: Page keys whose object keys are kept (about 200 bytes each per object).
@@ -50,6 +54,9 @@ class Plan:
     keys: list[str]
     #: one view per key (a list, or a sequence that makes them on demand)
     views: Sequence[Any]
+    #: first host slot of every caller page; None where the batch names no
+    #: host slots (the copying path's client-owned blocks)
+    starts: np.ndarray | None = None
 
     @property
     def rows(self) -> Any:
@@ -126,11 +133,14 @@ def register_regions(client: KVClient, regions: Sequence[torch.Tensor]) -> list[
 
 
 class ViewTable:
-    """``BlockView``s of the pool's objects.
+    """``BlockView``s of the pool's objects, each page's under its first slot.
 
-    Built once for the pool's lifetime, each page's views under its first
-    slot, when the pool has at most ``VIEW_TABLE_LIMIT`` objects; larger
-    pools get views made per call.
+    Made on first use, for the pages a batch names and the table does not
+    hold yet, and kept for the pool's lifetime, up to ``VIEW_TABLE_LIMIT``
+    objects; past that, views of pages not kept are made per call. Attach
+    therefore costs nothing per page (a million-page pool made two million
+    views at attach before: seconds and hundreds of MiB, README), and a
+    batch of pages already seen costs one dictionary lookup per page.
     """
 
     def __init__(self, geometry: PageGeometry, view: Callable[[int, int, Any], Any], part_mrs: list[Any]):
@@ -139,11 +149,13 @@ class ViewTable:
         #: the memory region of each part, in part order
         self._part_mrs = part_mrs
         self._sizes = geometry.sizes.tolist()
-        self._by_start: dict[int, tuple[Any, ...]] | None = None
-        pages, parts, ps = geometry.num_pages, geometry.parts, geometry.page_size
-        if pages * parts <= VIEW_TABLE_LIMIT:
-            table = self._make(np.arange(pages, dtype=np.int64) * ps)
-            self._by_start = {page * ps: tuple(table[page * parts:(page + 1) * parts]) for page in range(pages)}
+        self._by_start: dict[int, tuple[Any, ...]] | None = {}
+        self._max_pages = max(0, VIEW_TABLE_LIMIT // geometry.parts)
+        self._slots = geometry.num_pages * geometry.page_size
+
+    def __len__(self) -> int:
+        """Pages whose views are kept."""
+        return len(self._by_start or ())
 
     def _make(self, starts: np.ndarray) -> list[Any]:
         n = len(starts)
@@ -153,17 +165,29 @@ class ViewTable:
 
     def of_pages(self, starts: np.ndarray) -> list[Any] | None:
         """Every view of the pages whose page-aligned first slots are
-        ``starts``, page-major; None when one of them is outside the pool."""
+        ``starts``, page-major; None when one of them is outside the pool
+        (or the table is closed)."""
         by_start = self._by_start
-        if by_start is not None:
-            try:
-                return list(chain.from_iterable(map(by_start.__getitem__, starts.tolist())))
-            except KeyError:
-                return None
-        g = self._geometry
-        if len(starts) and (starts.min() < 0 or starts.max() >= g.num_pages * g.page_size):
+        if by_start is None:
             return None
-        return self._make(starts)
+        try:
+            return list(chain.from_iterable(map(by_start.__getitem__, starts.tolist())))
+        except KeyError:  # a page not seen yet, or outside the pool
+            return self._add(by_start, starts)
+
+    def _add(self, by_start: dict[int, tuple[Any, ...]], starts: np.ndarray) -> list[Any] | None:
+        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) >= self._slots):
+            return None
+        wanted = starts.tolist()
+        new = [s for s in dict.fromkeys(wanted) if s not in by_start]
+        parts = self._geometry.parts
+        made = self._make(np.asarray(new, dtype=np.int64))
+        fresh = {s: tuple(made[i * parts:(i + 1) * parts]) for i, s in enumerate(new)}
+        if len(by_start) + len(fresh) <= self._max_pages:
+            # Threads may add the same page at once: either's views are right.
+            by_start.update(fresh)
+        get = by_start.get
+        return list(chain.from_iterable(fresh[s] if s in fresh else get(s) for s in wanted))
 
     def close(self) -> None:
         self._by_start = None
@@ -244,7 +268,10 @@ class PoolBinding:
         tensors = host_regions(pool, regions)
         self.geometry, part_region = pool_geometry(pool, meta, tensors)
         g = self.geometry
-        self.identity = replace(identity, object_bytes=g.object_bytes)
+        self.identity = replace(
+            identity, object_bytes=g.object_bytes,
+            dtype=keyspace.pool_dtype(identity.dtype, [str(t.dtype) for t in tensors]),
+        )
         self.prefix, self.suffixes = keyspace.key_layout(self.identity, scheme, g.chunks, part_names)
         check_parts(pool, self.identity, g, self.suffixes)
         self.keys = KeyCache(self.prefix, self.suffixes)
@@ -253,8 +280,25 @@ class PoolBinding:
         self.sizes = g.sizes
         self.sizes_list = g.sizes.tolist()
         self.page_bytes = g.page_bytes
+        #: where each part starts in SGLang's flat page (``get_data_page``
+        #: flattens a slice of the pool's buffer: its parts in address
+        #: order; K of every head group, then V, under ``page_head``)
+        order = np.argsort(g.base, kind="stable")
+        offsets = np.empty_like(g.sizes)
+        offsets[order] = np.cumsum(g.sizes[order]) - g.sizes[order]
+        self.flat_offsets = offsets
+        #: where the registered region holding each part ends (an object
+        #: read past its view can reach up to there, ``overrun_pages``)
+        self.part_region_end = np.asarray(
+            [tensors[r].data_ptr() + tensors[r].numel() * tensors[r].element_size() for r in part_region.tolist()],
+            dtype=np.int64,
+        )
         self.mrs = register_regions(client, tensors)
-        self.views = ViewTable(g, client.view, [self.mrs[r] for r in part_region.tolist()])
+        try:
+            self.views = ViewTable(g, client.view, [self.mrs[r] for r in part_region.tolist()])
+        except BaseException:
+            self._deregister()
+            raise
 
     def plan(
         self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog, *, remember: bool = True
@@ -282,13 +326,54 @@ class PoolBinding:
             return None
         obj_keys = self.keys.of_all(page_keys, remember=remember)
         if obj_keys is not None:
-            return Plan(pages=None, keys=obj_keys, views=views)
+            return Plan(pages=None, keys=obj_keys, views=views, starts=starts)
         pages, obj_keys = self.keys.of_usable(page_keys)
         if len(pages) != n:
             log("bad_key", "SiMM: %d page keys are not strings within %d bytes; those pages miss",
                 n - len(pages), self.keys.budget)
         ids = self.geometry.object_ids(pages).tolist()
-        return Plan(pages=pages, keys=obj_keys, views=[views[i] for i in ids])
+        return Plan(pages=pages, keys=obj_keys, views=[views[i] for i in ids], starts=starts)
+
+    def overrun_pages(self, plan: Plan, got: np.ndarray) -> np.ndarray:
+        """Planned pages (rows of ``got``, one per planned page) whose bytes
+        an object read back longer than its view may have overwritten.
+
+        SiMM's client bounds a get by the view's whole registered region,
+        not by the view (docs/upstream-simm-get-bound.md), so an object of
+        ``got`` bytes into a view of ``size`` bytes writes
+        ``[ptr + size, min(ptr + got, region end))`` too. In every layout the
+        host pool's objects are plain byte ranges of its regions (page_first
+        and page_first_direct: a K object runs into the next pages' K, the
+        last into the first V; page_head: into the next head group's K, then
+        the next page's; MLA and Mamba: into the next slots), so comparing
+        byte ranges finds every planned page that range touches, in any
+        layout, whatever order the client wrote the objects in. Pages
+        outside this batch (other batches in flight, pages loaded earlier)
+        may have been reached too; they are not ours to recall.
+        """
+        parts = self.parts
+        rows = got.reshape(-1, parts)
+        over = np.flatnonzero((rows > self.sizes[None, :]).ravel())
+        hit = np.zeros(rows.shape[0], dtype=bool)
+        if not over.size:
+            return hit
+        if plan.starts is None:
+            # client-owned blocks (the copying path): where they lie, and
+            # so which of them an overrun reached, is the client's business
+            hit[:] = True
+            return hit
+        starts = plan.starts[plan.rows]
+        ptrs = self.geometry.pointers(np.asarray(starts, dtype=np.int64))
+        sizes = np.tile(self.sizes, rows.shape[0])
+        ends = np.tile(self.part_region_end, rows.shape[0])
+        flat = got.reshape(-1)
+        for i in over.tolist():
+            lo = ptrs[i] + sizes[i]
+            hi = min(ptrs[i] + int(flat[i]), ends[i])
+            reached = (ptrs < hi) & (ptrs + sizes > lo)
+            hit[np.flatnonzero(reached) // parts] = True
+            hit[i // parts] = True
+        return hit
 
     def page_object_keys(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
         """The usable pages of a batch and their object keys (no indices)."""
@@ -296,6 +381,9 @@ class PoolBinding:
 
     def close(self) -> None:
         self.views.close()
+        self._deregister()
+
+    def _deregister(self) -> None:
         mrs, self.mrs = self.mrs, []
         for mr in mrs:
             if mr is not None:

@@ -177,10 +177,27 @@ class KVClient:
             f"attempts ({last}). Check manager_address and run 'sglang-simm doctor'."
         )
 
+    @property
+    def closed(self) -> bool:
+        return self.store is None
+
     def close(self) -> None:
-        close = getattr(self.store, "close", None)
+        """Close the store where it can be closed, and drop it either way:
+        SiMM's ``Store`` has no ``close``; its connections and threads go
+        with the last reference. Idempotent; calls after it raise (the
+        backend's data path counts them as faults)."""
+        store, self.store = self.store, None
+        if store is None:
+            return
+        for name in ("mexists", "mget", "mput", "put", "get", "exists", "delete", "allocate"):
+            setattr(self, name, _closed)
+        close = getattr(store, "close", None)
         if callable(close):
             close()
+
+
+def _closed(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("the SiMM client is closed")
 
 
 def _bytes_tensor(data: bytes) -> Any:
@@ -247,7 +264,12 @@ def connect(
             "Check manager_address and run 'sglang-simm doctor'."
         ) from exc
     client = KVClient(kv, store, description=description, embedded=embedded)
+    del store  # the client holds it; a failed warm-up must not keep it alive
     if config.warmup:
-        took = client.warmup()
+        try:
+            took = client.warmup()
+        except BaseException:
+            client.close()
+            raise
         logger.info("SiMM warm-up round trip to %s took %.2f ms", description, took * 1e3)
     return client

@@ -10,6 +10,7 @@ Exception tree::
      +-- ClientNotInstalledError   (the real ``simm.kv`` is missing or foreign)
      +-- ClusterUnreachableError   (warm-up round trip failed at attach)
      +-- UnsupportedPoolError      (a host pool or layout we refuse at attach)
+     +-- BackendClosedError        (a pool registered with a closed backend)
 """
 
 from __future__ import annotations
@@ -94,3 +95,7 @@ class ClusterUnreachableError(SiMMError, ConnectionError):
 
 class UnsupportedPoolError(SiMMError, ValueError):
     """A host pool, layout or page geometry this backend refuses at attach."""
+
+
+class BackendClosedError(SiMMError, RuntimeError):
+    """A host pool was registered with a backend after its ``close()``."""

@@ -62,8 +62,12 @@ class PageGeometry:
         return int(self.sizes.sum())
 
     def pointers(self, first_slots: np.ndarray) -> np.ndarray:
-        """Object addresses for pages starting at ``first_slots``, page-major."""
-        return (first_slots[:, None] * self.token_stride + self.base[None, :]).ravel()
+        """Object addresses for pages starting at ``first_slots``, page-major.
+
+        In int64 whatever the slots' dtype: SGLang's host indices may be
+        int32, and ``slot * stride`` passes 2^31 in any pool over 2 GiB."""
+        slots = np.asarray(first_slots).astype(np.int64, copy=False)
+        return (slots[:, None] * self.token_stride + self.base[None, :]).ravel()
 
     def object_ids(self, pages: np.ndarray) -> np.ndarray:
         """Indices into a per-pool table of objects, page-major."""

@@ -340,6 +340,35 @@ def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolL
     )
 
 
+def writer_only_refusal(
+    layout: SidePoolLayout, name: str, kind_name: str, *, model_is_mla: bool, tp_size: int, dcp_size: int = 1
+) -> str | None:
+    """Why a side pool cannot be stored by this deployment, or None.
+
+    Beside a rank-replicated (MLA) model, SGLang writes to storage only on
+    its storage writer ranks (``HiCacheStorageConfig.is_storage_writer``:
+    TP rank 0, or one per DCP shard), and its hybrid controller backs a side
+    pool up on the other ranks only when it is Mamba state
+    (``HybridCacheController.should_backup``; Mooncake's MHA drafts are its
+    own exception). A TP-sharded pool there (an MHA draft of an MLA target:
+    the draft's KV heads are split over TP like any Llama-style attention)
+    is therefore written by rank 0 alone, in rank 0's heads. Other ranks
+    cannot use those bytes, and never get their own, so their hit query
+    always misses and SGLang's MIN all-reduce of the hit voids every
+    prefetch on every rank. Refused rather than left to miss.
+    """
+    if not model_is_mla or layout.replicated or layout.kind == "mamba" or tp_size <= max(1, dcp_size):
+        return None
+    return (
+        f"hybrid pool {name!r} ({kind_name}) holds TP-sharded {layout.kind.upper()} pages beside an "
+        f"MLA model at TP {tp_size}: SGLang backs such a pool up only on the MLA writer rank, while "
+        f"its bytes differ per rank (a draft model's KV heads are sharded across TP), so the other "
+        f"ranks would never find their pages and every prefetch would miss on every rank. Use an "
+        f"MLA draft (the model's own NextN/MTP layers), run attention at TP 1 (--enable-dp-attention "
+        f"with --dp-size equal to --tp-size), or leave --hicache-storage-backend off for this model"
+    )
+
+
 def _is_dsa_indexer(pool: Any) -> bool:
     """SGLang's ``DSAIndexerPoolHost`` (DeepSeek V3.2), by its attributes."""
     return hasattr(pool, "index_k_with_scale_buffer") and hasattr(pool, "indexer_page_stride_size")

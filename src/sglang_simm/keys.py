@@ -75,6 +75,17 @@ class PageIdentity:
         return 1
 
 
+def pool_dtype(pool_dtype: str, region_dtypes: Sequence[str]) -> str:
+    """The ``dtype`` a pool's keys carry: the pool's own, followed by its
+    regions' where any differs from it. A pool's ``dtype`` names one dtype
+    (SGLang's Mamba host pool: the conv state's), while its pages hold each
+    region's; a bf16 and an fp16 temporal state of one model must not share
+    keys. Pools whose every region has the pool's dtype keep their keys."""
+    if all(d == pool_dtype for d in region_dtypes):
+        return pool_dtype
+    return f"{pool_dtype}[{','.join(region_dtypes)}]"
+
+
 def fingerprint(identity: PageIdentity) -> str:
     """16 hex digits over the identity fields that decide a page's bytes.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,19 +32,41 @@ def storage_metrics_class() -> type | None:
     return None
 
 
+#: Operations kept for SGLang's StorageMetrics between two ``get_stats()``
+#: calls. SGLang drains them every scheduler step when its metrics are on;
+#: past this many the oldest are dropped, so memory stays bounded even when
+#: nobody drains (a few KiB per list).
+PENDING_LIMIT = 1024
+
+
+def _bounded() -> deque:
+    return deque(maxlen=PENDING_LIMIT)
+
+
 @dataclass
 class _Pending:
-    prefetch_pgs: list[int] = field(default_factory=list)
-    backup_pgs: list[int] = field(default_factory=list)
-    prefetch_bandwidth: list[float] = field(default_factory=list)
-    backup_bandwidth: list[float] = field(default_factory=list)
+    prefetch_pgs: deque = field(default_factory=_bounded)
+    backup_pgs: deque = field(default_factory=_bounded)
+    prefetch_bandwidth: deque = field(default_factory=_bounded)
+    backup_bandwidth: deque = field(default_factory=_bounded)
+
+    def __len__(self) -> int:
+        return len(self.prefetch_pgs) + len(self.backup_pgs)
 
 
 class BackendCounters:
-    """What the backend did since it started; ``snapshot()`` reads it."""
+    """What the backend did since it started; ``snapshot()`` reads it.
 
-    def __init__(self) -> None:
+    ``storage_metrics``: keep per-operation entries for SGLang's
+    ``StorageMetrics`` (``storage_config.enable_storage_metrics``). SGLang
+    calls ``get_stats()`` only when its metrics are on (off by default), so
+    with them off nothing is kept; with them on at most ``PENDING_LIMIT``
+    entries per list wait for the next drain.
+    """
+
+    def __init__(self, *, storage_metrics: bool = True) -> None:
         self._lock = threading.Lock()
+        self.storage_metrics = bool(storage_metrics)
         self.pages_read = 0
         self.pages_missed = 0
         self.pages_written = 0
@@ -61,7 +83,7 @@ class BackendCounters:
             self.pages_read += hits
             self.pages_missed += misses
             self.bytes_read += nbytes
-            if hits:
+            if hits and self.storage_metrics:
                 self._pending.prefetch_pgs.append(hits)
                 self._pending.prefetch_bandwidth.append(_gib_per_s(hits * page_bytes, seconds))
 
@@ -71,7 +93,7 @@ class BackendCounters:
             self.pages_skipped += skipped
             self.pages_write_failed += failed
             self.bytes_written += nbytes
-            if written:
+            if written and self.storage_metrics:
                 self._pending.backup_pgs.append(written)
                 self._pending.backup_bandwidth.append(_gib_per_s(nbytes, seconds))
 
@@ -87,6 +109,12 @@ class BackendCounters:
     def record_error(self, kind: str, n: int = 1) -> None:
         with self._lock:
             self.errors[kind] += n
+
+    @property
+    def pending(self) -> int:
+        """Operations waiting for the next ``drain_storage_metrics``."""
+        with self._lock:
+            return len(self._pending)
 
     def drain_storage_metrics(self) -> Any:
         """SGLang's StorageMetrics of what happened since the last call."""
@@ -134,7 +162,9 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
-    def __call__(self, kind: str, msg: str, *args: Any, exc_info: bool = False) -> bool:
+    def __call__(
+        self, kind: str, msg: str, *args: Any, exc_info: bool = False, level: int = logging.WARNING
+    ) -> bool:
         now = time.monotonic()
         with self._lock:
             last = self._last.get(kind)
@@ -146,5 +176,5 @@ class RateLimitedLog:
         if suppressed:
             msg += " (%d more like this suppressed)"
             args = (*args, suppressed)
-        self._logger.warning(msg, *args, exc_info=exc_info)
+        self._logger.log(level, msg, *args, exc_info=exc_info)
         return True

@@ -112,12 +112,13 @@ def build_host_pool(
 
 def storage_config(**fields: Any) -> Any:
     """SGLang's ``HiCacheStorageConfig`` with sensible defaults for one rank,
-    keeping only the fields the installed release has."""
+    keeping only the fields the installed release has. The defaults are
+    SGLang's own where it has one (metrics off)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     values = dict(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=True, is_page_first_layout=True,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
         model_name="tiny-test-model", extra_config={},
     )
     values.update(fields)
