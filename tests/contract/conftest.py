@@ -89,8 +89,14 @@ def kv(request):
         return
     from sglang_simm import embedded
 
+    from sglang_simm.embedded._client import _FLAG_SPECS
+
     saved = {name: embedded.get_flag(name) for name in _EMBEDDED_FLAGS}
     servers_before = set(embedded.server_names())
+    # Every test starts from the store's defaults, whatever earlier tests of
+    # this process set (a backend's attach sets the capacity flag, for one).
+    for name in _EMBEDDED_FLAGS:
+        assert embedded.set_flag(name, _FLAG_SPECS[name][1])
     if request.param == "host":
         embedded.set_flag("embedded_scope", "host")
         embedded.set_flag("embedded_store_dir", request.getfixturevalue("host_store_dir"))
