@@ -243,3 +243,21 @@ def test_controller_with_python_page_hash(tmp_path, monkeypatch):
     check_success(code, data, text, pages=12, mode="controller")
     assert data["hash_fallback_reason"] == "disabled by the test"
     assert hcc.get_storage_hash_str is original
+
+
+@pytest.mark.parametrize("width", [80, 40])
+def test_list_models_shows_every_preset_name_whole(width):
+    console = Console(file=io.StringIO(), width=width, force_terminal=False)
+    assert demo.run_demo(console, cli.build_parser().parse_args(["demo", "--list-models"]), {}) == 0
+    first_words = {line.split()[0] for line in console.file.getvalue().splitlines() if line.strip()}
+    names = demo.preset_names()
+    assert len(names) == 7 and {"tiny-hybrid", "qwen3-next-tp4", "llama3-70b-tp4"} <= set(names)
+    assert set(names) <= first_words
+
+
+def test_unknown_preset_lists_every_preset(tmp_path):
+    code, _, text = run(tmp_path, "--model", "llama3-7b")
+    assert code == 2
+    flat = " ".join(text.split())
+    assert "unknown model preset 'llama3-7b'" in flat
+    assert f"choose one of: {', '.join(demo.preset_names())}" in flat

@@ -88,7 +88,7 @@ def resolve_geometry(model: str, page_size: int | None) -> Any:
     from sglang_simm.tools.pools import PRESETS
 
     if model not in PRESETS:
-        raise ValueError(f"unknown model preset {model!r}; choose one of: {', '.join(PRESETS)} (--list-models)")
+        raise ValueError(f"{model!r} is not a KV-only preset; those are: {', '.join(PRESETS)}")
     geom = PRESETS[model]
     if page_size is not None:
         if page_size < 1:
