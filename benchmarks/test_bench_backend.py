@@ -1,6 +1,7 @@
 """pytest-benchmark view of ``sglang-simm bench`` (not part of the test suite).
 
-Run with ``pytest benchmarks`` (needs ``pip install pytest-benchmark``).
+Run with ``pytest benchmarks`` (needs pytest-benchmark: ``pip install 'sglang-simm[bench]'``;
+without it ``conftest.py`` stops the run with that hint).
 Each group holds ours and SGLang's in-tree backend for one client, operation
 and batch size, so ``--benchmark-compare`` and the group table read as
 in-tree against ours. The rigs and checks are ``sglang_simm.tools.bench``'s::
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("pytest_benchmark")
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
 from sglang_simm.tools import bench  # noqa: E402

@@ -118,3 +118,21 @@ def test_register_is_idempotent_and_quiet_when_sglang_is_missing(monkeypatch):
 def test_cli_entry_points_run():
     out = subprocess.run([sys.executable, "-m", "sglang_simm", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("sglang-simm ")
+
+
+def test_pytest_benchmarks_without_its_plugin_stops_with_the_install_line():
+    # -p no:benchmark: as if pytest-benchmark were not installed (it may be)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "benchmarks", "-p", "no:benchmark", "-p", "no:cacheprovider", "--co", "-q"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout + out.stderr
+    assert "pip install 'sglang-simm[bench]'" in out.stderr and "pytest benchmarks" in out.stderr
+
+
+def test_the_bench_extra_brings_what_pytest_benchmarks_needs():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {req.split(">")[0].split("=")[0].split(";")[0].strip() for req in extras["bench"]}
+    assert {"pytest-benchmark", "pytest", "rich", "matplotlib"} <= names
