@@ -31,14 +31,16 @@ def tiny_run(tmp_path_factory):
 def test_exit_code_and_output(tiny_run):
     rc, result, text = tiny_run
     assert rc == 0, result["checks"]["failures"]
-    for title in ("Own overhead per call, null client", "Per call on the embedded store",
-                  "Bandwidth", "Goals", "results verified"):
+    for title in ("Own overhead per call, null client", "Per call on the host store",
+                  "Longest GIL hold per call", "Bandwidth", "Goals", "results verified"):
         assert title in text
 
 
 def test_json_structure(tiny_run):
     _, result, _ = tiny_run
-    assert set(result) >= {"machine", "settings", "overhead", "bandwidth", "scaling", "goals", "checks"}
+    assert set(result) >= {"machine", "settings", "operations", "overhead", "bandwidth", "scaling", "gil",
+                           "goals", "checks"}
+    assert list(result["operations"]) == ["set", "exists", "get", "get-cold"]
     m = result["machine"]
     assert {"cpu", "cores", "torch", "sglang", "python"} <= set(m)
     assert m["cpu"] and m["cores"] >= 1
@@ -46,6 +48,7 @@ def test_json_structure(tiny_run):
     assert set(rows) == {(c, op, n) for c in ("null", "embedded") for op in bench.OPS for n in (1, 8)}
     for r in rows.values():
         assert r["ours_us"] > 0 and r["intree_us"] > 0 and r["samples"] == 2
+        assert r["clock"] == ("thread_time" if r["client"] == "null" else "perf_counter")
         assert r["ratio"] == pytest.approx(r["intree_us"] / r["ours_us"])
         assert r["ours_us_per_page"] == pytest.approx(r["ours_us"] / r["pages"])
     (bw,) = result["bandwidth"]
@@ -53,6 +56,12 @@ def test_json_structure(tiny_run):
     for key in ("set_gbps", "get_gbps", "torch_gbps", "set_ratio", "get_ratio"):
         assert bw[key] > 0
     assert set(result["scaling"]) == {"null", "embedded"}
+    gil = {(r["op"], r["pages"]): r for r in result["gil"]["rows"]}
+    assert set(gil) == {(op, n) for op in bench.OPS for n in (1, 8)}
+    for r in gil.values():
+        assert 0 < r["ours_us"] <= r["ours_max_us"] and 0 < r["intree_us"] <= r["intree_max_us"]
+        # the null client was called (and let go of the GIL) at least once per call
+        assert r["ours_batch_calls"] >= 1 and r["intree_batch_calls"] >= 1
     for goal in result["goals"]:
         assert {"goal", "target", "value", "met"} <= set(goal)
         # 128 pages and 8..1024 scaling were not measured in this run
@@ -69,7 +78,7 @@ def test_results_were_verified(tiny_run):
         for backend in ("ours", "in-tree"):
             # each backend reached the client under test through simm.kv
             assert verified[f"{client}/{backend}/client"] is True
-            for op in ("store", *bench.OPS):
+            for op in bench.OPS:
                 assert verified[f"{client}/{backend}/{op}"] is True
     assert verified["embedded/bytes"] is True
     assert verified["bandwidth/small/set"] and verified["bandwidth/small/get"]
@@ -133,3 +142,65 @@ def test_plot(tiny_run, tmp_path):
     path = tmp_path / "bench.png"
     bench.plot(result, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_key_ring_never_repeats_a_key_within_a_cache_length():
+    from sglang_simm.binding import KEY_CACHE_LIMIT
+
+    ring = bench.KeyRing(bench.page_keys(2 * KEY_CACHE_LIMIT + 2 * 1024, "t"))
+    assert ring.peek(2, 3) == [ring.keys[0:3], ring.keys[3:6]] and ring.pos == 0
+    last_seen: dict[str, int] = {}
+    handed = 0
+    for n in [1, 8, 128, 1024, 7] * 130:
+        for key in ring.take(n):
+            if key in last_seen:
+                assert handed - last_seen[key] > KEY_CACHE_LIMIT
+            last_seen[key] = handed
+            handed += 1
+    assert handed > len(ring.keys)  # it did wrap around
+    with pytest.raises(ValueError):
+        ring.take(len(ring.keys) + 1)
+
+
+def test_serving_pattern_every_lookup_misses_the_key_cache_but_a_get_after_exists():
+    """What the rig times: new keys for set, exists and get-cold; a get whose
+    keys its exists just looked up. Ours' key cache shows which."""
+    from sglang_simm.tools.pools import build_host_pool
+
+    geom = bench.OVERHEAD_GEOMETRY
+    rig = bench.OverheadRig("null", 8, pool=build_host_pool(geom, tokens=16 * geom.page_size))
+    try:
+        cache = rig.backends["ours"]._kv.keys
+        for op, grows in (("set", 0), ("exists", 8), ("get-cold", 8)):
+            rig.prepare(op)
+            t = rig.call("ours", op, 8)
+            t.ready()
+            before = len(cache)
+            assert t.fn() in (8, [True] * 8)
+            assert len(cache) - before == grows  # new keys (a write remembers none)
+        rig.prepare("get")
+        t = rig.call("ours", "get", 8)
+        t.prepare(3)  # looks up the next three batches
+        filled = len(cache)
+        for _ in range(3):
+            assert t.fn() == [True] * 8
+        assert len(cache) == filled  # all three read keys the lookup had cached
+    finally:
+        rig.close()
+
+
+def test_longest_hold_splits_a_call_at_the_client_calls():
+    points: list[float] = []
+    store = nullkv.Store()
+    store.release_points = points
+
+    def call():
+        t = __import__("time").perf_counter() + 0.004
+        while __import__("time").perf_counter() < t:
+            pass
+        store.mexists(["a"])  # the client lets go of the GIL here
+        return store.mget(["a"], [nullkv.BlockView(0, 3)])
+
+    held, releases, result = bench.longest_hold(call, points)
+    assert result == [3] and releases == 2
+    assert 0.004 <= held < 0.5
