@@ -97,6 +97,11 @@ def test_demo_mha_multi_batch(tmp_path, path):
     stats = data["backend_stats"]
     assert stats["pages_written"] == 300 + data["new_pages"]
     assert stats["pages_read"] == data["verified_pages"]
+    # the write-backs are held against a same-run memcpy into new memory and into memory in use
+    ref = data["memcpy_reference"]
+    assert ref["new_memory_gbps"] > 0 and ref["memory_in_use_gbps"] > 0
+    assert ref["bytes"] % ref["object_bytes"] == 0 and ref["memory"] == "new shared memory (memfd)"
+    assert "into the same memory again" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("path", PATHS)
