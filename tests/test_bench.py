@@ -162,29 +162,45 @@ def test_key_ring_never_repeats_a_key_within_a_cache_length():
         ring.take(len(ring.keys) + 1)
 
 
-def test_serving_pattern_every_lookup_misses_the_key_cache_but_a_get_after_exists():
-    """What the rig times: new keys for set, exists and get-cold; a get whose
-    keys its exists just looked up. Ours' key cache shows which."""
+def test_serving_pattern_new_keys_every_call_and_a_get_reads_what_its_exists_looked_up():
+    """What the rig times: new keys for set, exists and get-cold; a get of the
+    keys its exists (untimed) just looked up. The client sees which."""
     from sglang_simm.tools.pools import build_host_pool
 
     geom = bench.OVERHEAD_GEOMETRY
     rig = bench.OverheadRig("null", 8, pool=build_host_pool(geom, tokens=16 * geom.page_size))
     try:
-        cache = rig.backends["ours"]._kv.keys
-        for op, grows in (("set", 0), ("exists", 8), ("get-cold", 8)):
+        client = rig.backends["ours"].client
+        seen: list[tuple[str, tuple[str, ...]]] = []
+        for name in ("mexists", "mget", "mput"):
+            original = getattr(client, name)
+
+            def spy(keys, *rest, _name=name, _original=original):
+                seen.append((_name, tuple(keys)))
+                return _original(keys, *rest)
+
+            setattr(client, name, spy)
+        used: set[str] = set()
+        for op in ("set", "exists", "get-cold", "set", "exists"):
             rig.prepare(op)
             t = rig.call("ours", op, 8)
             t.ready()
-            before = len(cache)
+            seen.clear()
             assert t.fn() in (8, [True] * 8)
-            assert len(cache) - before == grows  # new keys (a write remembers none)
+            keys = {k for _, ks in seen for k in ks}
+            assert len(keys) == 16 and not keys & used  # 8 pages x K, V: none asked for before
+            used |= keys
         rig.prepare("get")
         t = rig.call("ours", "get", 8)
-        t.prepare(3)  # looks up the next three batches
-        filled = len(cache)
         for _ in range(3):
+            seen.clear()
+            t.prepare(1)
+            (looked_up, keys), = seen
+            assert looked_up == "mexists" and not set(keys) & used
+            seen.clear()
             assert t.fn() == [True] * 8
-        assert len(cache) == filled  # all three read keys the lookup had cached
+            assert seen == [("mget", keys)]  # the get reads what the exists looked up
+            used |= set(keys)
     finally:
         rig.close()
 

@@ -136,18 +136,14 @@ class OverheadRig:
 
     def _looked_up(self, name: str, n: int) -> Callable[[int], None]:
         """``prepare(k)``: ``batch_exists`` of the next ``k`` batches, as the
-        prefetch thread looks up what its I/O thread then reads."""
+        prefetch thread looks up what its I/O thread then reads. (A key cache
+        of at least ``k * n`` pages would hold them all: ``k * n`` stays far
+        below ``KEY_CACHE_LIMIT``, a millisecond of calls.)"""
         b, ring = self.backends[name], self.rings[name]
-        cache = getattr(getattr(b, "_kv", None), "keys", None)  # ours: its key cache
 
         def prepare(k: int) -> None:
             for keys in ring.peek(k, n):
                 b.batch_exists(keys)
-            if cache is not None and len(cache) < k * n:
-                # The cache was full and emptied itself mid-way: it now holds
-                # fewer than k*n pages, so a second pass keeps every batch.
-                for keys in ring.peek(k, n):
-                    b.batch_exists(keys)
 
         return prepare
 
