@@ -132,6 +132,9 @@ def test_plan_quick_and_pages():
     assert full.sizes == [8, 128] and full.repeat == 5
     with pytest.raises(ValueError):
         bench.plan_from_args(argparse.Namespace(pages="a,b", repeat=5, quick=False))
+    for bad in (0, -2):  # refused, not run with the default
+        with pytest.raises(ValueError, match="--repeat must be >= 1"):
+            bench.plan_from_args(argparse.Namespace(pages="8", repeat=bad, quick=False))
     with pytest.raises(ValueError):
         bench.plan_from_args(argparse.Namespace(pages="8", repeat=5, quick=False, bandwidth_cases=["nope"]))
 

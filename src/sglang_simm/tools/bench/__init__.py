@@ -170,7 +170,8 @@ def plan_from_args(args: Any) -> Plan:
     if quick and pages == DEFAULT_PAGES:
         pages = "1,8,128,1024"
     sizes = _parse_pages(pages)
-    repeat = int(getattr(args, "repeat", None) or 30)
+    repeat = getattr(args, "repeat", None)
+    repeat = 30 if repeat is None else int(repeat)
     if quick:
         repeat = min(repeat, 7)
     if repeat < 1:
