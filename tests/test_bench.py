@@ -31,14 +31,16 @@ def tiny_run(tmp_path_factory):
 def test_exit_code_and_output(tiny_run):
     rc, result, text = tiny_run
     assert rc == 0, result["checks"]["failures"]
-    for title in ("Own overhead per call, null client", "Per call on the embedded store",
-                  "Bandwidth", "Goals", "results verified"):
+    for title in ("Own overhead per call, null client", "Per call on the host store",
+                  "Longest GIL hold per call", "Bandwidth", "Goals", "results verified"):
         assert title in text
 
 
 def test_json_structure(tiny_run):
     _, result, _ = tiny_run
-    assert set(result) >= {"machine", "settings", "overhead", "bandwidth", "scaling", "goals", "checks"}
+    assert set(result) >= {"machine", "settings", "operations", "overhead", "bandwidth", "scaling", "gil",
+                           "goals", "checks"}
+    assert list(result["operations"]) == ["set", "exists", "get", "get-cold"]
     m = result["machine"]
     assert {"cpu", "cores", "torch", "sglang", "python"} <= set(m)
     assert m["cpu"] and m["cores"] >= 1
@@ -46,6 +48,7 @@ def test_json_structure(tiny_run):
     assert set(rows) == {(c, op, n) for c in ("null", "embedded") for op in bench.OPS for n in (1, 8)}
     for r in rows.values():
         assert r["ours_us"] > 0 and r["intree_us"] > 0 and r["samples"] == 2
+        assert r["clock"] == ("thread_time" if r["client"] == "null" else "perf_counter")
         assert r["ratio"] == pytest.approx(r["intree_us"] / r["ours_us"])
         assert r["ours_us_per_page"] == pytest.approx(r["ours_us"] / r["pages"])
     (bw,) = result["bandwidth"]
@@ -53,6 +56,12 @@ def test_json_structure(tiny_run):
     for key in ("set_gbps", "get_gbps", "torch_gbps", "set_ratio", "get_ratio"):
         assert bw[key] > 0
     assert set(result["scaling"]) == {"null", "embedded"}
+    gil = {(r["op"], r["pages"]): r for r in result["gil"]["rows"]}
+    assert set(gil) == {(op, n) for op in bench.OPS for n in (1, 8)}
+    for r in gil.values():
+        assert 0 < r["ours_us"] <= r["ours_max_us"] and 0 < r["intree_us"] <= r["intree_max_us"]
+        # the null client was called (and let go of the GIL) at least once per call
+        assert r["ours_batch_calls"] >= 1 and r["intree_batch_calls"] >= 1
     for goal in result["goals"]:
         assert {"goal", "target", "value", "met"} <= set(goal)
         # 128 pages and 8..1024 scaling were not measured in this run
@@ -69,7 +78,7 @@ def test_results_were_verified(tiny_run):
         for backend in ("ours", "in-tree"):
             # each backend reached the client under test through simm.kv
             assert verified[f"{client}/{backend}/client"] is True
-            for op in ("store", *bench.OPS):
+            for op in bench.OPS:
                 assert verified[f"{client}/{backend}/{op}"] is True
     assert verified["embedded/bytes"] is True
     assert verified["bandwidth/small/set"] and verified["bandwidth/small/get"]
@@ -123,6 +132,9 @@ def test_plan_quick_and_pages():
     assert full.sizes == [8, 128] and full.repeat == 5
     with pytest.raises(ValueError):
         bench.plan_from_args(argparse.Namespace(pages="a,b", repeat=5, quick=False))
+    for bad in (0, -2):  # refused, not run with the default
+        with pytest.raises(ValueError, match="--repeat must be >= 1"):
+            bench.plan_from_args(argparse.Namespace(pages="8", repeat=bad, quick=False))
     with pytest.raises(ValueError):
         bench.plan_from_args(argparse.Namespace(pages="8", repeat=5, quick=False, bandwidth_cases=["nope"]))
 
@@ -133,3 +145,81 @@ def test_plot(tiny_run, tmp_path):
     path = tmp_path / "bench.png"
     bench.plot(result, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_key_ring_never_repeats_a_key_within_a_cache_length():
+    from sglang_simm.binding import KEY_CACHE_LIMIT
+
+    ring = bench.KeyRing(bench.page_keys(2 * KEY_CACHE_LIMIT + 2 * 1024, "t"))
+    assert ring.peek(2, 3) == [ring.keys[0:3], ring.keys[3:6]] and ring.pos == 0
+    last_seen: dict[str, int] = {}
+    handed = 0
+    for n in [1, 8, 128, 1024, 7] * 130:
+        for key in ring.take(n):
+            if key in last_seen:
+                assert handed - last_seen[key] > KEY_CACHE_LIMIT
+            last_seen[key] = handed
+            handed += 1
+    assert handed > len(ring.keys)  # it did wrap around
+    with pytest.raises(ValueError):
+        ring.take(len(ring.keys) + 1)
+
+
+def test_serving_pattern_new_keys_every_call_and_a_get_reads_what_its_exists_looked_up():
+    """What the rig times: new keys for set, exists and get-cold; a get of the
+    keys its exists (untimed) just looked up. The client sees which."""
+    from sglang_simm.tools.pools import build_host_pool
+
+    geom = bench.OVERHEAD_GEOMETRY
+    rig = bench.OverheadRig("null", 8, pool=build_host_pool(geom, tokens=16 * geom.page_size))
+    try:
+        client = rig.backends["ours"].client
+        seen: list[tuple[str, tuple[str, ...]]] = []
+        for name in ("mexists", "mget", "mput"):
+            original = getattr(client, name)
+
+            def spy(keys, *rest, _name=name, _original=original):
+                seen.append((_name, tuple(keys)))
+                return _original(keys, *rest)
+
+            setattr(client, name, spy)
+        used: set[str] = set()
+        for op in ("set", "exists", "get-cold", "set", "exists"):
+            rig.prepare(op)
+            t = rig.call("ours", op, 8)
+            t.ready()
+            seen.clear()
+            assert t.fn() in (8, [True] * 8)
+            keys = {k for _, ks in seen for k in ks}
+            assert len(keys) == 16 and not keys & used  # 8 pages x K, V: none asked for before
+            used |= keys
+        rig.prepare("get")
+        t = rig.call("ours", "get", 8)
+        for _ in range(3):
+            seen.clear()
+            t.prepare(1)
+            (looked_up, keys), = seen
+            assert looked_up == "mexists" and not set(keys) & used
+            seen.clear()
+            assert t.fn() == [True] * 8
+            assert seen == [("mget", keys)]  # the get reads what the exists looked up
+            used |= set(keys)
+    finally:
+        rig.close()
+
+
+def test_longest_hold_splits_a_call_at_the_client_calls():
+    points: list[float] = []
+    store = nullkv.Store()
+    store.release_points = points
+
+    def call():
+        t = __import__("time").perf_counter() + 0.004
+        while __import__("time").perf_counter() < t:
+            pass
+        store.mexists(["a"])  # the client lets go of the GIL here
+        return store.mget(["a"], [nullkv.BlockView(0, 3)])
+
+    held, releases, result = bench.longest_hold(call, points)
+    assert result == [3] and releases == 2
+    assert 0.004 <= held < 0.5

@@ -97,6 +97,11 @@ def test_demo_mha_multi_batch(tmp_path, path):
     stats = data["backend_stats"]
     assert stats["pages_written"] == 300 + data["new_pages"]
     assert stats["pages_read"] == data["verified_pages"]
+    # the write-backs are held against a same-run memcpy into new memory and into memory in use
+    ref = data["memcpy_reference"]
+    assert ref["new_memory_gbps"] > 0 and ref["memory_in_use_gbps"] > 0
+    assert ref["bytes"] % ref["object_bytes"] == 0 and ref["memory"] == "new shared memory (memfd)"
+    assert "into the same memory again" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -264,3 +269,21 @@ def test_demo_leaves_a_host_store_it_did_not_start_running(tmp_path, host_store_
 def test_demo_default_store_is_its_own(tmp_path):
     extra, resolved = common.resolve_extra({})
     assert resolved.config.embedded_scope == "host" and resolved.config.embedded_name.startswith("demo-")
+
+
+@pytest.mark.parametrize("width", [80, 40])
+def test_list_models_shows_every_preset_name_whole(width):
+    console = Console(file=io.StringIO(), width=width, force_terminal=False)
+    assert demo.run_demo(console, cli.build_parser().parse_args(["demo", "--list-models"]), {}) == 0
+    first_words = {line.split()[0] for line in console.file.getvalue().splitlines() if line.strip()}
+    names = demo.preset_names()
+    assert len(names) == 7 and {"tiny-hybrid", "qwen3-next-tp4", "llama3-70b-tp4"} <= set(names)
+    assert set(names) <= first_words
+
+
+def test_unknown_preset_lists_every_preset(tmp_path):
+    code, _, text = run(tmp_path, "--model", "llama3-7b")
+    assert code == 2
+    flat = " ".join(text.split())
+    assert "unknown model preset 'llama3-7b'" in flat
+    assert f"choose one of: {', '.join(demo.preset_names())}" in flat

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from sglang_simm.tools.cli import main
 
 
@@ -68,3 +70,63 @@ def test_down_store_is_reported(capsys, store_name):
     finally:
         reset_servers(store_name)
     assert code == 1 and "connect" in out and "doctor" in out
+
+
+def launch_line_count(out: str) -> int:
+    return out.count("--hicache-storage-backend-extra-config")
+
+
+def test_unknown_key_is_a_problem_and_stays_out_of_the_launch_lines(capsys, store_name):
+    extra = json.dumps({"manager_address": f"inprocess://{store_name}", "key_shceme": "legacy"})
+    code, out = doctor(capsys, "--extra-config", extra)
+    assert code == 1, out
+    assert "problem: configuration: unknown key 'key_shceme' in extra_config is ignored" in out
+    assert "did you mean 'key_scheme'?" in out
+    assert "No problem found" not in out
+    assert launch_line_count(out) == 0 and "none until the configuration problems below are fixed" in out
+
+
+def test_unknown_key_in_the_config_file_is_a_problem(capsys, monkeypatch, tmp_path, store_name):
+    path = tmp_path / "simm.json"
+    path.write_text(json.dumps({"manager_address": f"inprocess://{store_name}", "warm_up": False}))
+    monkeypatch.setenv("SGLANG_HICACHE_SIMM_CONFIG_PATH", str(path))
+    code, out = doctor(capsys)
+    assert code == 1, out
+    assert f"unknown key 'warm_up' in file:{path}" in out and "did you mean 'warmup'?" in out
+
+
+def test_invalid_configuration_gets_no_launch_lines(capsys):
+    code, out = doctor(capsys, "--extra-config", '{"manager_address": "local", "request_timeout_ms": -5}')
+    assert code == 1
+    assert launch_line_count(out) == 0 and "HOST:PORT" not in out
+
+
+@pytest.mark.parametrize("where", ["env", "file"])
+def test_address_from_the_environment_or_a_file_is_not_pasted_over(capsys, monkeypatch, tmp_path, store_name, where):
+    address = f"inprocess://{store_name}"
+    monkeypatch.delenv("SIMM_CLUSTER_MANAGER", raising=False)
+    monkeypatch.delenv("SGLANG_HICACHE_SIMM_CONFIG_PATH", raising=False)
+    if where == "env":
+        monkeypatch.setenv("SIMM_CLUSTER_MANAGER", address)
+        source = "env:SIMM_CLUSTER_MANAGER"
+    else:
+        path = tmp_path / "simm.json"
+        path.write_text(json.dumps({"manager_address": address}))
+        monkeypatch.setenv("SGLANG_HICACHE_SIMM_CONFIG_PATH", str(path))
+        source = f"file:{path}"
+    code, out = doctor(capsys, "--extra-config", '{"extra_backend_tag": "t1"}')
+    assert code == 0, out
+    assert launch_line_count(out) == 2
+    assert "HOST:PORT" not in out
+    lines = [line for line in out.split("python -m sglang.launch_server")[1:]]
+    assert all('"extra_backend_tag": "t1"' in line and "manager_address" not in line.split("#")[0]
+               for line in lines)
+    assert f"manager_address comes from {source}" in out
+
+
+def test_local_store_with_another_bad_field_names_that_field(capsys):
+    code, out = doctor(capsys, "--extra-config", '{"manager_address": "local", "clnt_threadpool_size": 0}')
+    assert code == 1
+    assert "clnt_threadpool_size=0 (from extra_config) is out of range" in out
+    assert "set manager_address to 'local'" not in out and "simm.kv" not in out
+    assert "host store 'default'" in out

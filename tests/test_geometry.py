@@ -115,3 +115,32 @@ def test_page_starts_checks_every_slot_of_every_page(pages):
         assert page_starts(bad, PAGE, pages) is None
     shifted = indices + 1  # every page one slot off
     assert page_starts(shifted, PAGE, pages) is None
+
+
+@pytest.mark.parametrize(
+    "indices, n, ok",
+    [
+        (np.arange(8, 16, dtype=np.uint64), 2, [8, 12]),
+        (np.array([8, 9, 11, 10], dtype=np.uint64), 1, None),  # a step of -1 wraps around: refused
+        (np.array([8, 9, 9, 11]), 1, None),  # a slot twice
+        (np.array([8, 9, 10, 12]), 1, None),  # a hole
+        (np.repeat(np.arange(8, 16), 2)[::2], 2, [8, 12]),  # a strided view
+        (np.arange(8, 12, dtype=np.int16), 1, [8]),
+        (np.arange(0, 0), 0, []),
+    ],
+    ids=["uint64", "uint64-backwards", "duplicate", "hole", "strided", "int16", "empty"],
+)
+def test_page_starts_dtypes_views_and_holes(indices, n, ok):
+    got = page_starts(indices, PAGE, n)
+    assert (got is None) if ok is None else got.tolist() == ok
+
+
+def test_page_starts_page_of_one_slot():
+    assert page_starts(np.array([5, 3, 9]), 1, 3).tolist() == [5, 3, 9]
+
+
+def test_page_starts_small_batch_after_a_large_one():
+    big = np.arange(0, 5000 * PAGE)
+    assert page_starts(big, PAGE, 5000).tolist() == list(range(0, 5000 * PAGE, PAGE))
+    assert page_starts(np.array([4, 5, 6, 7, 0, 1, 3, 2]), PAGE, 2) is None
+    assert page_starts(np.array([4, 5, 6, 7, 0, 1, 2, 3]), PAGE, 2).tolist() == [4, 0]

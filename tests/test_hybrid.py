@@ -409,9 +409,9 @@ def test_set_skips_objects_already_stored(hybrid_attach):
     assert stats["pages_written"] == 4 and stats["pages_skipped_existing"] == 3
 
 
-def test_writes_leave_the_key_cache_alone_on_v1_and_v2_alike(hybrid_attach):
-    """A page this server backs up stays in its own host tiers: neither write
-    path keeps its keys; a lookup does, on either path."""
+def test_no_call_keeps_keys_on_v1_and_v2_alike(hybrid_attach):
+    """Neither a write nor a read keeps its object keys, on either path
+    (keeping them cost more than it saved: the backend's ``_plan``)."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     backend, pools = hybrid_attach(side=("swa",))
@@ -424,7 +424,8 @@ def test_writes_leave_the_key_cache_alone_on_v1_and_v2_alike(hybrid_attach):
     assert all(backend.batch_get_v1(keys, slots(pools["kv"], 4, 3)))
     t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 4, 3))
     assert backend.batch_get_v2([t]) == {PoolName.SWA: [True] * 3}
-    assert len(kv.keys) == 3 and len(swa.keys) == 3
+    assert backend.batch_exists(keys) == 3
+    assert len(kv.keys) == 0 and len(swa.keys) == 0
 
 
 # ------------------------------------------------ hit query, hand-worked cases

@@ -118,3 +118,47 @@ def test_register_is_idempotent_and_quiet_when_sglang_is_missing(monkeypatch):
 def test_cli_entry_points_run():
     out = subprocess.run([sys.executable, "-m", "sglang_simm", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("sglang-simm ")
+
+
+def test_pytest_benchmarks_without_its_plugin_stops_with_the_install_line():
+    # -p no:benchmark: as if pytest-benchmark were not installed (it may be)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "benchmarks", "-p", "no:benchmark", "-p", "no:cacheprovider", "--co", "-q"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout + out.stderr
+    assert "pip install 'sglang-simm[bench]'" in out.stderr and "pytest benchmarks" in out.stderr
+
+
+def test_the_bench_extra_brings_what_pytest_benchmarks_needs():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {req.split(">")[0].split("=")[0].split(";")[0].strip() for req in extras["bench"]}
+    assert {"pytest-benchmark", "pytest", "rich", "matplotlib"} <= names
+
+
+def test_readme_install_shows_what_works_before_the_package_is_published():
+    import re
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = set(project["optional-dependencies"])
+    commands = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+                for line in block.splitlines()]
+    installs = [c for c in commands if c.startswith("pip install")]
+    # from a clone or a built wheel; the index form only as "once published"
+    assert any(c.startswith("pip install '.[") for c in installs)
+    assert "pip wheel --no-deps -w dist ." in commands
+    assert not any("sglang-simm" in c and "dist/" not in c for c in installs)
+    assert "Once it is published" in section and "pip install 'sglang-simm[cli]'" in section
+    from sglang_simm import __version__
+
+    wheel = f"dist/sglang_simm-{__version__}-py3-none-any.whl"
+    assert f"pip install '{wheel}[cli]'" in commands
+    for c in installs:  # every extra named exists
+        for group in re.findall(r"\[([a-z,]+)\]", c):
+            assert set(group.split(",")) <= extras, c
+    assert "https://download.pytorch.org/whl/cpu" in section

@@ -197,9 +197,11 @@ class ViewTable:
 class KeyCache:
     """The object keys of one pool's pages: ``prefix + page key + suffix``.
 
-    Lookups repeat page keys (exists, then get, then other requests sharing
-    the prefix), so their object keys are kept, validated once on insert;
-    the cache is emptied when it would outgrow ``KEY_CACHE_LIMIT`` pages.
+    It can keep the object keys of looked-up pages (``remember``), validated
+    once on insert, emptied when it would outgrow ``KEY_CACHE_LIMIT`` pages;
+    the backend does not ask it to: on serving's pattern of keys (an exists
+    of new keys, then a get of the same), keeping them cost more on the
+    exists than it saved on the get (``sglang-simm bench``).
     """
 
     def __init__(self, prefix: str, suffixes: tuple[str, ...]):
@@ -217,10 +219,11 @@ class KeyCache:
         """Object keys of every page, or None when any page key is unusable.
         ``remember``: keep them for the next lookup."""
         cache = self._cache
-        try:
-            return list(chain.from_iterable([cache[k] for k in page_keys]))
-        except (KeyError, TypeError):  # a new (or unhashable) page key
-            pass
+        if cache:  # empty unless asked to remember: no failed lookup to pay for
+            try:
+                return list(chain.from_iterable([cache[k] for k in page_keys]))
+            except (KeyError, TypeError):  # a new (or unhashable) page key
+                pass
         if not keyspace.keys_fit(page_keys, self.budget):
             return None
         out = keyspace.object_keys(self.prefix, page_keys, self.suffixes)

@@ -48,7 +48,9 @@ __all__ = [
     "FlagMap",
     "ResolvedConfig",
     "SiMMConfig",
+    "UnknownKey",
     "default_log_file",
+    "find_unknown_keys",
     "load_config",
     "log_resolved",
     "parse_byte_size",
@@ -288,25 +290,56 @@ Sourced = dict[str, tuple[Any, str]]
 SourceFn = Callable[[Mapping[str, Any] | None, Mapping[str, str]], Sourced]
 
 
+@dataclass(frozen=True)
+class UnknownKey:
+    """A key of a config source that is neither ours nor SGLang's: ignored."""
+
+    key: str
+    #: ``"extra_config"`` or ``"file:/path"``
+    source: str
+    #: the closest valid field name, if one is close
+    suggestion: str | None
+
+    def message(self) -> str:
+        hint = f"; did you mean {self.suggestion!r}?" if self.suggestion else ""
+        return f"unknown key {self.key!r} in {self.source} is ignored{hint} (valid keys: {', '.join(FIELD_NAMES)})"
+
+
+def unknown_keys_of(data: Mapping[str, Any], where: str) -> list[UnknownKey]:
+    """The keys of ``data`` that no one reads: not a field, not SGLang's."""
+    out = []
+    for key in data:
+        if key in FIELD_NAMES or key in SGLANG_EXTRA_CONFIG_KEYS:
+            continue
+        close = difflib.get_close_matches(str(key), FIELD_NAMES, n=1)
+        out.append(UnknownKey(str(key), where, close[0] if close else None))
+    return out
+
+
+def find_unknown_keys(
+    extra_config: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> list[UnknownKey]:
+    """Every ignored key of the extra config and the JSON file, without
+    logging (for ``doctor``); a source that cannot be read is skipped
+    (``load_config`` reports it)."""
+    env = os.environ if environ is None else environ
+    found: list[UnknownKey] = []
+    if isinstance(extra_config, Mapping):
+        found += unknown_keys_of(extra_config, "extra_config")
+    try:
+        named = _read_json_file(env)
+    except ValueError:
+        named = None
+    if named is not None:
+        found += unknown_keys_of(*named)
+    return found
+
+
 def _fields_of(data: Mapping[str, Any], where: str, label: Callable[[str], str]) -> Sourced:
     """Our fields out of ``data``; SGLang's keys skipped, others warned about."""
-    out: Sourced = {}
-    for key, value in data.items():
-        if key in FIELD_NAMES:
-            out[key] = (value, label(key))
-        elif key in SGLANG_EXTRA_CONFIG_KEYS:
-            continue
-        else:
-            close = difflib.get_close_matches(str(key), FIELD_NAMES, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            logger.warning(
-                "SiMM config: unknown key %r in %s is ignored%s (valid keys: %s)",
-                key,
-                where,
-                hint,
-                ", ".join(FIELD_NAMES),
-            )
-    return out
+    for unknown in unknown_keys_of(data, where):
+        logger.warning("SiMM config: %s", unknown.message())
+    return {key: (value, label(key)) for key, value in data.items() if key in FIELD_NAMES}
 
 
 def _from_extra_config(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
@@ -320,15 +353,17 @@ def _from_extra_config(extra_config: Mapping[str, Any] | None, environ: Mapping[
     return _fields_of(extra_config, "extra_config", label=lambda _key: "extra_config")
 
 
-def _from_json_file(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
+def _read_json_file(environ: Mapping[str, str]) -> tuple[dict[str, Any], str] | None:
+    """The object in the file named by ``CONFIG_PATH_ENV`` and its source
+    label, or None when the variable is unset; ValueError when broken."""
     path = environ.get(CONFIG_PATH_ENV, "").strip()
     if not path:
-        return {}
-    fix = f"fix the file or unset {CONFIG_PATH_ENV}"
+        return None
+    fix = f'fix the file (a JSON object, e.g. {{"manager_address": "10.0.0.1:30001"}}) or unset {CONFIG_PATH_ENV}'
     try:
         with open(path, encoding="utf-8") as fin:
             text = fin.read()
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(
             f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) cannot be read: {exc}; {fix}"
         ) from exc
@@ -343,7 +378,14 @@ def _from_json_file(extra_config: Mapping[str, Any] | None, environ: Mapping[str
             f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) must hold a JSON object, "
             f"got {type(data).__name__}; {fix}"
         )
-    where = f"file:{path}"
+    return data, f"file:{path}"
+
+
+def _from_json_file(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
+    named = _read_json_file(environ)
+    if named is None:
+        return {}
+    data, where = named
     return _fields_of(data, where, label=lambda _key: where)
 
 

@@ -16,7 +16,6 @@ just more parts with their own base offsets.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -257,34 +256,39 @@ def page_starts(host_indices: np.ndarray, page_size: int, num_keys: int) -> np.n
     a controller bug we refuse to act on rather than read or write the wrong
     slots. Every slot is checked: a page named by its first slot but
     reordered inside would put its tokens in the wrong slots.
+
+    How, cheaply: every page start is aligned, and every step from one slot
+    to the next is +1 except across a page boundary (where the next page's
+    aligned start takes over). The steps are one flat subtraction, compared
+    in one ``memcmp`` with a row of ones: no per-page numpy loop, and a
+    third of the work of building the expected slots and comparing them.
     """
     if host_indices.ndim != 1 or host_indices.dtype.kind not in "iu":
         return None
     if host_indices.shape[0] != num_keys * page_size:
         return None
-    pages = host_indices.reshape(num_keys, page_size)
-    first = pages[:, :1]
+    starts = host_indices[::page_size]
     # numpy's fixed cost per call outweighs a short Python loop
     if num_keys <= 64:
-        if any(slot % page_size for slot in host_indices[::page_size].tolist()):
+        if any(slot % page_size for slot in starts.tolist()):
             return None
-    elif (first % page_size).any():
+    elif (starts % page_size).any():
         return None
-    expected = first + _offsets(page_size, pages.dtype)
-    if pages.size <= _BYTES_COMPARE_SLOTS:
-        same = expected.tobytes() == pages.tobytes()
-    else:
-        same = not (expected != pages).any()
-    return pages[:, 0] if same else None
+    if page_size > 1:
+        steps = host_indices[1:] - host_indices[:-1]  # a new array: contiguous, ours to change
+        steps[page_size - 1 :: page_size] = 1  # across pages: the start check above covers it
+        if not _ones(steps.dtype, steps.shape[0]).startswith(steps.data):
+            return None
+    return starts
 
 
-#: Up to this many slots, one comparison of bytes is the cheapest exact
-#: check; above it the copies cost more than numpy's element-wise compare.
-_BYTES_COMPARE_SLOTS = 1 << 13
+_ONES: dict[np.dtype, bytes] = {}
 
 
-@functools.lru_cache(maxsize=None)
-def _offsets(page_size: int, dtype: np.dtype) -> np.ndarray:
-    offsets = np.arange(page_size, dtype=dtype)
-    offsets.flags.writeable = False
-    return offsets
+def _ones(dtype: np.dtype, count: int) -> bytes:
+    """At least ``count`` ones of ``dtype``, as bytes (kept, grown as needed)."""
+    ones = _ONES.get(dtype)
+    if ones is None or len(ones) < count * dtype.itemsize:
+        ones = np.ones(max(count, 1 << 13), dtype=dtype).tobytes()
+        _ONES[dtype] = ones
+    return ones

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -18,30 +19,102 @@ def _console() -> Any:
     return Console(highlight=False)
 
 
-def parse_extra_config(text: str | None) -> dict[str, Any]:
+#: What every extra-config error shows as the way to write it.
+EXTRA_CONFIG_EXAMPLE = (
+    "--extra-config '{\"manager_address\": \"10.0.0.1:30001\"}' (a JSON object; strings in double "
+    "quotes), or --extra-config @path/to/config.json (also .yaml, .yml, .toml)"
+)
+#: The @file extensions SGLang reads (its extra-config parser picks the format by extension).
+FILE_FORMATS = (".json", ".toml", ".yaml", ".yml")
+
+
+def parse_extra_config(text: str | None, *, option: str = "--extra-config") -> dict[str, Any]:
     """Like SGLang's ``--hicache-storage-backend-extra-config``: JSON, or
-    ``@path`` to a JSON, YAML or TOML file."""
+    ``@path`` to a JSON, YAML or TOML file (by extension, as SGLang reads it).
+
+    Every problem is a ValueError naming ``option``, what is wrong and an
+    example; nothing here raises anything else for bad input.
+    """
     if not text:
         return {}
     if text.startswith("@"):
         path = text[1:]
-        with open(path, "rb") as fh:
-            raw = fh.read()
-        if path.endswith(".toml"):
-            import tomllib
-
-            data = tomllib.loads(raw.decode())
-        elif path.endswith((".yaml", ".yml")):
-            import yaml  # SGLang depends on PyYAML
-
-            data = yaml.safe_load(raw)
-        else:
-            data = json.loads(raw)
+        where = f"{option} @{path}"
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in FILE_FORMATS:
+            raise ValueError(
+                f"{where}: SGLang reads an @file by its extension, one of {', '.join(FILE_FORMATS)}; "
+                f"got {ext or 'none'}. Example: {EXTRA_CONFIG_EXAMPLE}"
+            )
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+        except OSError as exc:
+            raise ValueError(f"{where}: cannot read the file ({exc.strerror or exc})") from None
+        data = _parse_file(raw, ext, where)
     else:
-        data = json.loads(text)
+        where = option
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{option} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
+                f"{text!r}. Example: {EXTRA_CONFIG_EXAMPLE}"
+            ) from None
     if not isinstance(data, dict):
-        raise ValueError(f"the extra config must be a JSON object, got {type(data).__name__}")
+        raise ValueError(
+            f"{where} must hold a JSON object ({{...}}), got {type(data).__name__}. Example: {EXTRA_CONFIG_EXAMPLE}"
+        )
     return data
+
+
+def _parse_file(raw: bytes, ext: str, where: str) -> Any:
+    """One @file's contents, by extension; ValueError naming ``where``."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: the file is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if ext == ".toml":
+        toml = _toml_module(where)
+        try:
+            return toml.loads(text)
+        except toml.TOMLDecodeError as exc:
+            raise ValueError(f"{where} is not valid TOML ({exc})") from None
+    if ext in (".yaml", ".yml"):
+        try:
+            import yaml  # SGLang depends on PyYAML
+        except ImportError:
+            raise ValueError(f"{where}: reading YAML needs PyYAML (pip install pyyaml)") from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{where} is not valid YAML ({' '.join(str(exc).split())})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{where} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
+
+
+def _toml_module(where: str) -> Any:
+    """``tomllib`` (Python 3.11+), else ``tomli`` (the same parser, for 3.10)."""
+    try:
+        import tomllib
+
+        return tomllib
+    except ImportError:
+        pass
+    try:
+        import tomli
+
+        return tomli
+    except ImportError:
+        raise ValueError(
+            f"{where}: reading TOML needs Python 3.11+ or the tomli package (pip install tomli, or "
+            "pip install 'sglang-simm[cli]'). SGLang reads an @file.toml with tomllib, so on Python "
+            "3.10 pass SGLang a .json or .yaml file instead"
+        ) from None
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -107,7 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = _console()
+    try:
+        console = _console()
+    except ImportError as exc:
+        print(f"error: the sglang-simm command needs rich ({exc}): pip install 'sglang-simm[cli]'",
+              file=sys.stderr)
+        return 2
     try:
         if args.command == "doctor":
             from sglang_simm.tools.doctor import run_doctor

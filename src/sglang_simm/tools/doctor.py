@@ -58,11 +58,14 @@ def sglang_status() -> dict[str, Any]:
     }
 
 
+#: Extra-config keys that only choose SGLang's route; each launch line sets its own.
+_ROUTE_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+
+
 def launch_lines(extra: dict[str, Any]) -> dict[str, str]:
-    """Ready-to-paste launch commands for both routes."""
-    base = {k: v for k, v in extra.items() if k not in ("backend_name", "module_path", "class_name", "interface_v1")}
-    if "manager_address" not in base:
-        base["manager_address"] = "HOST:PORT"
+    """Ready-to-paste launch commands for both routes, carrying ``extra``
+    (a valid configuration's own keys) as the extra config."""
+    base = {k: v for k, v in extra.items() if k not in _ROUTE_KEYS}
     dynamic = {
         "backend_name": "simm",
         "module_path": "sglang_simm",
@@ -79,18 +82,68 @@ def launch_lines(extra: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def address_only(extra: dict[str, Any]) -> Any:
+    """A configuration of the manager address alone, as the sources resolve
+    it (None when it is missing or invalid): what the client checks go by
+    when another field is wrong."""
+    import os
+
+    from sglang_simm import config as cfg
+
+    for _name, source in cfg.SOURCES:
+        try:
+            found = source(extra, os.environ)
+        except ValueError:
+            continue
+        if "manager_address" in found:
+            try:
+                return cfg.SiMMConfig(manager_address=found["manager_address"][0])
+            except ValueError:
+                return None
+    return None
+
+
+def _store_description(config: Any) -> str:
+    if config.embedded_scope == "host":
+        return f"host store {config.embedded_name!r} (one store process shared by this host's processes, no cluster)"
+    return f"in-process store {config.embedded_name!r} (inside one process, no cluster)"
+
+
+def _quiet_config_log() -> Any:
+    """The config's warnings go into the report as problems instead."""
+    import contextlib
+    import logging
+
+    @contextlib.contextmanager
+    def quiet() -> Any:
+        log = logging.getLogger("sglang_simm.config")
+        saved = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            log.setLevel(saved)
+
+    return quiet()
+
+
 def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys") -> int:
     from sglang_simm import __version__
-    from sglang_simm.config import load_config
+    from sglang_simm.config import find_unknown_keys, load_config
     from sglang_simm.numa import list_rdma_devices, select_nics
 
     report = Report()
     console.print(f"[bold]sglang-simm {__version__} doctor[/bold]")
 
     # 1. configuration
-    config = None
+    config = resolved = None
+    config_problems = [
+        f"configuration: {u.message()}. Rename or remove it: the backend ignores it"
+        for u in find_unknown_keys(extra)
+    ]
     try:
-        resolved = load_config(extra)
+        with _quiet_config_log():
+            resolved = load_config(extra)
         config = resolved.config
         table = _grid("Configuration")
         table.add_column("field")
@@ -100,14 +153,22 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
             table.add_row(name, str(value), source)
         console.print(table)
     except ValueError as exc:
-        report.problems.append(f"configuration: {exc}")
+        config_problems.append(f"configuration: {exc}")
+    report.problems += config_problems
+    # Where the rest of the configuration is wrong, the address alone still
+    # says which client the checks below are about.
+    if config is not None:
+        target = config
+    else:
+        with _quiet_config_log():
+            target = address_only(extra)
 
     # 2. the client
     table = _grid("SiMM client")
     table.add_column("check")
     table.add_column("result")
-    if config is not None and config.is_embedded:
-        table.add_row("client", f"embedded store {config.embedded_name!r} (in-process, no cluster)")
+    if target is not None and target.is_embedded:
+        table.add_row("client", _store_description(target))
     else:
         from sglang_simm.client import import_real_client
         from sglang_simm.errors import ClientNotInstalledError
@@ -117,7 +178,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
             table.add_row("simm.kv", f"SiMM client at {getattr(kv, '__file__', '?')}")
         except ClientNotInstalledError as exc:
             table.add_row("simm.kv", "[red]not usable[/red]")
-            if config is not None:
+            if target is not None:
                 report.problems.append(str(exc))
             else:
                 report.notes.append(str(exc))
@@ -162,10 +223,10 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     if not status["version"]:
         report.notes.append("SGLang is not installed here: pip install 'sglang-simm[sglang]'")
 
-    console.print("[bold]Launch lines[/bold]")
-    for route, line in launch_lines(extra).items():
-        console.print(f"[dim]# {route}[/dim]")
-        console.print(line, soft_wrap=True)
+    if config_problems or resolved is None:
+        console.print("[bold]Launch lines[/bold]: [yellow]none until the configuration problems below are fixed[/yellow]")
+    else:
+        _print_launch_lines(console, extra, resolved)
 
     # 5. a round trip
     if config is not None and not report.problems:
@@ -180,6 +241,25 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
         return 1
     console.print("[green]No problem found.[/green]")
     return 0
+
+
+def _print_launch_lines(console: Any, extra: dict[str, Any], resolved: Any) -> None:
+    """Launch lines with the extra config's own keys; fields that come from
+    the environment or a file stay out of them (a pasted value would
+    override them), and a note says so."""
+    console.print("[bold]Launch lines[/bold]")
+    for route, line in launch_lines(extra).items():
+        console.print(f"[dim]# {route}[/dim]")
+        console.print(line, soft_wrap=True)
+    elsewhere = sorted({s for n, s in resolved.sources.items() if s not in ("extra_config", "default")})
+    if elsewhere:
+        fields = [n for n, s in resolved.sources.items() if s not in ("extra_config", "default")]
+        verb = "comes" if len(fields) == 1 else "come"
+        console.print(
+            f"[dim]# {', '.join(fields)} {verb} from {', '.join(elsewhere)}, not from these lines: "
+            "start the server with the same environment[/dim]",
+            soft_wrap=True,
+        )
 
 
 def _round_trip(console: Any, config: Any, report: Report, *, size: int = 1 << 20, rounds: int = 5) -> None:

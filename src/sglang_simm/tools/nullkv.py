@@ -10,7 +10,11 @@ calls touch no memory and answer from the arguments alone::
 
 ``exists_answer`` is a per-``Store`` attribute: False makes a backend's
 ``batch_set_v1`` take its write path (mexists, then mput of every object),
-True makes ``batch_exists`` walk every key to the end.
+True makes ``batch_exists`` walk every key to the end. ``release_points``
+(None by default), when a list, gets the ``perf_counter()`` of every batch
+call: where SiMM's client lets go of the GIL (its native batch calls run
+without it), so the stretches between them are what a backend itself holds
+the GIL for.
 
 The single-key calls (``put``, ``get``, ``exists``, ``delete``) are honest,
 on a small dict of copies, so the start-up warm-up round trips that both
@@ -23,6 +27,7 @@ hand it to ``sglang_simm.client.KVClient`` directly.
 from __future__ import annotations
 
 import sys
+import time
 import types
 from typing import Any, Sequence
 
@@ -111,6 +116,7 @@ class Store:
 
     def __init__(self) -> None:
         self.exists_answer = True
+        self.release_points: list[float] | None = None
         self._single: dict[str, bytes] = {}
 
     def allocate(self, block_size: int) -> Block:
@@ -119,12 +125,18 @@ class Store:
     # -- batch: no memory touched --------------------------------------------
 
     def mexists(self, keys: Sequence[str]) -> list[bool]:
+        if self.release_points is not None:
+            self.release_points.append(time.perf_counter())
         return [self.exists_answer] * len(keys)
 
     def mget(self, keys: Sequence[str], blocks: Sequence[BlockView]) -> list[int]:
+        if self.release_points is not None:
+            self.release_points.append(time.perf_counter())
         return [v._size for v in blocks]
 
     def mput(self, keys: Sequence[str], blocks: Sequence[BlockView]) -> list[int]:
+        if self.release_points is not None:
+            self.release_points.append(time.perf_counter())
         return [0] * len(keys)
 
     # -- single key: honest, for warm-ups ----------------------------------------

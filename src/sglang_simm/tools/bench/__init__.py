@@ -1,6 +1,6 @@
 """``sglang-simm bench``: the command (plan, run, JSON) measuring our backend against SGLang's in-tree one.
 
-Three measurements over real SGLang host pools on the CPU:
+Four measurements over real SGLang host pools on the CPU:
 
 1. **Own overhead per call** of ``batch_set_v1``, ``batch_exists`` and
    ``batch_get_v1``, ours (``sglang_simm.backend.HiCacheSiMM``) against
@@ -10,25 +10,28 @@ Three measurements over real SGLang host pools on the CPU:
    * the **null client** (``sglang_simm.tools.nullkv``), which answers every batch
      call at once without touching memory, so only the backends' own work is
      timed (keys, pointers, views, result handling);
-   * the **embedded store** (``sglang_simm.embedded``), the whole data path.
+   * the **host store** (``local``, ``sglang_simm.embedded``), the whole data path.
 
-   ``set`` is timed on pages not yet stored, every call on new page keys
-   (its mexists answers False, then mput runs); ``exists`` and ``get`` on
-   stored pages.
-2. **Bandwidth** of set and get, ours on the embedded store, for real-model
+   Keys follow serving (``overhead``): ``set`` and ``exists`` on new keys
+   every call, ``get`` after a ``batch_exists`` of the same keys, and
+   ``get-cold`` on new keys never looked up.
+2. **Bandwidth** of set and get, ours on the host store, for real-model
    page sizes, against a ``torch`` copy of the same bytes into tensors of
    the same sizes, measured in the same run (the physical limit here).
 3. **Scaling**: our per-page cost from 8 to 1024 pages per call.
+4. **GIL**: the longest stretch one call holds the GIL (``gil``).
 
 Method: every point is warmed up, then sampled ``--repeat`` times; the
-median counts. Ours and the in-tree backend alternate sample by sample (and
-swap order every sample), so a noisy machine hits both alike; the ratios are
-what matters. Short calls are looped so one sample lasts about a millisecond.
-Every call's result is checked (pages reported stored, found, read), and
-the bytes read back are compared with the bytes written.
+median counts, and the interquartile range over the median (``spread``)
+says how noisy it was. Ours and the in-tree backend alternate sample by
+sample (and swap order every sample), so a noisy machine hits both alike;
+the ratios are what matters. Short calls are looped so one sample lasts
+about a millisecond. Every call's result is checked (pages reported
+stored, found, read), and the bytes read back are compared with the bytes
+written.
 
 Modules: ``timing`` (sampling), ``backends`` (ours and the in-tree backend
-set up on one client), ``overhead`` and ``bandwidth`` (the rigs and
+set up on one client), ``overhead``, ``bandwidth`` and ``gil`` (the rigs and
 measurements), ``checks``, ``goals``, ``render`` (tables) and ``plot``
 (chart); this one is the command. The helpers re-exported here
 (``OverheadRig``, ``BandwidthRig``, ``time_samples``, ...) are shared with
@@ -51,9 +54,18 @@ import torch
 from sglang_simm.tools.bench.backends import INTREE_MODULE, embedded_server, load_intree_class, make_intree, make_ours
 from sglang_simm.tools.bench.bandwidth import BANDWIDTH_CASES, BandwidthRig, measure_bandwidth
 from sglang_simm.tools.bench.checks import Checks, check_result
+from sglang_simm.tools.bench.gil import longest_hold, measure_gil
 from sglang_simm.tools.bench.goals import evaluate_goals
-from sglang_simm.tools.bench.overhead import OPS, OVERHEAD_GEOMETRY, OverheadRig, measure_overhead, scaling
-from sglang_simm.tools.bench.pages import fill_pool, host_indices, page_keys
+from sglang_simm.tools.bench.overhead import (
+    OP_MEANING,
+    OPS,
+    OVERHEAD_GEOMETRY,
+    OverheadRig,
+    Timed,
+    measure_overhead,
+    scaling,
+)
+from sglang_simm.tools.bench.pages import KeyRing, fill_pool, host_indices, page_keys
 from sglang_simm.tools.bench.plot import plot
 from sglang_simm.tools.bench.render import render
 from sglang_simm.tools.bench.timing import median, time_samples
@@ -63,12 +75,15 @@ __all__ = [
     "BANDWIDTH_CASES",
     "DEFAULT_PAGES",
     "INTREE_MODULE",
+    "KeyRing",
     "OPS",
+    "OP_MEANING",
     "OVERHEAD_GEOMETRY",
     "BandwidthRig",
     "Checks",
     "OverheadRig",
     "Plan",
+    "Timed",
     "check_result",
     "embedded_server",
     "fill_pool",
@@ -77,6 +92,8 @@ __all__ = [
     "make_intree",
     "make_ours",
     "measure_bandwidth",
+    "longest_hold",
+    "measure_gil",
     "measure_overhead",
     "median",
     "page_keys",
@@ -153,7 +170,8 @@ def plan_from_args(args: Any) -> Plan:
     if quick and pages == DEFAULT_PAGES:
         pages = "1,8,128,1024"
     sizes = _parse_pages(pages)
-    repeat = int(getattr(args, "repeat", None) or 30)
+    repeat = getattr(args, "repeat", None)
+    repeat = 30 if repeat is None else int(repeat)
     if quick:
         repeat = min(repeat, 7)
     if repeat < 1:
@@ -189,7 +207,8 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda s: None) -> dict[st
                      "bandwidth_pages": plan.bw_pages, "bandwidth_repeat": plan.bw_repeat,
                      "overhead_page_bytes": OVERHEAD_GEOMETRY.page_bytes(),
                      "overhead_page_tokens": OVERHEAD_GEOMETRY.page_size},
-        "overhead": [], "bandwidth": [], "scaling": {},
+        "operations": dict(OP_MEANING),
+        "overhead": [], "bandwidth": [], "scaling": {}, "gil": {},
     }
     t_start = time.perf_counter()
     max_pages = max(plan.sizes)
@@ -205,6 +224,8 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda s: None) -> dict[st
     rig = OverheadRig("null", max_pages, pool=pool)
     try:
         result["overhead"] += measure_overhead(rig, plan.sizes, plan.repeat, checks)
+        phase("GIL holds, null client")
+        result["gil"] = measure_gil(rig, plan.sizes, checks)
     finally:
         rig.close()
 
@@ -212,7 +233,7 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda s: None) -> dict[st
     overhead_bytes = 4 * max_pages * OVERHEAD_GEOMETRY.page_bytes()
     capacity = max(256 << 20, 2 * (bw_bytes + overhead_bytes))
     with embedded_server(capacity) as server:
-        phase("own overhead, embedded store")
+        phase("per call, host store")
         rig = OverheadRig("embedded", max_pages, pool=pool)
         try:
             result["overhead"] += measure_overhead(rig, plan.sizes, plan.repeat, checks)
@@ -231,6 +252,7 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda s: None) -> dict[st
                 del bw
                 gc.collect()
         result["embedded_stats"] = server.stats()
+        result["embedded_store"] = {"kind": "host store (local)", "name": getattr(server, "name", None)}
     del pool, rig
     gc.collect()
 

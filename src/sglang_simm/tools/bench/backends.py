@@ -1,14 +1,16 @@
 """The two backends under test, set up on one client: ours, and SGLang's in-tree ``HiCacheSiMM``.
 
 Both reach the client through the ``simm.kv`` surface, so each takes its
-real-client code path: the null client (``tools.nullkv``) or the embedded
-store, whose server ``bench`` this module makes and drops.
+real-client code path: the null client (``tools.nullkv``) or the host store
+(``local``: a store process, as every SGLang process of a host shares it),
+which this module starts under a name of this run's own and stops.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -16,7 +18,8 @@ from typing import Any, Iterator
 from sglang_simm.tools.pools import ModelGeometry, storage_config
 
 INTREE_MODULE = "sglang.srt.mem_cache.storage.simm.hicache_simm"
-EMBEDDED_NAME = "bench"
+#: The host store of this run: its own name, so two runs never share one.
+EMBEDDED_NAME = f"bench-{os.getpid()}"
 
 
 def load_intree_class(kv_module: Any) -> type:
@@ -106,22 +109,26 @@ def make_intree(pool: Any, geom: ModelGeometry, client: str) -> Any:
 
 @contextmanager
 def embedded_server(capacity: int) -> Iterator[Any]:
-    """A fresh embedded server ``bench``; flags restored and server dropped after."""
+    """A fresh host store ``EMBEDDED_NAME`` (its store process started
+    here); flags restored, and the store process stopped, after."""
     from sglang_simm import embedded
 
-    names = ("cm_primary_node_ip", "embedded_capacity_bytes")
+    names = ("cm_primary_node_ip", "embedded_capacity_bytes", "embedded_scope")
     saved = {n: embedded.get_flag(n) for n in names}
     embedded.reset_servers(EMBEDDED_NAME)
+    embedded.set_flag("embedded_scope", "host")
     embedded.set_flag("cm_primary_node_ip", EMBEDDED_NAME)
     embedded.set_flag("embedded_capacity_bytes", str(int(capacity)))
     server = embedded.get_server(EMBEDDED_NAME)
     try:
         yield server
     finally:
-        server.clear()
-        embedded.reset_servers(EMBEDDED_NAME)
-        for n, v in saved.items():
-            embedded.set_flag(n, v if v is not None else "")
+        try:
+            server.clear()
+        finally:
+            embedded.reset_servers(EMBEDDED_NAME)
+            for n, v in saved.items():
+                embedded.set_flag(n, v if v is not None else "")
 
 
 def set_exists_answer(backend: Any, answer: bool) -> None:

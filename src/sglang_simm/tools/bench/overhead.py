@@ -1,39 +1,79 @@
 """Measurement 1 and 3: each backend's own cost per call, ours against the in-tree one, and how ours scales.
 
-``set`` is timed on pages not yet stored, every call on new page keys (its
-mexists answers False, then mput runs); ``exists`` and ``get`` on stored
-pages. Ours and the in-tree backend alternate sample by sample.
+The calls follow serving's pattern of keys, so no cache of keys (ours keeps
+the object keys of pages it looked up) sees a page twice unless serving
+would:
+
+* ``set``: pages not stored yet, new keys every call (a backup writes new
+  pages); its ``mexists`` answers False, then ``mput`` runs;
+* ``exists``: new keys every call (a request's first lookup);
+* ``get``: new keys, each batch looked up by ``batch_exists`` first (untimed),
+  as the prefetch thread does before its I/O thread reads the same pages;
+* ``get-cold``: new keys never looked up (a read with no lookup before it).
+
+On the null client a sample loops calls for about a millisecond and is
+timed in this thread's CPU time; on the host store (``local``, the store
+every process of a host shares) a sample is one call, timed in wall time,
+after an untimed step that stores its pages. Ours and the in-tree backend
+alternate sample by sample.
 """
 
 from __future__ import annotations
 
-import itertools
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from sglang_simm.binding import KEY_CACHE_LIMIT
 from sglang_simm.tools.bench.backends import make_intree, make_ours, set_exists_answer
 from sglang_simm.tools.bench.checks import Checks, check_result
-from sglang_simm.tools.bench.pages import bytes_of, host_indices, page_keys
-from sglang_simm.tools.bench.timing import median, time_samples
+from sglang_simm.tools.bench.pages import KeyRing, bytes_of, host_indices, page_keys
+from sglang_simm.tools.bench.timing import Timer, median, spread, time_samples
 from sglang_simm.tools.pools import ModelGeometry, build_host_pool
 
-OPS = ("set", "exists", "get")
+OPS = ("set", "exists", "get", "get-cold")
+
+#: What each operation's row measures (tables, JSON, README).
+OP_MEANING = {
+    "set": "new pages, new keys every call",
+    "exists": "new keys every call",
+    "get": "new keys, after a batch_exists of the same keys",
+    "get-cold": "new keys, no lookup before",
+}
 
 #: The overhead part's page: SGLang's usual 64 tokens, 2 x 32 KiB objects,
 #: so 2 x 1024 pages (source and destination) fit in 128 MiB.
 OVERHEAD_GEOMETRY = ModelGeometry("bench-64k", layer_num=1, head_num=2, head_dim=128, page_size=64)
 
-#: Distinct page keys the set measurement cycles through.
-FRESH_KEYS = 1 << 17
+
+@dataclass
+class Timed:
+    """One operation of one backend, ready to time: ``fn`` is the call;
+    ``setup()`` (before a single-call sample) or ``prepare(k)`` (before a
+    sample of ``k`` calls) runs untimed."""
+
+    fn: Callable[[], Any]
+    setup: Callable[[], Any] | None = None
+    prepare: Callable[[int], Any] | None = None
+
+    def ready(self) -> None:
+        """What one untimed, verified call needs first."""
+        if self.setup is not None:
+            self.setup()
+        if self.prepare is not None:
+            self.prepare(1)
 
 
 class OverheadRig:
-    """One host pool, ours and the in-tree backend on one client.
+    """One host pool, ours and the in-tree backend on one client (``null``
+    or ``embedded``, the host store).
 
-    Pages ``src`` (stored, for exists/get; also the source of sets) and
-    ``dst`` (where gets land) are disjoint and shuffled like a real pool's.
+    Pages ``src`` (the source of sets) and ``dst`` (where gets land) are
+    disjoint and shuffled like a real pool's. Each backend draws its page
+    keys from its own ring of distinct keys (``KeyRing``).
     """
 
     def __init__(self, client: str, max_pages: int, *, geom: ModelGeometry = OVERHEAD_GEOMETRY,
@@ -49,13 +89,12 @@ class OverheadRig:
         self.src_pages = perm[:max_pages].tolist()
         self.dst_pages = perm[max_pages: 2 * max_pages].tolist()
         self.backends = {"ours": make_ours(self.pool, geom, client), "in-tree": make_intree(self.pool, geom, client)}
-        self.stored = page_keys(max_pages, "stored")
-        # Sets write pages never seen before: every set call takes the next
-        # batch of a ring of distinct keys, so no cache of keys (in a backend
-        # or a client) can make a repeated set look cheaper than a new one.
-        self.fresh = page_keys(max(FRESH_KEYS, 2 * max_pages), "fresh")
-        self._last_set: dict[str, list[str]] = {}
-        self._stored_done = False
+        keys = page_keys(2 * KEY_CACHE_LIMIT + 2 * max_pages, f"fresh-{client}")
+        self.rings = {name: KeyRing(keys) for name in self.backends}
+        #: the CPU time of this thread for the null client (all its work is
+        #: here); wall time on the store (copies on other threads, a store process)
+        self.timer: Timer = time.thread_time if client == "null" else time.perf_counter
+        self._staged: dict[str, list[str]] = {}
 
     def server(self) -> Any:
         return self.backends["ours"].client.store.server
@@ -64,43 +103,14 @@ class OverheadRig:
         pages = self.src_pages if which == "src" else self.dst_pages
         return host_indices(pages[:n], self.geom.page_size)
 
-    def store_pages(self, checks: Checks) -> None:
-        """Store ``stored`` pages with each backend (untimed, verified)."""
-        if self._stored_done:
-            return
-        # both backends talk to the client under test through the simm.kv surface
+    def check_clients(self, checks: Checks) -> None:
+        """Both backends talk to the client under test through the ``simm.kv`` surface."""
         expected = "sglang_simm.tools.nullkv" if self.client == "null" else "sglang_simm.embedded._client"
         for name, store in (("ours", self.backends["ours"].client.store),
                             ("in-tree", self.backends["in-tree"].store)):
             module = type(store).__module__
             checks.expect(f"{self.client}/{name}/client", module == expected,
                           f"its store is a {module}.{type(store).__name__}, expected one from {expected}")
-        idx = self.indices(self.max_pages, "src")
-        for name, b in self.backends.items():
-            if self.client == "null":
-                set_exists_answer(b, False)
-            res = b.batch_set_v1(self.stored, idx)
-            check_result(checks, f"{self.client}/{name}/store", "set", res, self.max_pages)
-        self._stored_done = True
-
-    def call(self, name: str, op: str, n: int) -> Callable[[], Any]:
-        """A zero-argument call of one operation on ``n`` pages."""
-        b = self.backends[name]
-        if op == "set":
-            idx = self.indices(n, "src")
-            ring = itertools.cycle([self.fresh[i:i + n] for i in range(0, len(self.fresh) - n + 1, n)])
-            last = self._last_set
-
-            def set_call() -> Any:
-                keys = last[name] = next(ring)
-                return b.batch_set_v1(keys, idx)
-
-            return set_call
-        keys = self.stored[:n]
-        if op == "exists":
-            return lambda: b.batch_exists(keys)
-        idx = self.indices(n, "dst")
-        return lambda: b.batch_get_v1(keys, idx)
 
     def prepare(self, op: str) -> None:
         """Null client: the answer that sends each op down its full path."""
@@ -108,25 +118,57 @@ class OverheadRig:
             for b in self.backends.values():
                 set_exists_answer(b, op != "set")
 
-    def unset(self, name: str) -> Callable[[], None]:
-        """Embedded: delete the pages the backend's last set stored (keeps
-        the store small; the ring's next batch is new anyway)."""
+    def call(self, name: str, op: str, n: int) -> Timed:
+        """One operation of one backend on ``n`` pages, ready to time."""
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
         b = self.backends[name]
-        delete = self.server().delete
-        suffixes = ("_0_k",) if self.geom.is_mla else ("_0_k", "_0_v")
+        src, dst = self.indices(n, "src"), self.indices(n, "dst")
+        if self.client != "null":
+            return self._staged_call(name, op, n, src, dst)
+        ring = self.rings[name]
+        if op == "set":
+            return Timed(lambda: b.batch_set_v1(ring.take(n), src))
+        if op == "exists":
+            return Timed(lambda: b.batch_exists(ring.take(n)))
+        fn = lambda: b.batch_get_v1(ring.take(n), dst)  # noqa: E731
+        return Timed(fn, prepare=self._looked_up(name, n) if op == "get" else None)
 
-        def unset() -> None:
-            keys = self._last_set.pop(name, None)
-            if not keys:
-                return
-            if name == "ours":
-                obj_keys = b._kv.page_object_keys(keys)[1]
-            else:
-                obj_keys = [f"{k}{s}" for k in keys for s in suffixes]
-            for k in obj_keys:
-                delete(k)
+    def _looked_up(self, name: str, n: int) -> Callable[[int], None]:
+        """``prepare(k)``: ``batch_exists`` of the next ``k`` batches, as the
+        prefetch thread looks up what its I/O thread then reads. (A key cache
+        of at least ``k * n`` pages would hold them all: ``k * n`` stays far
+        below ``KEY_CACHE_LIMIT``, a millisecond of calls.)"""
+        b, ring = self.backends[name], self.rings[name]
 
-        return unset
+        def prepare(k: int) -> None:
+            for keys in ring.peek(k, n):
+                b.batch_exists(keys)
+
+        return prepare
+
+    def _staged_call(self, name: str, op: str, n: int, src: torch.Tensor, dst: torch.Tensor) -> Timed:
+        """On the store: every sample is one call on new keys; before it, the
+        store is emptied and (exists, get) the pages stored by the same
+        backend (its writes fill no cache), then (get) looked up."""
+        b, ring, staged = self.backends[name], self.rings[name], self._staged
+        server = self.server()
+
+        def setup() -> None:
+            server.clear()
+            keys = staged[name] = ring.take(n)
+            if op != "set":
+                b.batch_set_v1(keys, src)
+            if op == "get":
+                b.batch_exists(keys)
+
+        if op == "set":
+            fn = lambda: b.batch_set_v1(staged[name], src)  # noqa: E731
+        elif op == "exists":
+            fn = lambda: b.batch_exists(staged[name])  # noqa: E731
+        else:
+            fn = lambda: b.batch_get_v1(staged[name], dst)  # noqa: E731
+        return Timed(fn, setup=setup)
 
     def verify_bytes(self, checks: Checks, n: int) -> None:
         """After gets into ``dst``, those pages hold the ``src`` pages' bytes."""
@@ -143,6 +185,11 @@ class OverheadRig:
         checks.expect(f"{self.client}/bytes", bad == 0, f"{bad}/{n} pages read back different bytes")
 
     def close(self) -> None:
+        if self.client != "null":
+            try:
+                self.server().clear()
+            except Exception:
+                pass
         for b in self.backends.values():
             try:
                 b.close()
@@ -150,37 +197,40 @@ class OverheadRig:
                 pass
 
 
+def check_call(checks: Checks, rig: OverheadRig, name: str, op: str, timed: Timed, n: int) -> None:
+    timed.ready()
+    check_result(checks, f"{rig.client}/{name}/{op}", op, timed.fn(), n)
+
+
 def measure_overhead(rig: OverheadRig, sizes: Sequence[int], repeat: int, checks: Checks,
-                     *, warmup: int = 2) -> list[dict[str, Any]]:
+                     *, warmup: int = 2, ops: Sequence[str] = OPS) -> list[dict[str, Any]]:
     """Rows of per-call cost, ours and in-tree, for each op and batch size."""
     rows = []
-    rig.store_pages(checks)
-    for op in OPS:
+    rig.check_clients(checks)
+    for op in ops:
         rig.prepare(op)
         for n in sizes:
-            fns = {name: rig.call(name, op, n) for name in rig.backends}
-            embedded_set = rig.client == "embedded" and op == "set"
-            for name, fn in fns.items():  # one verified call each, untimed
-                check_result(checks, f"{rig.client}/{name}/{op}", op, fn(), n)
-                if embedded_set:
-                    rig.unset(name)()
-            setup = {name: rig.unset(name) for name in fns} if embedded_set else None
-            samples = time_samples(fns, repeat=repeat, warmup=warmup, setup=setup)
+            timed = {name: rig.call(name, op, n) for name in rig.backends}
+            for name, t in timed.items():  # one verified call each, untimed
+                check_call(checks, rig, name, op, t, n)
+            samples = time_samples(
+                {name: t.fn for name, t in timed.items()}, repeat=repeat, warmup=warmup, timer=rig.timer,
+                setup={name: t.setup for name, t in timed.items() if t.setup is not None},
+                prepare={name: t.prepare for name, t in timed.items() if t.prepare is not None},
+            )
             ours, intree = median(samples["ours"]), median(samples["in-tree"])
             rows.append({
                 "client": rig.client, "op": op, "pages": n,
                 "ours_us": ours * 1e6, "intree_us": intree * 1e6,
                 "ours_us_per_page": ours * 1e6 / n, "intree_us_per_page": intree * 1e6 / n,
                 "ratio": intree / ours if ours > 0 else float("nan"),
+                "ours_spread": spread(samples["ours"]), "intree_spread": spread(samples["in-tree"]),
                 "samples": len(samples["ours"]),
+                "clock": "thread_time" if rig.timer is time.thread_time else "perf_counter",
             })
-            for name, fn in fns.items():  # and once more after the timing
-                if embedded_set:
-                    rig.unset(name)()
-                check_result(checks, f"{rig.client}/{name}/{op}", op, fn(), n)
-                if embedded_set:
-                    rig.unset(name)()
-        if op == "get" and rig.client == "embedded":
+            for name, t in timed.items():  # and once more after the timing
+                check_call(checks, rig, name, op, t, n)
+        if op in ("get", "get-cold") and rig.client != "null":
             rig.verify_bytes(checks, max(sizes))
     return rows
 

@@ -31,3 +31,35 @@ def fill_pool(pool: Any, seed: int = 0) -> None:
     words = flat[: n8 * 8].view(torch.int64)
     torch.arange(n8, out=words)
     words.mul_(0x9E3779B97F4A7C15 - (1 << 64)).add_(seed)
+
+
+class KeyRing:
+    """Distinct page keys handed out batch by batch, as serving meets them:
+    each batch new. The ring wraps around only after more keys than a key
+    cache holds (make it at least twice ``binding.KEY_CACHE_LIMIT`` plus a
+    batch), so no batch is ever found in a cache filled by an earlier one.
+    """
+
+    def __init__(self, keys: Sequence[str]):
+        self.keys = list(keys)
+        self.pos = 0
+
+    def _start(self, pos: int, n: int) -> int:
+        if n > len(self.keys):
+            raise ValueError(f"a batch of {n} keys from a ring of {len(self.keys)}")
+        return 0 if pos + n > len(self.keys) else pos
+
+    def take(self, n: int) -> list[str]:
+        """The next batch of ``n`` keys."""
+        start = self._start(self.pos, n)
+        self.pos = start + n
+        return self.keys[start:start + n]
+
+    def peek(self, count: int, n: int) -> list[list[str]]:
+        """The next ``count`` batches ``take(n)`` will hand out, not taken."""
+        out, pos = [], self.pos
+        for _ in range(count):
+            start = self._start(pos, n)
+            out.append(self.keys[start:start + n])
+            pos = start + n
+        return out

@@ -20,7 +20,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     clients = [c for c in ("null", "embedded") if any(r["client"] == c for r in result["overhead"])]
     ncols = len(clients) + (1 if result["bandwidth"] else 0)
     fig, axes = plt.subplots(1, max(1, ncols), figsize=(5.5 * max(1, ncols), 4.2), squeeze=False)
-    colors = {"set": "tab:blue", "exists": "tab:green", "get": "tab:orange"}
+    colors = {"set": "tab:blue", "exists": "tab:green", "get": "tab:orange", "get-cold": "tab:red"}
     for ax, client in zip(axes[0], clients):
         for op in OPS:
             rows = [r for r in result["overhead"] if r["client"] == client and r["op"] == op]
@@ -36,7 +36,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.minorticks_off()
         ax.set_xlabel("pages per call")
         ax.set_ylabel("us per page")
-        ax.set_title(f"{client} client" if client == "null" else "embedded store")
+        ax.set_title("null client (CPU time)" if client == "null" else "host store (wall time)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     if result["bandwidth"]:
@@ -49,7 +49,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.bar(x + w, [r["torch_gbps"] for r in rows], w, label="torch copy")
         ax.set_xticks(x, [r["case"] for r in rows])
         ax.set_ylabel("GB/s")
-        ax.set_title("bandwidth, embedded store")
+        ax.set_title("bandwidth, host store")
         ax.legend(fontsize=7)
     m = result["machine"]
     fig.suptitle(f"sglang-simm bench: {m['cpu']}, {m['usable_cores']} cores", fontsize=9)

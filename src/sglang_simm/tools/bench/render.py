@@ -17,6 +17,12 @@ def _fmt(v: float | None, digits: int = 2) -> str:
     return f"{v:.{digits}f}"
 
 
+def _noise(row: dict[str, Any]) -> str:
+    """The larger interquartile range over median of the two backends' samples."""
+    values = [v for v in (row.get("ours_spread"), row.get("intree_spread")) if v is not None and v == v]
+    return f"{max(values):.0%}" if values else "-"
+
+
 def render(console: Any, result: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -30,9 +36,12 @@ def render(console: Any, result: dict[str, Any]) -> None:
         f"median of {s['repeat']} samples per point; overhead pages: {s['overhead_page_tokens']} tokens, "
         f"{s['overhead_page_bytes'] // 1024} KiB (2 objects)"
     )
+    ops = result.get("operations") or {}
+    if ops:
+        console.print("operations: " + "; ".join(f"[bold]{op}[/bold] {what}" for op, what in ops.items()))
     titles = {
-        "null": "Own overhead per call, null client (only the backends' work)",
-        "embedded": "Per call on the embedded store (backend + store)",
+        "null": "Own overhead per call, null client (only the backends' work; thread CPU time)",
+        "embedded": "Per call on the host store (backend + store; wall time)",
     }
     for client in ("null", "embedded"):
         rows = [r for r in result["overhead"] if r["client"] == client]
@@ -46,6 +55,7 @@ def render(console: Any, result: dict[str, Any]) -> None:
         t.add_column("in-tree\nus/page", justify="right")
         t.add_column("ours\nus/page", justify="right")
         t.add_column("in-tree\n/ ours", justify="right")
+        t.add_column("noise\n(IQR)", justify="right")
         last_op = None
         for r in rows:
             if last_op is not None and r["op"] != last_op:
@@ -53,10 +63,25 @@ def render(console: Any, result: dict[str, Any]) -> None:
             last_op = r["op"]
             t.add_row(r["op"], str(r["pages"]), _fmt(r["intree_us"]), _fmt(r["ours_us"]),
                       _fmt(r["intree_us_per_page"], 3), _fmt(r["ours_us_per_page"], 3),
-                      f"{r['ratio']:.2f}x")
+                      f"{r['ratio']:.2f}x", _noise(r))
+        console.print(t)
+    gil = result.get("gil") or {}
+    if gil.get("rows"):
+        t = Table(title="Longest GIL hold per call, null client releasing the GIL in its batch calls "
+                        "as SiMM's client does (median of calls; the most in brackets)", title_justify="left")
+        for name in ("op", "pages", "in-tree\nus", "ours\nus", "in-tree\n/ ours"):
+            t.add_column(name, justify="left" if name == "op" else "right")
+        last_op = None
+        for r in gil["rows"]:
+            if last_op is not None and r["op"] != last_op:
+                t.add_section()
+            last_op = r["op"]
+            ratio = r["intree_us"] / r["ours_us"] if r["ours_us"] > 0 else float("nan")
+            t.add_row(r["op"], str(r["pages"]), f"{_fmt(r['intree_us'])} ({_fmt(r['intree_max_us'])})",
+                      f"{_fmt(r['ours_us'])} ({_fmt(r['ours_max_us'])})", f"{ratio:.2f}x")
         console.print(t)
     if result["bandwidth"]:
-        t = Table(title="Bandwidth, ours on the embedded store vs torch copy of the same bytes",
+        t = Table(title="Bandwidth, ours on the host store vs torch copy of the same bytes",
                   title_justify="left")
         for name in ("case", "object", "pages", "MiB\n/call", "set\nGB/s", "get\nGB/s", "torch\nGB/s",
                      "set /\ntorch", "get /\ntorch"):

@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_simm.tools.demo import hybrid, kv
-from sglang_simm.tools.demo.common import EXIT_OK, DemoOptions
+from sglang_simm.tools.demo.common import EXIT_OK, EXIT_SETUP, DemoOptions
+
+
+def preset_names() -> list[str]:
+    """Every ``--model`` preset: the KV-only ones, then the hybrid ones."""
+    from sglang_simm.tools.pools import PRESETS
+
+    return [*PRESETS, *hybrid.HYBRID_PRESETS]
 
 
 def run_demo(console: Any, args: Any, extra: dict[str, Any]) -> int:
@@ -20,18 +27,28 @@ def run_demo(console: Any, args: Any, extra: dict[str, Any]) -> int:
     if getattr(args, "list_models", False):
         return list_models(console)
     opts = DemoOptions.from_args(args)
+    if opts.model not in preset_names():
+        console.print(f"[red]error:[/red] unknown model preset {opts.model!r}; choose one of: "
+                      f"{', '.join(preset_names())} (--list-models shows them)", soft_wrap=True)
+        return EXIT_SETUP
     if hybrid.is_hybrid_preset(opts.model):  # a KV pool plus a Mamba state pool (v2)
         return hybrid.run(console, opts, extra)
     return kv.run(console, opts, extra)
 
 
 def list_models(console: Any) -> int:
+    """The presets, one row each: the name ``--model`` takes (never wrapped
+    or cut, whatever the terminal's width) and its geometry, which wraps."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title="geometry presets (one TP rank)")
-    for col in ("preset", "model", "layers", "KV heads", "head dim", "page", "dtype", "page bytes"):
-        table.add_column(col, justify="left" if col in ("preset", "model", "dtype") else "right")
-    for row in kv.list_rows() + hybrid.list_rows():
-        table.add_row(*row)
+    rows = kv.list_rows() + hybrid.list_rows()
+    table = Table(title="geometry presets (one TP rank)", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    table.add_column("preset", no_wrap=True, min_width=max(len(r[0]) for r in rows))
+    table.add_column("page geometry and model", overflow="fold")
+    for preset, model, layers, heads, dim, page, dtype, page_bytes in rows:
+        kv_shape = f"MLA {dim}" if heads == "MLA" else f"{heads} KV heads x {dim}"
+        table.add_row(preset, f"{page_bytes} a page: {layers} layers x {kv_shape}, {page} tokens, {dtype}; {model}")
     console.print(table)
     return EXIT_OK

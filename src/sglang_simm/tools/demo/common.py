@@ -412,6 +412,18 @@ def render_table(console: Any, result: DemoResult) -> None:
         table.add_row(f"{p.request}: {p.name}", pages, rate, human(p.bytes), _duration(p.seconds),
                       _rate(p.gbps))
     console.print(table)
+    ref = result.info.get("memcpy_reference")
+    writes = [p for p in result.phases if p.kind == "write" and p.gbps]
+    if ref and writes:
+        new, in_use = ref["new_memory_gbps"], ref["memory_in_use_gbps"]
+        shares = ", ".join(f"{p.request} {p.name} {p.gbps / new:.0%} / {p.gbps / in_use:.0%}" for p in writes)
+        console.print(
+            f"memcpy of {human(ref['bytes'])} of the host pool with the store's copy routine, same run: "
+            f"into {ref['memory']} {_rate(new)}, into the same memory again {_rate(in_use)}. "
+            f"Write-backs against those two: {shares}. A write into memory the store has not used yet "
+            "waits for the kernel to allocate, zero and map every page first.",
+            soft_wrap=False,
+        )
 
 
 def write_json(path: str, result: DemoResult) -> None:

@@ -60,6 +60,7 @@ from sglang_simm.tools.demo.common import (
     wipe,
 )
 from sglang_simm.tools.demo.drivers import ControllerDriver, DirectDriver, Driver
+from sglang_simm.tools.demo.reference import REFERENCE_BYTES, memcpy_reference
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def resolve_geometry(model: str, page_size: int | None) -> Any:
     from sglang_simm.tools.pools import PRESETS
 
     if model not in PRESETS:
-        raise ValueError(f"unknown model preset {model!r}; choose one of: {', '.join(PRESETS)} (--list-models)")
+        raise ValueError(f"{model!r} is not a KV-only preset; those are: {', '.join(PRESETS)}")
     geom = PRESETS[model]
     if page_size is not None:
         if page_size < 1:
@@ -186,7 +187,7 @@ class Demo:
             # Room for every page the demo writes (plus the warm-up object),
             # not the embedded store's general default.
             self.extra["embedded_capacity_bytes"] = store_bytes + (16 << 20)
-        need = host_bytes + store_bytes + 2 * self.page_bytes
+        need = host_bytes + store_bytes + 2 * self.page_bytes + min(REFERENCE_BYTES, host_bytes)
         available = _available_memory()
         if available is not None and need > 0.9 * available:
             raise DemoSetupError(
@@ -312,6 +313,7 @@ class Demo:
                                     store=getattr(getattr(driver.backend, "client", None), "description", None))
                     self._run_phases(driver, self._requests(hasher))
                     res.ok = True
+                    res.info["memcpy_reference"] = self._memcpy_reference(driver)
                 finally:
                     if driver is not None:
                         res.info["backend_stats"] = driver.backend_stats()
@@ -319,6 +321,13 @@ class Demo:
         finally:
             res.total_seconds = time.perf_counter() - t_run
         return res
+
+    def _memcpy_reference(self, driver: Driver) -> dict[str, Any]:
+        """The same-run memcpy the write-back is held against (``reference``)."""
+        buf = driver.host.kv_buffer
+        objects = 1 if self.geom.is_mla else 2
+        return memcpy_reference(buf.data_ptr(), buf.numel() * buf.element_size(), self.page_bytes // objects,
+                                shared=self.config.embedded_scope == "host")
 
     def _announce(self, driver: Driver, hasher: PageHasher) -> None:
         g, c = self.geom, self.console
