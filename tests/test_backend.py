@@ -516,10 +516,77 @@ def test_copying_path_stores_head_groups_that_other_tp_sizes_read(attach):
         assert all(torch.equal(got[p].view(torch.uint8), want[p]) for p in range(2))
 
 
+def test_a_read_takes_the_object_keys_its_lookup_built_and_nothing_else(attach, monkeypatch):
+    """SGLang's prefetch thread looks a batch up, then its I/O thread reads the
+    same batch, or its first pages after the hit all-reduce: those reads
+    build no keys. Any other batch builds its own, and every page reads its
+    own bytes whichever way its keys came."""
+    from sglang_simm import keys as keyspace
+
+    backend, host = attach(tiny())
+    fill_random(host, 3)
+    keys = hashes(6)
+    want = [page(host, p) for p in range(6)]
+    assert backend.batch_set_v1(keys, slots(host, 0, 6)) == [True] * 6
+    built: list[int] = []
+    real = keyspace.object_keys
+    monkeypatch.setattr(keyspace, "object_keys", lambda prefix, pages, sfx: built.append(len(pages)) or real(prefix, pages, sfx))
+
+    def read(batch, first_slot_page):
+        fill_random(host, 4)
+        got = backend.batch_get_v1(batch, slots(host, first_slot_page, len(batch)))
+        return got, [page(host, first_slot_page + i) for i in range(len(batch))]
+
+    assert backend.batch_exists(keys) == 6 and built == [6]
+    got, pages = read(keys, 8)  # the same batch: its lookup's keys
+    assert got == [True] * 6 and built == [6]
+    assert all(torch.equal(pages[i], want[i]) for i in range(6))
+
+    assert backend.batch_exists(keys) == 6
+    got, pages = read(keys[:4], 8)  # its first pages (the hit all-reduce cut it)
+    assert got == [True] * 4 and built == [6, 6]
+    assert all(torch.equal(pages[i], want[i]) for i in range(4))
+
+    assert backend.batch_exists(keys) == 6
+    got, pages = read([keys[0], keys[5]], 8)  # the same first page, other pages: built anew
+    assert got == [True, True] and built == [6, 6, 6, 2]
+    assert torch.equal(pages[0], want[0]) and torch.equal(pages[1], want[5])
+
+    # a later lookup of another batch with the same first page replaces the first
+    assert backend.batch_exists(keys[:3]) == 3
+    assert backend.batch_exists([keys[0], keys[4], keys[5]]) == 3
+    got, pages = read(keys[:3], 8)
+    assert got == [True] * 3 and built[-1] == 3
+    assert all(torch.equal(pages[i], want[i]) for i in range(3))
+    # taken once: a second read of a batch builds its keys again
+    assert backend.batch_exists(keys) == 6
+    read(keys, 8)
+    n = len(built)
+    got, pages = read(keys, 8)
+    assert got == [True] * 6 and len(built) == n + 1
+    assert all(torch.equal(pages[i], want[i]) for i in range(6))
+
+
+def test_lookups_never_read_keep_a_bounded_number_of_keys(attach, monkeypatch):
+    """Metrics off, a long run: lookups whose batch is never read (a hit under
+    the prefetch threshold) keep at most KEY_CACHE_LIMIT object keys."""
+    from sglang_simm import binding as binding_module
+
+    monkeypatch.setattr(binding_module, "KEY_CACHE_LIMIT", 10)
+    backend, host = attach(tiny())
+    kv = backend._kv
+    for i in range(50):
+        backend.batch_exists(hashes(2, salt=f"never-read-{i}"))
+        assert len(kv.keys) <= 10
+    assert len(kv.keys) == 8  # the last four batches of two pages, two objects each
+    backend.batch_exists(hashes(6, salt="too-big"))  # 12 keys: never kept
+    assert len(kv.keys) == 8
+
+
 def test_key_cache_overflow_and_non_ascii_keys_stay_correct(attach, monkeypatch):
     from sglang_simm import binding as binding_module
 
-    monkeypatch.setattr(binding_module, "KEY_CACHE_LIMIT", 3)
+    monkeypatch.setattr(binding_module, "KEY_CACHE_LIMIT", 9)  # one 4-page batch (8 keys) at a time
     backend, host = attach(tiny())
     fill_random(host, 19)
     keys = hashes(3) + ["页面-ключ-ü"]  # a non-ASCII page key within the byte budget

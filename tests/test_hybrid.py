@@ -409,9 +409,10 @@ def test_set_skips_objects_already_stored(hybrid_attach):
     assert stats["pages_written"] == 4 and stats["pages_skipped_existing"] == 3
 
 
-def test_no_call_keeps_keys_on_v1_and_v2_alike(hybrid_attach):
-    """Neither a write nor a read keeps its object keys, on either path
-    (keeping them cost more than it saved: the backend's ``_plan``)."""
+def test_only_a_lookup_keeps_keys_and_its_read_takes_them_on_v1_and_v2_alike(hybrid_attach):
+    """Writes and reads keep no object keys, on either path; a KV lookup
+    (v1, or v2's KV part) keeps its batch's until the read that follows
+    takes them (``binding.KeyCache``); side pools keep none."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     backend, pools = hybrid_attach(side=("swa",))
@@ -424,8 +425,14 @@ def test_no_call_keeps_keys_on_v1_and_v2_alike(hybrid_attach):
     assert all(backend.batch_get_v1(keys, slots(pools["kv"], 4, 3)))
     t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 4, 3))
     assert backend.batch_get_v2([t]) == {PoolName.SWA: [True] * 3}
-    assert backend.batch_exists(keys) == 3
     assert len(kv.keys) == 0 and len(swa.keys) == 0
+    assert backend.batch_exists(keys) == 3
+    assert len(kv.keys) == 3 * kv.parts and len(swa.keys) == 0
+    assert all(backend.batch_get_v1(keys, slots(pools["kv"], 4, 3)))
+    assert len(kv.keys) == 0
+    t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 4, 3))
+    assert backend.batch_exists_v2(keys, [t]) is not None
+    assert len(kv.keys) == 3 * kv.parts and len(swa.keys) == 0
 
 
 # ------------------------------------------------ hit query, hand-worked cases

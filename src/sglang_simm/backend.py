@@ -250,7 +250,8 @@ class HiCacheSiMM(HiCacheStorage):
                 self._log("unbound", "SiMM: batch_exists before a host pool was registered")
                 return 0
             self.counters.record_exists()
-            obj_keys = b.keys.of_all(keys, remember=False)  # no key memory: see _plan
+            # kept for the read of this batch that follows (KeyCache)
+            obj_keys = b.keys.of_all(keys, remember=True)
             if obj_keys is not None:
                 found_list = self.client.mexists(obj_keys)
                 if len(found_list) != len(obj_keys):
@@ -282,12 +283,9 @@ class HiCacheSiMM(HiCacheStorage):
 
     def _plan(self, b: PoolBinding, keys: Sequence[str], host_indices: Any, *, write: bool) -> Plan | None:
         """One batch of one pool resolved to objects (v1 and v2 alike), or
-        None (counted) when its indices are unusable. No call keeps the
-        batch's object keys: on serving's pattern (an exists of new keys,
-        then a get of the same), keeping them cost more on the exists than
-        building them again saves on the get (``sglang-simm bench``), and
-        emptying a full key cache held the GIL for milliseconds."""
-        plan = b.plan(keys, host_indices, self._log, remember=False)
+        None (counted) when its indices are unusable. A read of a batch just
+        looked up takes the lookup's object keys (``binding.KeyCache``)."""
+        plan = b.plan(keys, host_indices, self._log)
         if plan is None:
             self.counters.record_error("bad_indices")
         return plan

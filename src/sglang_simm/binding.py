@@ -10,15 +10,17 @@ A binding is built at attach, in steps that each stand alone here:
 5. ``ViewTable``: a ``BlockView`` per object, made on first use and kept
    for the pool's life (up to ``VIEW_TABLE_LIMIT``);
 
-plus a ``KeyCache`` of object keys for lookups. Per call, ``plan`` resolves a
-batch (page keys and host indices) to the objects to move, or None. Every
+plus a ``KeyCache``: a lookup's object keys, kept for the read that
+follows. Per call, ``plan`` resolves a batch (page keys and host indices) to the objects to move, or None. Every
 step may raise at attach (``UnsupportedPoolError``); ``plan`` never raises
 on bad input, it answers None or leaves the bad pages out.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, replace
+import threading
 from itertools import chain
 from typing import Any, Callable, Sequence
 
@@ -38,8 +40,9 @@ from sglang_simm.metrics import RateLimitedLog
 #: host pool with objects of 64 KiB or more (README, "Views").
 VIEW_TABLE_LIMIT = 1 << 21
 
-#: Page keys whose object keys are kept (about 200 bytes each per object).
-KEY_CACHE_LIMIT = 1 << 16
+#: Object keys a pool keeps from its lookups for the reads that follow
+#: (``KeyCache``; about 150 bytes each, so a few MiB at most).
+KEY_CACHE_LIMIT = 1 << 15
 
 Meta = Callable[[Any], tuple[list[int], list[int]]]
 
@@ -197,11 +200,16 @@ class ViewTable:
 class KeyCache:
     """The object keys of one pool's pages: ``prefix + page key + suffix``.
 
-    It can keep the object keys of looked-up pages (``remember``), validated
-    once on insert, emptied when it would outgrow ``KEY_CACHE_LIMIT`` pages;
-    the backend does not ask it to: on serving's pattern of keys (an exists
-    of new keys, then a get of the same), keeping them cost more on the
-    exists than it saved on the get (``sglang-simm bench``).
+    Serving's page keys are new on every lookup, so a cache of keys per page
+    never hits on its first use and costs more to fill than it saves (an
+    earlier version: 113 against 40 us for an exists of 128 new pages, and
+    milliseconds of GIL to empty it when full). What does repeat is a batch:
+    SGLang's prefetch thread looks a batch up (``batch_exists``), then its
+    I/O thread reads the same batch, or its first pages after the hit
+    all-reduce, both cut at ``STORAGE_BATCH_SIZE`` from the same first page.
+    So a lookup keeps its batch's object keys (``remember``), under the
+    batch's first page key, for the one call that reads it next; at most
+    ``KEY_CACHE_LIMIT`` object keys are kept, the oldest batch dropped first.
     """
 
     def __init__(self, prefix: str, suffixes: tuple[str, ...]):
@@ -209,30 +217,63 @@ class KeyCache:
         self.suffixes = suffixes
         #: the longest page key whose object keys fit SiMM's limit
         self.budget = keyspace.max_page_key_bytes(prefix, suffixes)
-        self._cache: dict[str, tuple[str, ...]] = {}
+        #: first page key -> (the batch's page keys, their object keys)
+        self._batches: OrderedDict[str, tuple[list[str], list[str]]] = OrderedDict()
+        self._kept = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        """Page keys kept."""
-        return len(self._cache)
+        """Object keys kept."""
+        return self._kept
 
-    def of_all(self, page_keys: Sequence[str], *, remember: bool = True) -> list[str] | None:
+    def of_all(self, page_keys: Sequence[str], *, remember: bool = False) -> list[str] | None:
         """Object keys of every page, or None when any page key is unusable.
-        ``remember``: keep them for the next lookup."""
-        cache = self._cache
-        if cache:  # empty unless asked to remember: no failed lookup to pay for
-            try:
-                return list(chain.from_iterable([cache[k] for k in page_keys]))
-            except (KeyError, TypeError):  # a new (or unhashable) page key
-                pass
+        ``remember``: keep them for the next call that names the same pages
+        (or the first of them), which takes them."""
+        batches = self._batches
+        if batches:
+            kept = self._take(page_keys)
+            if kept is not None:
+                return kept
         if not keyspace.keys_fit(page_keys, self.budget):
             return None
         out = keyspace.object_keys(self.prefix, page_keys, self.suffixes)
-        if remember:
-            parts = len(self.suffixes)
-            if len(cache) + len(page_keys) > KEY_CACHE_LIMIT:
-                cache.clear()
-            cache.update(zip(page_keys, zip(*[out[i::parts] for i in range(parts)])))
+        if remember and page_keys:
+            self._keep(list(page_keys), out)
         return out
+
+    def _take(self, page_keys: Sequence[str]) -> list[str] | None:
+        try:
+            with self._lock:
+                kept = self._batches.pop(page_keys[0], None)
+                if kept is not None:
+                    self._kept -= len(kept[1])
+        except (TypeError, IndexError):  # an unhashable page key, or no pages
+            return None
+        if kept is None:
+            return None
+        pages, objs = kept
+        n = len(page_keys)
+        # The same str objects (SGLang slices one list of hashes): identity
+        # makes this compare cheap; equal strings of other objects match too.
+        if n > len(pages) or pages[:n] != (page_keys if page_keys.__class__ is list else list(page_keys)):
+            return None
+        return objs if n == len(pages) else objs[: n * len(self.suffixes)]
+
+    def _keep(self, pages: list[str], objs: list[str]) -> None:
+        if len(objs) > KEY_CACHE_LIMIT:
+            return
+        batches = self._batches
+        # The prefetch thread keeps, the I/O thread takes: one short lock.
+        with self._lock:
+            old = batches.pop(pages[0], None)
+            if old is not None:
+                self._kept -= len(old[1])
+            batches[pages[0]] = (pages, objs)
+            self._kept += len(objs)
+            while self._kept > KEY_CACHE_LIMIT:
+                _, (_, dropped) = batches.popitem(last=False)
+                self._kept -= len(dropped)
 
     def of_usable(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
         """The usable pages (indices into ``page_keys``) and their object keys."""
@@ -304,7 +345,7 @@ class PoolBinding:
             raise
 
     def plan(
-        self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog, *, remember: bool = True
+        self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog
     ) -> Plan | None:
         """Resolve a batch; None (all misses) when the indices are unusable.
 
@@ -327,7 +368,7 @@ class PoolBinding:
         if views is None:
             log("bad_indices", "SiMM: host_indices outside the host pool; treating the batch as misses")
             return None
-        obj_keys = self.keys.of_all(page_keys, remember=remember)
+        obj_keys = self.keys.of_all(page_keys)
         if obj_keys is not None:
             return Plan(pages=None, keys=obj_keys, views=views, starts=starts)
         pages, obj_keys = self.keys.of_usable(page_keys)

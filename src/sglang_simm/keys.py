@@ -208,7 +208,23 @@ def _chunked(parts: Sequence[str], chunks: int) -> tuple[str, ...]:
 
 
 def object_keys(prefix: str, page_keys: Sequence[str], suffixes: Sequence[str]) -> list[str]:
-    """Flat, page-major list: every suffix of page 0, then page 1, ..."""
+    """Flat, page-major list: every suffix of page 0, then page 1, ...
+
+    Built on every call of the data path (serving's page keys are new each
+    time, so no cache hits): the common shapes, one object per page (MLA)
+    and two (K, V), run without the inner loop over suffixes, which cost
+    about a fifth of the build (``sglang-simm bench``)."""
+    if len(suffixes) == 1:
+        (s0,) = suffixes
+        return [f"{prefix}{k}{s0}" for k in page_keys]
+    if len(suffixes) == 2:
+        s0, s1 = suffixes
+        out: list[str] = []
+        add = out.append
+        for k in page_keys:
+            add(f"{prefix}{k}{s0}")
+            add(f"{prefix}{k}{s1}")
+        return out
     return [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
 
 
@@ -248,6 +264,8 @@ def keys_fit(keys: Sequence[object], budget: int = MAX_KEY_BYTES, *, empty_ok: b
         return False
     if not keys:
         return True
-    if (not empty_ok and min(map(len, keys)) == 0) or max(map(len, keys)) > budget:  # type: ignore[arg-type]
+    # ``"" in keys`` compares in C and stops at the first empty key; cheaper
+    # than a min over the lengths
+    if (not empty_ok and "" in keys) or max(map(len, keys)) > budget:  # type: ignore[arg-type]
         return False
     return joined.isascii() or all(key_fits(k, budget, empty_ok=empty_ok) for k in keys)
