@@ -11,9 +11,10 @@ A binding is built at attach, in steps that each stand alone here:
    for the pool's life (up to ``VIEW_TABLE_LIMIT``);
 
 plus a ``KeyCache``: a lookup's object keys, kept for the read that
-follows. Per call, ``plan`` resolves a batch (page keys and host indices) to the objects to move, or None. Every
-step may raise at attach (``UnsupportedPoolError``); ``plan`` never raises
-on bad input, it answers None or leaves the bad pages out.
+follows. Per call, ``plan`` resolves a batch (page keys and host indices)
+to the objects to move, or None. Every step may raise at attach
+(``UnsupportedPoolError``); ``plan`` never raises on bad input, it answers
+None or leaves the bad pages out.
 """
 
 from __future__ import annotations
