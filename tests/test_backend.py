@@ -558,6 +558,11 @@ def test_a_read_takes_the_object_keys_its_lookup_built_and_nothing_else(attach, 
     got, pages = read(keys[:3], 8)
     assert got == [True] * 3 and built[-1] == 3
     assert all(torch.equal(pages[i], want[i]) for i in range(3))
+    # two lookups of one batch (two requests sharing a prefix) leave it for a read
+    assert backend.batch_exists(keys) == 6 and backend.batch_exists(keys) == 6
+    n = len(built)
+    got, pages = read(keys, 8)
+    assert got == [True] * 6 and len(built) == n
     # taken once: a second read of a batch builds its keys again
     assert backend.batch_exists(keys) == 6
     read(keys, 8)

@@ -231,15 +231,14 @@ class KeyCache:
         """Object keys of every page, or None when any page key is unusable.
         ``remember``: keep them for the next call that names the same pages
         (or the first of them), which takes them."""
-        batches = self._batches
-        if batches:
-            kept = self._take(page_keys)
-            if kept is not None:
-                return kept
-        if not keyspace.keys_fit(page_keys, self.budget):
-            return None
-        out = keyspace.object_keys(self.prefix, page_keys, self.suffixes)
+        out = self._take(page_keys) if self._batches else None
+        if out is None:
+            if not keyspace.keys_fit(page_keys, self.budget):
+                return None
+            out = keyspace.object_keys(self.prefix, page_keys, self.suffixes)
         if remember and page_keys:
+            # kept again when taken: another request's lookup of the same
+            # batch (a shared prefix) leaves it for the reads to come
             self._keep(list(page_keys), out)
         return out
 
