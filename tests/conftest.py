@@ -37,6 +37,18 @@ def _stop_store_processes(root: str) -> None:
             time.sleep(0.02)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config):
+    # A CI timeout or a `kill` sends SIGTERM, which would end this process
+    # with no teardown: end the run as Ctrl-C does instead, so every
+    # fixture's teardown (servers, store processes, their memory) runs.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def host_store_dir():
     """A private store directory for the whole session (exported, so store

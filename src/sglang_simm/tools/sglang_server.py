@@ -19,6 +19,7 @@ memory is read from the process tree.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -213,8 +214,34 @@ class Generation:
         return int((self.cached_details or {}).get("device") or 0)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def ends_with_launcher() -> Any:
+    """A ``preexec_fn`` after which the child gets SIGTERM when the thread
+    that launched it ends, however it ends (a test run or a demo killed by
+    SIGKILL or a CI timeout included): servers run in a session of their
+    own, so nothing else would stop them. SGLang's server ends its own
+    children on SIGTERM. Linux only (elsewhere None: no ``preexec_fn``)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # it ended before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
 class SGLangServer:
-    """One running server; use as a context manager (stopped whatever happens)."""
+    """One running server; use as a context manager (stopped whatever happens).
+
+    The server also ends when the thread that launched it ends (see
+    ``ends_with_launcher``): launch it from a thread that outlives it, such
+    as the main thread."""
 
     def __init__(self, config: ServerConfig, workdir: str | os.PathLike, *, name: str = "server") -> None:
         self.config = config
@@ -262,6 +289,7 @@ class SGLangServer:
                 env=env,
                 cwd=self.workdir,
                 start_new_session=True,
+                preexec_fn=ends_with_launcher(),
             )
         return self
 

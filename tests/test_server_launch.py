@@ -1,0 +1,141 @@
+"""A server the tests or the demo launch never outlives them, even when they
+are killed outright (a CI timeout, SIGKILL): it runs in a session of its own,
+so only the death signal set at launch reaches it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sglang_simm.embedded._host import pid_alive
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+
+
+def _wait(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_a_launched_process_ends_when_its_launcher_is_killed(tmp_path, how):
+    pidfile = tmp_path / "child.pid"
+    launcher = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        from sglang_simm.tools.sglang_server import ends_with_launcher
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                 start_new_session=True, preexec_fn=ends_with_launcher())
+        with open({str(pidfile) + '.tmp'!r}, "w") as f:
+            f.write(str(child.pid))
+        os.replace({str(pidfile) + '.tmp'!r}, {str(pidfile)!r})
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", launcher])
+    child = None
+    try:
+        assert _wait(pidfile.exists, 60), "the launcher never started its child"
+        child = int(pidfile.read_text())
+        assert pid_alive(child) and os.getpgid(child) != os.getpgid(proc.pid)  # a session of its own
+        proc.send_signal(how)
+        proc.wait(timeout=30)
+        assert _wait(lambda: not pid_alive(child), 10), "the child outlived its launcher"
+    finally:
+        proc.kill()
+        proc.wait()
+        if child is not None and pid_alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_launched_process_lives_while_its_launcher_does(tmp_path):
+    """The death signal is no timer: the child runs as long as its launcher."""
+    from sglang_simm.tools.sglang_server import ends_with_launcher
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                             start_new_session=True, preexec_fn=ends_with_launcher())
+    try:
+        time.sleep(1.0)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_test_run_ended_by_sigterm_still_stops_its_store_processes():
+    """SIGTERM (a CI timeout, a `kill`) ends a run like Ctrl-C: the session's
+    teardown stops the store processes it started and removes their memory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_SIMM_STORE_DIR"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", os.path.join(here, "sigterm_probe.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=os.path.dirname(here),
+    )
+    root = pid = None
+    try:
+        for line in proc.stdout:
+            if line.startswith("READY "):
+                _, root, pid_text = line.split()
+                pid = int(pid_text)
+                break
+        assert pid is not None and pid_alive(pid), "the probe never opened its store"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0 and "KeyboardInterrupt" in out
+        assert _wait(lambda: not pid_alive(pid), 10), "the store process outlived the run"
+        assert not os.path.exists(root), "the run's store directory is still there"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pid is not None and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_demo_ended_by_sigterm_stops_the_store_it_started(host_store_dir):
+    """`kill` of `sglang-simm demo` mid-run exits through its cleanup: the
+    host store it started for itself is stopped, not left behind."""
+    from sglang_simm.embedded._paths import StorePaths, read_pid
+
+    script = textwrap.dedent("""
+        import sys, time
+        from sglang_simm.tools import cli
+        from sglang_simm.tools.demo import kv
+
+        def waiting(self, driver, requests):  # the demo, stopped mid-run
+            print("READY", flush=True)
+            time.sleep(600)
+
+        kv.Demo._run_phases = waiting
+        sys.exit(cli.main(["demo", "--model", "tiny", "--pages", "4", "--direct"]))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "SGLANG_SIMM_STORE_DIR": host_store_dir})
+    store_pid = None
+    try:
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("READY"):
+                break
+        paths = StorePaths(host_store_dir, f"demo-{proc.pid}")
+        store_pid = read_pid(paths)
+        assert pid_alive(store_pid), "".join(out)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert _wait(lambda: not pid_alive(store_pid), 10), "the demo's own store outlived it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if store_pid and pid_alive(store_pid):
+            os.kill(store_pid, signal.SIGKILL)
