@@ -287,3 +287,20 @@ def test_unknown_preset_lists_every_preset(tmp_path):
     flat = " ".join(text.split())
     assert "unknown model preset 'llama3-7b'" in flat
     assert f"choose one of: {', '.join(demo.preset_names())}" in flat
+
+
+def test_waiting_on_a_controller_queue_yields_what_comes_and_fails_by_name_past_the_deadline():
+    import queue
+    import time
+
+    from sglang_simm.tools.demo import drivers
+    from sglang_simm.tools.demo.common import DemoFailure
+
+    q = queue.Queue()
+    q.put("first")
+    idle = []
+    items = drivers._items(q, time.monotonic() + 0.3, "the backup thread did not answer", idle=lambda: idle.append(1))
+    assert next(items) == "first"
+    with pytest.raises(DemoFailure, match="the backup thread did not answer"):
+        next(items)
+    assert idle  # polled while waiting (the demo's progress line moves)

@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 from queue import Empty
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from sglang_simm.tools.demo.common import (
     DemoFailure,
@@ -292,16 +292,10 @@ class ControllerDriver(Driver):
         deadline = time.monotonic() + self.timeout_s
         start = time.perf_counter()
         op_id = self.cc.write_storage(host_indices, list(token_ids), list(keys), None)
-        while True:
-            try:
-                op = self.cc.ack_backup_queue.get(timeout=0.05)
-            except Empty:
-                progress(self._written_so_far(before))
-                if time.monotonic() > deadline:
-                    raise DemoFailure(
-                        f"SGLang's backup thread did not acknowledge the write of {len(keys)} pages "
-                        f"within {self.timeout_s:.0f} s")
-                continue
+        failure = (f"SGLang's backup thread did not acknowledge the write of {len(keys)} pages "
+                   f"within {self.timeout_s:.0f} s")
+        for op in _items(self.cc.ack_backup_queue, deadline, failure,
+                         idle=lambda: progress(self._written_so_far(before))):
             if op.id == op_id:
                 break
         seconds = time.perf_counter() - start
@@ -315,13 +309,9 @@ class ControllerDriver(Driver):
         handle = self._handle_cls(rid=rid, attempt_id=0)
         start = time.perf_counter()
         op = self.cc.prefetch(handle, list(token_ids), last_hash)
-        while True:  # the prefetch thread's verdict (batch_exists, rank-agreed)
-            try:
-                hit_op = self.cc.prefetch_hit_queue.get(timeout=0.05)
-            except Empty:
-                if time.monotonic() > deadline:
-                    raise DemoFailure(f"SGLang's prefetch thread did not answer the lookup of {rid}")
-                continue
+        # the prefetch thread's verdict (batch_exists, rank-agreed)
+        for hit_op in _items(self.cc.prefetch_hit_queue, deadline,
+                             f"SGLang's prefetch thread did not answer the lookup of {rid}"):
             if hit_op is op:
                 break
         lookup = time.perf_counter() - start
@@ -342,13 +332,8 @@ class ControllerDriver(Driver):
         start = time.perf_counter()
         self.cc.prefetch_buffer.put(op)
         completed = 0
-        while True:
-            try:
-                ack = self.cc.ack_prefetch_queue.get(timeout=0.05)
-            except Empty:
-                if time.monotonic() > deadline:
-                    raise DemoFailure(f"SGLang's prefetch-IO thread did not finish loading {rid}")
-                continue
+        for ack in _items(self.cc.ack_prefetch_queue, deadline,
+                          f"SGLang's prefetch-IO thread did not finish loading {rid}"):
             if ack.operation is not op:
                 continue
             if ack.completed_tokens is not None:
@@ -361,6 +346,21 @@ class ControllerDriver(Driver):
     def close(self) -> None:
         stack, self._stack = self._stack, contextlib.ExitStack()
         stack.close()
+
+
+def _items(queue: Any, deadline: float, failure: str, idle: Callable[[], Any] | None = None) -> Iterator[Any]:
+    """What one of the controller's queues hands out, as it comes; ``idle``
+    runs between polls; past ``deadline``, DemoFailure(``failure``)."""
+    while True:
+        try:
+            item = queue.get(timeout=0.05)
+        except Empty:
+            if idle is not None:
+                idle()
+            if time.monotonic() > deadline:
+                raise DemoFailure(failure) from None
+            continue
+        yield item
 
 
 def _remove_quietly(path: str) -> None:
