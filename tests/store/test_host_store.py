@@ -21,7 +21,7 @@ import pytest
 from sglang_simm.embedded import _host
 from sglang_simm.embedded._host import HostServer, StoreUnreachable, pid_alive
 from sglang_simm.embedded._paths import StoreAccessError, StorePaths, check_name
-from sglang_simm.errors import BUILD_CONNECTION_FAILED, OK, OUT_OF_MEMORY, SEND_RPC_FAILED
+from sglang_simm.errors import BUILD_CONNECTION_FAILED, OK, OUT_OF_MEMORY, SEND_RPC_FAILED, TIMEOUT
 
 pytestmark = pytest.mark.host
 
@@ -251,19 +251,21 @@ def test_store_process_killed_calls_fail_with_transport_codes_then_recover(store
     assert store.reconnects >= 1
 
 
-def test_a_stalled_store_times_out_and_the_client_reconnects(store):
-    store.timeout_s = 0.3
-    conn = store._current()
-    conn.sock.settimeout(0.3)
-    conn.timeout_s = 0.3
+def test_a_stalled_store_times_out_and_the_client_reconnects(store, host_store_dir):
+    client = HostServer(store.name, root=host_store_dir, capacity=64 << 20, timeout_s=0.3)
+    client.open()
+    assert client.pid == store.pid  # a second client of the same store process
     os.kill(store.pid, signal.SIGSTOP)
     try:
-        with pytest.raises(StoreUnreachable, match="did not answer"):
-            store.lookup(["x"])
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnreachable, match="did not answer") as raised:
+            client.lookup(["x"])
+        assert raised.value.code == TIMEOUT and time.monotonic() - t0 < 3
     finally:
         os.kill(store.pid, signal.SIGCONT)
-    wait_for(lambda: _try(store.lookup, ["x"]) == [-4003], what="a new connection")
-    assert store.reconnects == 1
+    wait_for(lambda: _try(client.lookup, ["x"]) == [-4003], what="a new connection")
+    assert client.reconnects == 1
+    client.close()
 
 
 def _try(fn, *args):

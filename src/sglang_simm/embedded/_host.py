@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -65,6 +66,14 @@ class StoreUnreachable(ConnectionError):
         self.code = code
 
 
+def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
+    """Sends and receives on ``sock`` fail with EAGAIN after ``seconds``."""
+    whole = int(seconds)
+    tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 class _Connection:
     """One socket to the store process, and the arena it announced."""
 
@@ -75,6 +84,12 @@ class _Connection:
             check_file(paths.socket)
             sock.settimeout(timeout_s)
             sock.connect(paths.socket)
+            # From here the kernel keeps the time limit (SO_RCVTIMEO and
+            # SO_SNDTIMEO) and Python's socket blocks: a Python timeout polls
+            # before every send and receive, two more system calls a request,
+            # and a system call costs 10-20 us on a VM (README, local store).
+            _kernel_timeout(sock, timeout_s)
+            sock.settimeout(None)
         except BaseException:
             sock.close()
             raise
@@ -103,7 +118,7 @@ class _Connection:
     def exchange(self, data: bytes, *, reply: bool = True, timeout_s: float | None = None) -> tuple[int, bytes]:
         """Send a frame and read the reply (the caller holds ``lock``)."""
         if timeout_s is not None:
-            self.sock.settimeout(timeout_s)
+            _kernel_timeout(self.sock, timeout_s)
         try:
             self.sock.sendall(data)
             if not reply:
@@ -122,9 +137,11 @@ class _Connection:
             elif len(body) > length:
                 raise ConnectionResetError("the store process sent more than one reply")
             return op, body
+        except BlockingIOError as exc:  # the kernel's time limit ran out
+            raise socket.timeout("timed out") from exc
         finally:
             if timeout_s is not None:
-                self.sock.settimeout(self.timeout_s)
+                _kernel_timeout(self.sock, self.timeout_s)
 
     # -- copies in flight, and closing ------------------------------------------
 
