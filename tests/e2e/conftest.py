@@ -23,10 +23,19 @@ from e2e_util import DEVICE_TOKENS, PAGE
 from sglang_simm.tools.sglang_server import SGLangServer, ServerConfig
 from sglang_simm.tools.tiny_model import write_model
 
+#: SiMM's client gives a request 1 s (``request_timeout_ms``, its flag
+#: ``clnt_sync_req_timeout_ms``). Three CPU servers and the tests on two
+#: cores have held a store's answer past that for a moment (a backup then
+#: fails, and a test that waits for its pages reads a miss), so these servers
+#: wait longer. Timeouts themselves are tested in tests/store.
+REQUEST_TIMEOUT_MS = 10_000
+
+
 def _store(name: str, **extra) -> dict:
     """A host store of the server's own (``local://e2e-NAME``), so servers
     never see each other's pages; batch logs on (the tests count pages)."""
-    return {"manager_address": f"local://e2e-{name}", "enable_profile": True, **extra}
+    return {"manager_address": f"local://e2e-{name}", "enable_profile": True,
+            "request_timeout_ms": REQUEST_TIMEOUT_MS, **extra}
 
 
 #: name -> the server's config, given the model directory
