@@ -19,9 +19,9 @@ None or leaves the bad pages out.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-import threading
 from itertools import chain
 from typing import Any, Callable, Sequence
 

@@ -210,10 +210,11 @@ def _chunked(parts: Sequence[str], chunks: int) -> tuple[str, ...]:
 def object_keys(prefix: str, page_keys: Sequence[str], suffixes: Sequence[str]) -> list[str]:
     """Flat, page-major list: every suffix of page 0, then page 1, ...
 
-    Built on every call of the data path (serving's page keys are new each
-    time, so no cache hits): the common shapes, one object per page (MLA)
-    and two (K, V), run without the inner loop over suffixes, which cost
-    about a fifth of the build (``sglang-simm bench``)."""
+    Built for every lookup and write (serving's page keys are new each
+    time; only a read right after its lookup reuses keys, through
+    ``binding.KeyCache``): the common shapes, one object per page (MLA) and
+    two (K, V), run without the inner loop over suffixes, which cost about a
+    fifth of the build (``sglang-simm bench``)."""
     if len(suffixes) == 1:
         (s0,) = suffixes
         return [f"{prefix}{k}{s0}" for k in page_keys]

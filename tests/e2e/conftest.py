@@ -31,48 +31,30 @@ from sglang_simm.tools.tiny_model import write_model
 REQUEST_TIMEOUT_MS = 10_000
 
 
-def _store(name: str, **extra) -> dict:
-    """A host store of the server's own (``local://e2e-NAME``), so servers
-    never see each other's pages; batch logs on (the tests count pages)."""
-    return {"manager_address": f"local://e2e-{name}", "enable_profile": True,
-            "request_timeout_ms": REQUEST_TIMEOUT_MS, **extra}
+def _server(name: str, route: str, store: dict | None = None, **fields) -> Callable[[str], ServerConfig]:
+    """A server's config, given the model directory: the tests' page size
+    and device tokens, and a host store of its own (``local://e2e-NAME``,
+    so servers never see each other's pages) with batch logs on (the tests
+    count pages); ``store`` adds extra-config fields."""
+    extra = {"manager_address": f"local://e2e-{name}", "enable_profile": True,
+             "request_timeout_ms": REQUEST_TIMEOUT_MS, **(store or {})}
+    return lambda model: ServerConfig(model_path=model, route=route, extra_config=dict(extra), page_size=PAGE,
+                                      max_total_tokens=DEVICE_TOKENS, **fields)
 
 
 #: name -> the server's config, given the model directory
 SERVERS: dict[str, Callable[[str], ServerConfig]] = {
     # the plugin entry point; page_first with the kernel io backend; metrics on
-    "route-simm": lambda model: ServerConfig(
-        model_path=model,
-        route="simm",
-        extra_config=_store("route-simm"),
-        mem_layout="page_first",
-        io_backend="kernel",
-        enable_metrics=True,
-        page_size=PAGE,
-        max_total_tokens=DEVICE_TOKENS,
-    ),
+    "route-simm": _server("route-simm", "simm", mem_layout="page_first", io_backend="kernel", enable_metrics=True),
     # module path + interface_v1; page_first_direct with the direct io
     # backend; metrics off (SGLang's default); a small host store, which the
     # soak fills to capacity
-    "route-dynamic": lambda model: ServerConfig(
-        model_path=model,
-        route="dynamic",
-        extra_config=_store("route-dynamic", embedded_capacity_bytes="32MiB"),
-        mem_layout="page_first_direct",
-        io_backend="direct",
-        enable_metrics=False,
-        page_size=PAGE,
-        max_total_tokens=DEVICE_TOKENS,
-    ),
+    "route-dynamic": _server("route-dynamic", "dynamic", {"embedded_capacity_bytes": "32MiB"},
+                             mem_layout="page_first_direct", io_backend="direct", enable_metrics=False),
     # the control: every successful L3 read comes back with flipped bytes;
     # no warm-up round trip (it would see them and refuse to start)
-    "corrupt-reads": lambda model: ServerConfig(
-        model_path=model,
-        route="simm",
-        extra_config=_store("corrupt-reads", warmup=False, client_flags={"embedded_corrupt_reads": "1"}),
-        page_size=PAGE,
-        max_total_tokens=DEVICE_TOKENS,
-    ),
+    "corrupt-reads": _server("corrupt-reads", "simm",
+                             {"warmup": False, "client_flags": {"embedded_corrupt_reads": "1"}}),
 }
 
 #: (name, seconds to healthy, log) of every server started, for the summary

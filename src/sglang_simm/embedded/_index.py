@@ -52,6 +52,7 @@ def check_policy(policy: object) -> str:
         raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
     return policy  # type: ignore[return-value]
 
+
 #: The counters of both servers (host store and in-process).
 STAT_NAMES = (
     "puts",  # objects published
