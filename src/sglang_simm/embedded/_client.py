@@ -207,6 +207,9 @@ _FLAG_SPECS: dict[str, tuple] = {
     "embedded_store_dir": (_string, ""),  # host scope; "" = $SGLANG_SIMM_STORE_DIR or /dev/shm/sglang-simm-<uid>
     "embedded_capacity_bytes": (_capacity, ""),  # "" = 4 GiB capped at RAM/4
     "embedded_eviction": (_choice(*EVICTION_POLICIES), "fifo"),
+    # host scope: a store this process starts exits after this many seconds
+    # with no client, freeing its memory (0: never); a running store keeps its own
+    "embedded_idle_exit_s": (_latency, "600.0"),
     # the SiMM release whose client semantics to follow (see the module docstring)
     "embedded_simm_release": (_choice(*RELEASES), HEAD),
     # "region": a get may write up to the end of the view's registered
@@ -341,6 +344,7 @@ def _open_host_server(name: str) -> HostServer:
         capacity=_capacity_flag(flags),
         policy=flags["embedded_eviction"],
         timeout_s=max(int(flags["clnt_sync_req_timeout_ms"]), 1) / 1000,
+        idle_exit_s=float(flags["embedded_idle_exit_s"]),
     )
     if server is not known:
         _configure_faults(server, flags)

@@ -22,19 +22,36 @@ Eviction takes the oldest unpinned object: FIFO by default, as SiMM's data
 server behaves (it has no access bit: ``src/data_server/kv_cache_evictor.cc``
 at HEAD), or LRU, where a get makes an object young again.
 
+Leases belong to the connection that took them: another connection's
+COMMIT, ABORT or RELEASE is refused (``LeaseError``). A lease older than
+the lease time limit expires (``expire``): a get lease's pins are dropped
+and its word in the arena's lease table cleared, so the reader, which
+checks that word after its copy, reports a miss instead of bytes that may
+have been reused meanwhile; a put lease's room stops counting against the
+capacity but its extents stay quarantined until its connection closes,
+since its writer may still be copying into them.
+
+Every object also lives in the crash-consistent table (``_table``), when
+one is given, so the next store process of the name can take it over.
+
 Codes are the data server's (``DS_*``, ``INVALID_ARGUMENT`` for a reader's
-buffer smaller than the object, ``OUT_OF_MEMORY`` when the arena's memory
-cannot be committed); the client maps them as the real client does.
+buffer smaller than the object or a key or size past SiMM's limits,
+``OUT_OF_MEMORY`` when the arena's memory cannot be committed); the client
+maps them as the real client does.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sglang_simm.embedded._allocator import ExtentAllocator, aligned
+from sglang_simm.embedded._limits import StoreLimits, key_ok, size_ok
 from sglang_simm.errors import (
     DS_CACHE_POOL_ALLOC_FAILED,
     DS_DATA_ALREADY_EXISTS,
@@ -42,6 +59,8 @@ from sglang_simm.errors import (
     INVALID_ARGUMENT,
     OK,
     OUT_OF_MEMORY,
+    SEND_RPC_FAILED,
+    TARGET_UNAVAILABLE,
 )
 
 EVICTION_POLICIES = ("fifo", "lru")
@@ -67,13 +86,32 @@ STAT_NAMES = (
     "out_of_memory",  # puts refused because the arena's memory could not be committed
     "deletes",  # objects deleted
     "aborted",  # reserved objects never published (writer gone or aborted)
+    "recovered",  # objects taken over from a store process that died
+    "refused_key",  # entries with a key past 256 bytes
+    "refused_size",  # entries with a negative size or one past SiMM's limit
+    "refused_leases",  # batches refused because max_leases were open
+    "refused_lease_owner",  # COMMIT/ABORT/RELEASE of another connection's lease
+    "refused_lease_expired",  # leases that outlived the lease time limit
 )
+
+
+class LeaseError(KeyError):
+    """A COMMIT, ABORT or RELEASE the index refuses; ``code`` for the client."""
+
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(why)
+        self.code = code
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
 
 
 @dataclass(slots=True, eq=False)
 class _Object:
     offset: int
     size: int
+    slot: int = -1  # its entry in the table
     pins: int = 0
     #: False once it left the index while pinned: freed at the last unpin
     live: bool = True
@@ -86,13 +124,29 @@ class _Lease:
     items: list = field(default_factory=list)
     overwrite: bool = False
     is_put: bool = True
+    started: float = 0.0
+    slot: int = 0  # its word in the lease table
+
+
+class _NoTable:
+    """The table's surface for an index kept in memory only (unit tests)."""
+
+    def reserve(self, *args: object) -> None: ...
+    def commit(self, *args: object) -> None: ...
+    def free(self, *args: object) -> None: ...
+    def clear(self) -> None: ...
 
 
 class StoreIndex:
     """Objects by key in one arena of ``arena_bytes``, ``capacity`` object
     bytes at most. ``commit(end)`` makes the arena's memory real up to at
     least byte ``end`` if it can, and returns the end of the memory now
-    committed (less than ``end``: the host has no memory left for it)."""
+    committed (less than ``end``: the host has no memory left for it).
+
+    ``data_start``: the first byte objects may use (the lease table lies
+    before it); ``lease_words``: that table, one int64 per lease slot (a
+    lease's id while it is open, else 0); ``table``: the crash-consistent
+    index (``_table.IndexTable``)."""
 
     def __init__(
         self,
@@ -101,10 +155,21 @@ class StoreIndex:
         arena_bytes: int,
         policy: str = "fifo",
         commit: Callable[[int], int] | None = None,
+        limits: StoreLimits | None = None,
+        data_start: int = 0,
+        lease_words: Any = None,
+        table: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.set_policy(policy)
         self.alloc = ExtentAllocator(arena_bytes)
+        if data_start:
+            taken = self.alloc.alloc(data_start)
+            assert taken == 0, "a fresh allocator hands out offset 0 first"
+        self.data_start = data_start
         self.capacity = self._check_capacity(capacity)
+        self.limits = limits or StoreLimits()
+        self.max_objects = self.limits.objects_for(capacity)
         self._commit = commit or (lambda end: end)
         self._committed = 0
         self.objects: OrderedDict[bytes, _Object] = OrderedDict()  # oldest first
@@ -113,6 +178,14 @@ class StoreIndex:
         self._leases: dict[int, _Lease] = {}
         self._by_owner: dict[int, set[int]] = {}
         self._ids = itertools.count(1)
+        self._seq = itertools.count(1)
+        self._lease_words = lease_words if lease_words is not None else [0] * self.limits.max_leases
+        self._lease_slots = array("q", range(self.limits.max_leases - 1, -1, -1))
+        self._table = table if table is not None else _NoTable()
+        self._slots = array("q", range(self.max_objects - 1, -1, -1))
+        #: expired put leases' extents, by owner: freed when it is gone
+        self._quarantine: dict[int, list[_Object]] = {}
+        self._clock = clock
         self.stats = dict.fromkeys(STAT_NAMES, 0)
         #: bytes the capacity was lowered to when the host ran out of memory
         self.memory_limited: int | None = None
@@ -122,23 +195,75 @@ class StoreIndex:
             raise TypeError(f"capacity_bytes must be an int, got {value!r}")
         if value <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {value!r}")
-        if value > self.alloc.size:
+        if value > self.alloc.size - self.data_start:
             raise ValueError(
-                f"capacity_bytes {value} is above the {self.alloc.size} bytes this store's shared "
-                "memory can hold; stop the store and start it with the larger capacity"
+                f"capacity_bytes {value} is above the {self.alloc.size - self.data_start} bytes this store's "
+                "shared memory can hold; stop the store and start it with the larger capacity"
             )
         return value
+
+    # -- taking over a dead store's objects -----------------------------------
+
+    def restore(self, recovered: Any, quarantine_owner: int) -> int:
+        """Publish what a dead store process's table held (``_table.Recovered``),
+        oldest first, and hold its unfinished puts' extents under
+        ``quarantine_owner`` (released with ``drop_owner``); how many objects."""
+        used = sorted(
+            [(o, s, i) for i, (o, s) in enumerate(zip(recovered.offsets, recovered.sizes))]
+        )
+        align = self.alloc.align
+        extents = [(o, aligned(max(s, 1), align)) for o, s, _ in used]
+        quarantined = []
+        for slot, offset, size in recovered.reserved:
+            quarantined.append(_Object(offset, size, slot))
+            extents.append((offset, aligned(max(size, 1), align)))
+        extents.sort()
+        clean, end = [], self.data_start
+        for offset, length in extents:
+            if offset < end:  # overlaps what is kept: the table is lying about it
+                continue
+            clean.append((offset, length))
+            end = offset + length
+        self.alloc.take_used(clean)
+        keep = set(clean)
+        taken_slots = set()
+        for key, offset, size, slot in zip(recovered.keys, recovered.offsets, recovered.sizes, recovered.slots):
+            if (offset, aligned(max(size, 1), align)) not in keep or self.used + size > self.capacity:
+                self.alloc.free(offset, size) if (offset, aligned(max(size, 1), align)) in keep else None
+                self._table.free([slot])
+                continue
+            self.objects[key] = _Object(offset, size, slot)
+            self.used += size
+            taken_slots.add(slot)
+        q = [obj for obj in quarantined if (obj.offset, aligned(max(obj.size, 1), align)) in keep]
+        taken_slots.update(obj.slot for obj in q)
+        if q:
+            self._quarantine[quarantine_owner] = q
+        if taken_slots:
+            self._slots = array("q", (s for s in range(self.max_objects - 1, -1, -1) if s not in taken_slots))
+        if recovered.seqs:
+            self._seq = itertools.count(max(recovered.seqs) + 1)
+        self._committed = self._commit(self.alloc.high_water())
+        self.stats["recovered"] = len(self.objects)
+        return len(self.objects)
 
     # -- room ---------------------------------------------------------------
 
     def _unpublish(self, key: bytes) -> _Object:
         obj = self.objects.pop(key)
         self.used -= obj.size
+        self._release_slot(obj)
         if obj.pins:
             obj.live = False
         else:
             self.alloc.free(obj.offset, obj.size)
         return obj
+
+    def _release_slot(self, obj: _Object) -> None:
+        if obj.slot >= 0:
+            self._table.free([obj.slot])
+            self._slots.append(obj.slot)
+            obj.slot = -1
 
     def _evict_one(self) -> bool:
         for key, obj in self.objects.items():
@@ -165,6 +290,9 @@ class StoreIndex:
             del objects[key]
         self.used -= freed
         self.stats["evictions"] += len(victims)
+        slots = [obj.slot for _, obj in victims if obj.slot >= 0]
+        self._table.free(slots)
+        self._slots.extend(slots)
         align = self.alloc.align
         run_start = run_end = -1
         for offset, size in sorted((obj.offset, aligned(obj.size, align)) for _, obj in victims):
@@ -176,6 +304,14 @@ class StoreIndex:
         if run_end > run_start:
             self.alloc.free(run_start, run_end - run_start)
         return freed >= nbytes
+
+    def _make_slots(self, n: int) -> bool:
+        """Table entries for ``n`` more objects, evicting the oldest for them
+        (the object cap); False when pinned objects hold them all."""
+        while len(self._slots) < n:
+            if not self._evict_one():
+                return False
+        return True
 
     def _place(self, size: int) -> tuple[int, int]:
         """``(offset, OK)`` of room for ``size`` object bytes, evicting the
@@ -203,7 +339,7 @@ class StoreIndex:
         only what the memory committed so far holds (evicting within it),
         so later puts succeed instead of failing one by one."""
         self.alloc.truncate(self._committed)
-        limit = max(min(self.capacity, self.alloc.size), 1)
+        limit = max(min(self.capacity, self.alloc.size - self.data_start), 1)
         if limit < self.capacity:
             self.capacity = limit
             self.memory_limited = limit
@@ -222,7 +358,13 @@ class StoreIndex:
         objects = self.objects
         todo = []
         for i, (key, size) in enumerate(zip(keys, sizes)):
-            if not overwrite and key in objects:
+            if not key_ok(key):
+                codes[i] = INVALID_ARGUMENT
+                stats["refused_key"] += 1
+            elif not size_ok(size):
+                codes[i] = INVALID_ARGUMENT
+                stats["refused_size"] += 1
+            elif not overwrite and key in objects:
                 codes[i] = DS_DATA_ALREADY_EXISTS
                 stats["already_exists"] += 1
             elif size > self.capacity:
@@ -230,6 +372,19 @@ class StoreIndex:
                 stats["rejected"] += 1
             else:
                 todo.append(i)
+        if not todo:
+            return 0, codes, offsets
+        if not self._lease_slots:
+            for i in todo:
+                codes[i] = DS_CACHE_POOL_ALLOC_FAILED
+            stats["refused_leases"] += 1
+            return 0, codes, offsets
+        if not self._make_slots(len(todo)):
+            todo_ok = len(self._slots)
+            for i in todo[todo_ok:]:
+                codes[i] = DS_CACHE_POOL_ALLOC_FAILED
+                stats["rejected"] += 1
+            todo = todo[:todo_ok]
         items = self._place_run(todo, keys, sizes, offsets)
         for i in todo[len(items):]:  # one at a time, each evicting what it needs
             offset, code = self._place(sizes[i])
@@ -242,6 +397,11 @@ class StoreIndex:
             items.append((i, keys[i], _Object(offset, sizes[i])))
         if not items:
             return 0, codes, offsets
+        slots = self._slots
+        for _, _, obj in items:
+            obj.slot = slots.pop()
+        self._table.reserve([obj.slot for _, _, obj in items], [k for _, k, _ in items],
+                            [obj.offset for _, _, obj in items], [obj.size for _, _, obj in items])
         return self._lease(_Lease(owner, items, overwrite, True)), codes, offsets
 
     def _place_run(self, todo: list[int], keys: Sequence[bytes], sizes: Sequence[int],
@@ -276,27 +436,34 @@ class StoreIndex:
             items.append((i, keys[i], _Object(offset, size)))
         return items
 
-    def commit_put(self, lease_id: int) -> list[tuple[int, int]]:
+    def commit_put(self, lease_id: int, owner: int | None = None) -> list[tuple[int, int]]:
         """Publish a put lease: ``(entry index, code)`` for each reserved
         entry (OK, or DS_DATA_ALREADY_EXISTS when another put of the key,
-        without overwrite, was published first)."""
-        lease = self._end_lease(lease_id, is_put=True)
+        without overwrite, was published first). ``owner``: the connection
+        asking, refused (``LeaseError``) unless the lease is its own."""
+        lease = self._end_lease(lease_id, is_put=True, owner=owner)
         out = []
         objects = self.objects
         published = published_bytes = 0
+        slots, seqs = [], []
+        seq = self._seq
         for i, key, obj in lease.items:
             self.reserved -= obj.size
             if key in objects:
                 if not lease.overwrite:
+                    self._release_slot(obj)
                     self.alloc.free(obj.offset, obj.size)
                     self.stats["already_exists"] += 1
                     out.append((i, DS_DATA_ALREADY_EXISTS))
                     continue
                 self._unpublish(key)
             objects[key] = obj
+            slots.append(obj.slot)
+            seqs.append(next(seq))
             published += 1
             published_bytes += obj.size
             out.append((i, OK))
+        self._table.commit(slots, seqs)
         self.used += published_bytes
         self.stats["puts"] += published
         self.stats["bytes_in"] += published_bytes
@@ -310,7 +477,8 @@ class StoreIndex:
         """Pin what is there: ``(lease, sizes or codes, offsets)``; lease 0
         when nothing was pinned. A reader's buffer smaller than the object
         is INVALID_ARGUMENT (the data server's check), an absent key
-        DS_KEY_NOT_FOUND."""
+        DS_KEY_NOT_FOUND. The lease's slot in the lease table is
+        ``lease_slot(lease)``."""
         n = len(keys)
         results = [DS_KEY_NOT_FOUND] * n
         offsets = [-1] * n
@@ -319,13 +487,20 @@ class StoreIndex:
         stats["gets"] += n
         pinned = []
         lru = self.policy == "lru"
+        full = not self._lease_slots
         for i, (key, cap) in enumerate(zip(keys, capacities)):
             obj = objects.get(key)
             if obj is None:
+                if not key_ok(key):
+                    results[i] = INVALID_ARGUMENT
+                    stats["refused_key"] += 1
                 stats["misses"] += 1
                 continue
             if obj.size > cap:
                 results[i] = INVALID_ARGUMENT
+                continue
+            if full:
+                results[i] = TARGET_UNAVAILABLE
                 continue
             obj.pins += 1
             pinned.append(obj)
@@ -335,22 +510,35 @@ class StoreIndex:
             stats["bytes_out"] += obj.size
             if lru:
                 objects.move_to_end(key)
+        if full and any(r == TARGET_UNAVAILABLE for r in results):
+            stats["refused_leases"] += 1
         if not pinned:
             return 0, results, offsets
         return self._lease(_Lease(owner, pinned, False, False)), results, offsets
 
-    def release(self, lease_id: int) -> None:
-        """Unpin a get lease, or abort a put lease (its room is returned)."""
+    def lease_slot(self, lease_id: int) -> int:
+        lease = self._leases.get(lease_id)
+        return lease.slot if lease is not None else -1
+
+    def release(self, lease_id: int, owner: int | None = None) -> None:
+        """Unpin a get lease, or abort a put lease (its room is returned).
+        An unknown lease (expired, or released already) is ignored; another
+        connection's is refused (``LeaseError``)."""
         lease = self._leases.get(lease_id)
         if lease is not None:
-            self._end_lease(lease_id, is_put=lease.is_put)
+            self._end_lease(lease_id, is_put=lease.is_put, owner=owner)
             self._undo(lease)
 
     def _undo(self, lease: _Lease) -> None:
         if lease.is_put:
+            slots = []
             for _, _, obj in lease.items:
                 self.reserved -= obj.size
                 self.alloc.free(obj.offset, obj.size)
+                if obj.slot >= 0:
+                    slots.append(obj.slot)
+            self._table.free(slots)
+            self._slots.extend(slots)
             self.stats["aborted"] += len(lease.items)
             return
         for obj in lease.items:
@@ -362,33 +550,75 @@ class StoreIndex:
 
     def _lease(self, lease: _Lease) -> int:
         lease_id = next(self._ids)
+        lease.started = self._clock()
+        lease.slot = self._lease_slots.pop()
+        self._lease_words[lease.slot] = lease_id
         self._leases[lease_id] = lease
         self._by_owner.setdefault(lease.owner, set()).add(lease_id)
         return lease_id
 
-    def _end_lease(self, lease_id: int, *, is_put: bool) -> _Lease:
+    def _end_lease(self, lease_id: int, *, is_put: bool, owner: int | None = None) -> _Lease:
         lease = self._leases.get(lease_id)
         if lease is None or lease.is_put != is_put:
-            raise KeyError(f"no open {'put' if is_put else 'get'} lease {lease_id}")
+            raise LeaseError(
+                SEND_RPC_FAILED, f"no open {'put' if is_put else 'get'} lease {lease_id} (expired, or never granted)"
+            )
+        if owner is not None and lease.owner != owner:
+            self.stats["refused_lease_owner"] += 1
+            raise LeaseError(INVALID_ARGUMENT, f"lease {lease_id} belongs to another connection")
         del self._leases[lease_id]
+        self._lease_words[lease.slot] = 0
+        self._lease_slots.append(lease.slot)
         owned = self._by_owner[lease.owner]
         owned.discard(lease_id)
         if not owned:
             del self._by_owner[lease.owner]
         return lease
 
+    def expire(self, max_age_s: float | None = None) -> int:
+        """End the leases older than ``max_age_s`` (the lease time limit):
+        unpin gets (their readers' check then fails), quarantine puts' room
+        until their connection is gone. How many expired."""
+        limit = self.limits.lease_timeout_s if max_age_s is None else max_age_s
+        cutoff = self._clock() - limit
+        old = [lid for lid, lease in self._leases.items() if lease.started <= cutoff]
+        for lease_id in old:
+            lease = self._end_lease(lease_id, is_put=self._leases[lease_id].is_put)
+            if lease.is_put:
+                for _, _, obj in lease.items:
+                    self.reserved -= obj.size  # room no longer held against capacity
+                self._quarantine.setdefault(lease.owner, []).extend(obj for _, _, obj in lease.items)
+            else:
+                self._undo(lease)
+        self.stats["refused_lease_expired"] += len(old)
+        return len(old)
+
     def drop_owner(self, owner: int) -> int:
-        """A client is gone: abort its puts and unpin its gets; how many
-        leases it held."""
+        """A client is gone: abort its puts, unpin its gets and free its
+        quarantined room; how many leases it held."""
         lease_ids = self._by_owner.pop(owner, set())
         for lease_id in lease_ids:
-            self._undo(self._leases.pop(lease_id))
+            lease = self._leases.pop(lease_id)
+            self._lease_words[lease.slot] = 0
+            self._lease_slots.append(lease.slot)
+            self._undo(lease)
+        slots = []
+        for obj in self._quarantine.pop(owner, ()):
+            self.alloc.free(obj.offset, obj.size)
+            if obj.slot >= 0:
+                slots.append(obj.slot)
+        self._table.free(slots)
+        self._slots.extend(slots)
         return len(lease_ids)
 
     def open_leases(self, owner: int | None = None) -> int:
         if owner is None:
             return len(self._leases)
         return len(self._by_owner.get(owner, ()))
+
+    @property
+    def quarantined_bytes(self) -> int:
+        return sum(obj.size for objs in self._quarantine.values() for obj in objs)
 
     # -- the rest of the surface ----------------------------------------------------
 
@@ -433,8 +663,10 @@ class StoreIndex:
         out = dict(self.stats)
         out.update(
             objects=len(self.objects),
+            max_objects=self.max_objects,
             used_bytes=self.used,
             reserved_bytes=self.reserved,
+            quarantined_bytes=self.quarantined_bytes,
             capacity_bytes=self.capacity,
             arena_bytes=self.alloc.size,
             arena_free_bytes=self.alloc.free_bytes,
