@@ -75,7 +75,18 @@ class StoreProc:
                     return p.admin("status")
             except (AssertionError, OSError):
                 return None
-        return wait_for(attempt, what="the store to answer a status request")
+        try:
+            return wait_for(attempt, what="the store to answer a status request")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; its process {'runs' if self.alive() else 'exited'}; "
+                                 f"its log ends: {self.log_tail()}") from None
+
+    def log_tail(self) -> str:
+        try:
+            with open(self.paths.log) as f:
+                return " | ".join(f.read().splitlines()[-4:])
+        except OSError:
+            return ""
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

@@ -159,6 +159,9 @@ class StoreDaemon:
             self.recovered = self.index.restore(found, _TAKEOVER_OWNER)
             self.arena.release_after(self.index.alloc.high_water(), upto=self.arena.size)
             self.takeover_s = time.monotonic() - t0
+        # A dead store's writers may still be copying into the room it gave
+        # them: that room is free only after one lease time limit.
+        self._quarantine_ends = time.monotonic() + limits.lease_timeout_s if self.arena.reused else 0.0
         settings.save(paths.settings)
         self.started = time.time()
         self.sel = selectors.DefaultSelector()
@@ -215,6 +218,9 @@ class StoreDaemon:
         now = time.monotonic()
         if not self._listening and now >= self._accept_paused_until:
             self._listen(True)
+        if self._quarantine_ends and now >= self._quarantine_ends:
+            self._quarantine_ends = 0.0
+            self.index.drop_owner(_TAKEOVER_OWNER)
         if now >= self._next_expiry:
             self._next_expiry = now + min(1.0, self.limits.lease_timeout_s / 4)
             expired = self.index.expire()
@@ -623,14 +629,19 @@ def _lock_name(paths: StorePaths) -> int | None:
     """Hold ``NAME.lock`` for this process's life: one store per name. None
     when another live store process holds it."""
     fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return None
-        raise
-    return fd
+    # A client probing the lock (``_host.lock_held``) holds it for a moment:
+    # try a few times before concluding that a store process holds it.
+    for attempt in range(10):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise
+        time.sleep(0.02)
+    os.close(fd)
+    return None
 
 
 def remove_files(paths: StorePaths, *, objects: bool) -> None:

@@ -61,8 +61,8 @@ class Recovered:
     sizes: list[int]
     seqs: list[int]
     slots: list[int]
-    #: extents of puts that were being copied: (offset, size)
-    reserved: list[tuple[int, int]]
+    #: entries of puts that were being copied: (slot, offset, size)
+    reserved: list[tuple[int, int, int]]
 
 
 class IndexTable:
@@ -165,18 +165,23 @@ class IndexTable:
         dropped = int((~ok).sum())
         good = np.flatnonzero(ok)
         res_rows = e[reserved]
-        res_ok = (res_rows["offset"] >= data_start) & (res_rows["offset"] + res_rows["size"] <= arena_bytes)
+        res_ok = ((res_rows["offset"] >= data_start) & (res_rows["size"] >= 0)
+                  & (res_rows["offset"] + res_rows["size"] <= arena_bytes) & (res_rows["offset"] % align == 0))
         result = Recovered(
             keys=[bytes(k) for k in keys[good]],
             offsets=offsets[good].tolist(),
             sizes=sizes[good].tolist(),
             seqs=rows["seq"][good].tolist(),
             slots=committed[good].tolist(),
-            reserved=list(zip(res_rows["offset"][res_ok].tolist(), res_rows["size"][res_ok].tolist())),
+            reserved=list(zip(reserved[res_ok].tolist(), res_rows["offset"][res_ok].tolist(),
+                              res_rows["size"][res_ok].tolist())),
         )
-        # Entries not recovered are free from now on.
+        # Entries not recovered are free from now on; reserved ones stay
+        # reserved while their extents are quarantined (a second crash
+        # meanwhile must not free them either).
         keep = np.zeros(self.slots, dtype=bool)
         keep[committed[good]] = True
+        keep[reserved[res_ok]] = True
         state[~keep] = FREE
         return result, dropped
 
