@@ -157,7 +157,7 @@ class StoreDaemon:
             t0 = time.monotonic()
             found, self.dropped = self.table.recover(self.data_start, self.arena.size, self.index.alloc.align)
             self.recovered = self.index.restore(found, _TAKEOVER_OWNER)
-            self.arena.release_after(self.index.alloc.high_water(), upto=self.arena.size)
+            self.index.memory_released(self.arena.release_after(self.index.alloc.high_water(), upto=self.arena.size))
             self.takeover_s = time.monotonic() - t0
         # A dead store's writers may still be copying into the room it gave
         # them: that room is free only after one lease time limit.
@@ -565,8 +565,7 @@ class StoreDaemon:
         if what == "clear":
             removed = index.clear()
             # Give the shared memory back: nothing lies past the high water now.
-            self.arena.release_after(index.alloc.high_water())
-            index._committed = self.arena.committed
+            index.memory_released(self.arena.release_after(index.alloc.high_water()))
             return {"removed": removed, "committed_bytes": self.arena.committed}
         if what == "keys":
             return {"keys": [k.decode("utf-8", "surrogatepass") for k in index.objects]}

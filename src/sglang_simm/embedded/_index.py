@@ -334,6 +334,11 @@ class StoreIndex:
             if not self._evict_one():  # holes too small: make a bigger one
                 return -1, DS_CACHE_POOL_ALLOC_FAILED
 
+    def memory_released(self, committed: int) -> None:
+        """The arena gave back its memory past ``committed`` (no object
+        lies there): commit it again before handing it out."""
+        self._committed = min(self._committed, committed)
+
     def _memory_exhausted(self) -> None:
         """The host could not back more of the arena: from now on, store
         only what the memory committed so far holds (evicting within it),
