@@ -87,7 +87,9 @@ class IndexTable:
         if fresh:
             self._mm[: _HEADER.size] = _HEADER.pack(MAGIC, VERSION, 0, slots, arena_bytes)
         self.entries = np.ndarray((slots,), dtype=ENTRY, buffer=self._mm, offset=HEADER_BYTES)
-        self._state = self.entries["state"]
+        e = self.entries
+        self._state, self._seq, self._key = e["state"], e["seq"], e["key"]
+        self._offset, self._size = e["offset"], e["size"]
 
     @staticmethod
     def _matches(fd: int, slots: int, arena_bytes: int) -> bool:
@@ -100,27 +102,25 @@ class IndexTable:
     # -- writes (state last) ------------------------------------------------
 
     def reserve(self, slots: list[int], keys: list[bytes], offsets: list[int], sizes: list[int]) -> None:
-        e = self.entries
-        if len(slots) == 1:  # numpy's fancy indexing costs more than it saves here
+        if len(slots) == 1:  # numpy's batch machinery costs more than it saves here
             s = slots[0]
-            row = e[s]
-            row["key"], row["offset"], row["size"] = keys[0], offsets[0], sizes[0]
+            self._key[s], self._offset[s], self._size[s] = keys[0], offsets[0], sizes[0]
             self._state[s] = RESERVED
             return
         idx = np.asarray(slots, dtype=np.int64)
-        e["key"][idx] = keys
-        e["offset"][idx] = offsets
-        e["size"][idx] = sizes
+        self._key[idx] = keys
+        self._offset[idx] = offsets
+        self._size[idx] = sizes
         self._state[idx] = RESERVED
 
     def commit(self, slots: list[int], seqs: list[int]) -> None:
         if len(slots) == 1:
-            self.entries["seq"][slots[0]] = seqs[0]
+            self._seq[slots[0]] = seqs[0]
             self._state[slots[0]] = COMMITTED
-            return
-        idx = np.asarray(slots, dtype=np.int64)
-        self.entries["seq"][idx] = seqs
-        self._state[idx] = COMMITTED
+        elif slots:
+            idx = np.asarray(slots, dtype=np.int64)
+            self._seq[idx] = seqs
+            self._state[idx] = COMMITTED
 
     def free(self, slots: list[int]) -> None:
         if len(slots) == 1:
@@ -186,7 +186,7 @@ class IndexTable:
         return result, dropped
 
     def close(self, *, unlink: bool = False) -> None:
-        self.entries = self._state = None  # type: ignore[assignment]
+        self.entries = self._state = self._seq = self._key = self._offset = self._size = None  # type: ignore
         try:
             self._mm.close()
         except BufferError:
