@@ -63,7 +63,7 @@ class StoreLimits:
     max_frame_bytes: int = 8 << 20
     """Largest request frame (a batch of ``max_batch`` 256-byte keys fits)."""
 
-    input_budget_bytes: int = 256 << 20
+    input_budget_bytes: int = 64 << 20
     """Unfinished request bytes buffered over all connections."""
 
     reply_backlog_bytes: int = 256 << 10
