@@ -230,7 +230,7 @@ def _table_index(tmp_path, arena=1 << 20):
     return table, StoreIndex(capacity=100_000, arena_bytes=arena, data_start=4096, table=table)
 
 
-def test_committed_objects_come_back_and_reserved_ones_stay_unseen_and_quarantined(tmp_path):
+def test_committed_objects_come_back_and_unfinished_puts_stay_unseen_and_quarantined(tmp_path):
     table, index = _table_index(tmp_path)
     lease, _, offsets = index.begin_put(A, ks("a", "b"), [1000, 1000], True)
     index.commit_put(lease)
@@ -250,7 +250,7 @@ def test_committed_objects_come_back_and_reserved_ones_stay_unseen_and_quarantin
     lease, codes, got = again.begin_put(A, ks(*[f"n{i}" for i in range(40)]), [1000] * 40, True)
     assert all(not (reserved_at[0] <= o < reserved_at[0] + 5000) for o in got)
     again.release(lease)
-    assert again.quarantined_bytes == 5000
+    assert again.quarantined_bytes >= 5000  # every hole below the dead store's high water
     again.drop_owner(0)
     assert again.quarantined_bytes == 0
 

@@ -51,8 +51,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_simm.embedded._allocator import ExtentAllocator, aligned
-from sglang_simm.embedded._limits import StoreLimits, key_ok, size_ok
+from sglang_simm.embedded._limits import StoreLimits, key_ok
 from sglang_simm.errors import (
+    MAX_KEY_BYTES,
+    MAX_VALUE_BYTES,
     DS_CACHE_POOL_ALLOC_FAILED,
     DS_DATA_ALREADY_EXISTS,
     DS_KEY_NOT_FOUND,
@@ -131,7 +133,7 @@ class _Lease:
 class _NoTable:
     """The table's surface for an index kept in memory only (unit tests)."""
 
-    def reserve(self, *args: object) -> None: ...
+    def raise_high_water(self, end: int) -> None: ...
     def commit(self, *args: object) -> None: ...
     def free(self, *args: object) -> None: ...
     def clear(self) -> None: ...
@@ -178,7 +180,8 @@ class StoreIndex:
         self._leases: dict[int, _Lease] = {}
         self._by_owner: dict[int, set[int]] = {}
         self._ids = itertools.count(1)
-        self._seq = itertools.count(1)
+        self._next_seq = 1  # publish order, kept in the table
+        self._high_water = data_start  # recorded in the table: room is handed out below it only
         self._lease_words = lease_words if lease_words is not None else [0] * self.limits.max_leases
         self._lease_slots = array("q", range(self.limits.max_leases - 1, -1, -1))
         self._table = table if table is not None else _NoTable()
@@ -206,43 +209,48 @@ class StoreIndex:
 
     def restore(self, recovered: Any, quarantine_owner: int) -> int:
         """Publish what a dead store process's table held (``_table.Recovered``),
-        oldest first, and hold its unfinished puts' extents under
-        ``quarantine_owner`` (released with ``drop_owner``); how many objects."""
-        used = sorted(
-            [(o, s, i) for i, (o, s) in enumerate(zip(recovered.offsets, recovered.sizes))]
-        )
+        oldest first, and hold the free space below its high-water mark
+        (where its writers may still be copying) under ``quarantine_owner``
+        (released with ``drop_owner``); how many objects."""
         align = self.alloc.align
-        extents = [(o, aligned(max(s, 1), align)) for o, s, _ in used]
-        quarantined = []
-        for slot, offset, size in recovered.reserved:
-            quarantined.append(_Object(offset, size, slot))
-            extents.append((offset, aligned(max(size, 1), align)))
-        extents.sort()
+        extents = sorted((o, aligned(max(s, 1), align)) for o, s in zip(recovered.offsets, recovered.sizes))
         clean, end = [], self.data_start
         for offset, length in extents:
             if offset < end:  # overlaps what is kept: the table is lying about it
                 continue
             clean.append((offset, length))
             end = offset + length
-        self.alloc.take_used(clean)
+        high = aligned(max(recovered.high_water, end), align)
+        quarantined, at = [], self.data_start
+        for offset, length in clean:
+            if offset > at:
+                quarantined.append(_Object(at, offset - at))
+            at = offset + length
+        if high > at:
+            quarantined.append(_Object(at, min(high, self.alloc.size) - at))
+        self.alloc.take_used(sorted(clean + [(q.offset, q.size) for q in quarantined]))
         keep = set(clean)
         taken_slots = set()
         for key, offset, size, slot in zip(recovered.keys, recovered.offsets, recovered.sizes, recovered.slots):
-            if (offset, aligned(max(size, 1), align)) not in keep or self.used + size > self.capacity:
-                self.alloc.free(offset, size) if (offset, aligned(max(size, 1), align)) in keep else None
+            extent = (offset, aligned(max(size, 1), align))
+            if extent not in keep or self.used + size > self.capacity:
+                if extent in keep:  # sound, but past the capacity: its room is free
+                    keep.discard(extent)
+                    self.alloc.free(offset, size)
                 self._table.free([slot])
                 continue
+            keep.discard(extent)  # one object per extent, whatever the table says
             self.objects[key] = _Object(offset, size, slot)
             self.used += size
             taken_slots.add(slot)
-        q = [obj for obj in quarantined if (obj.offset, aligned(max(obj.size, 1), align)) in keep]
-        taken_slots.update(obj.slot for obj in q)
-        if q:
-            self._quarantine[quarantine_owner] = q
+        if quarantined:
+            self._quarantine[quarantine_owner] = quarantined
+        self._table.raise_high_water(high)
+        self._high_water = high
         if taken_slots:
             self._slots = array("q", (s for s in range(self.max_objects - 1, -1, -1) if s not in taken_slots))
         if recovered.seqs:
-            self._seq = itertools.count(max(recovered.seqs) + 1)
+            self._next_seq = max(recovered.seqs) + 1
         self._committed = self._commit(self.alloc.high_water())
         self.stats["recovered"] = len(self.objects)
         return len(self.objects)
@@ -363,12 +371,9 @@ class StoreIndex:
         objects = self.objects
         todo = []
         for i, (key, size) in enumerate(zip(keys, sizes)):
-            if not key_ok(key):
+            if len(key) > MAX_KEY_BYTES or not 0 <= size <= MAX_VALUE_BYTES:  # _limits' rule, inlined: hot
                 codes[i] = INVALID_ARGUMENT
-                stats["refused_key"] += 1
-            elif not size_ok(size):
-                codes[i] = INVALID_ARGUMENT
-                stats["refused_size"] += 1
+                stats["refused_key" if not key_ok(key) else "refused_size"] += 1
             elif not overwrite and key in objects:
                 codes[i] = DS_DATA_ALREADY_EXISTS
                 stats["already_exists"] += 1
@@ -403,10 +408,13 @@ class StoreIndex:
         if not items:
             return 0, codes, offsets
         slots = self._slots
+        end = 0
         for _, _, obj in items:
             obj.slot = slots.pop()
-        self._table.reserve([obj.slot for _, _, obj in items], [k for _, k, _ in items],
-                            [obj.offset for _, _, obj in items], [obj.size for _, _, obj in items])
+            end = max(end, obj.offset + obj.size)
+        if end > self._high_water:  # recorded before the room is handed out
+            self._high_water = aligned(end, self.alloc.align)
+            self._table.raise_high_water(self._high_water)
         return self._lease(_Lease(owner, items, overwrite, True)), codes, offsets
 
     def _place_run(self, todo: list[int], keys: Sequence[bytes], sizes: Sequence[int],
@@ -450,8 +458,7 @@ class StoreIndex:
         out = []
         objects = self.objects
         published = published_bytes = 0
-        slots, seqs = [], []
-        seq = self._seq
+        slots, pkeys, poffsets, psizes = [], [], [], []
         for i, key, obj in lease.items:
             self.reserved -= obj.size
             if key in objects:
@@ -464,11 +471,14 @@ class StoreIndex:
                 self._unpublish(key)
             objects[key] = obj
             slots.append(obj.slot)
-            seqs.append(next(seq))
+            pkeys.append(key)
+            poffsets.append(obj.offset)
+            psizes.append(obj.size)
             published += 1
             published_bytes += obj.size
             out.append((i, OK))
-        self._table.commit(slots, seqs)
+        self._table.commit(slots, pkeys, poffsets, psizes, self._next_seq)
+        self._next_seq += published
         self.used += published_bytes
         self.stats["puts"] += published
         self.stats["bytes_in"] += published_bytes

@@ -2,12 +2,14 @@
 
 ``NAME.index`` is a file on the same tmpfs as the arena, mapped by the
 store process alone: a header, then one fixed-size entry per object slot.
-A put's room is written to its entries when it is reserved (state
-``RESERVED``: offset, size, key) and flipped to ``COMMITTED`` with its
-publish order when the writer commits; an object that leaves the index is
-set ``FREE`` first. Each state word is written after the fields it covers,
-so a store process killed at any instruction leaves every entry either
-whole or not committed.
+A published object's entry (key, offset, size, publish order) is written
+when its writer commits, its state word ``COMMITTED`` last; an object that
+leaves the index is set ``FREE`` first. So a store process killed at any
+instruction leaves every entry whole or not committed. Puts being copied
+are not written down one by one (that would double the cost of a put):
+the header keeps the arena's high-water mark instead, raised before any
+room past it is handed out, and every extent a writer may hold lies below
+it.
 
 Why this, and not a journal: the entries are plain stores into shared
 memory (no system call per batch, nothing to compact, recovery is one
@@ -18,8 +20,9 @@ a committed entry's bytes are whole; a reserved one is never served.
 
 The next store process of the name (``recover``) publishes every
 committed entry again, in publish order, after checking it against the
-arena (in bounds, aligned, no overlap); reserved entries' extents stay
-quarantined for a lease time, since their writer may still be copying.
+arena (in bounds, aligned, no overlap); the free space below the recorded
+high-water mark stays quarantined for a lease time, since a writer of the
+dead store may still be copying into some of it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,12 +38,12 @@ import numpy as np
 from sglang_simm.embedded._paths import check_file
 
 FREE = 0
-RESERVED = 0x52455356  # "RESV"
 COMMITTED = 0x434F4D54  # "COMT"
 
 MAGIC = b"SGSIMMIX"
-VERSION = 1
-_HEADER = struct.Struct("<8sIIqq")  # magic, version, pad, slots, arena bytes
+VERSION = 2
+_HEADER = struct.Struct("<8sIIqqq")  # magic, version, pad, slots, arena bytes, high water
+_HIGH_WATER_AT = _HEADER.size - 8
 HEADER_BYTES = 4096
 
 ENTRY = np.dtype([
@@ -61,8 +65,8 @@ class Recovered:
     sizes: list[int]
     seqs: list[int]
     slots: list[int]
-    #: entries of puts that were being copied: (slot, offset, size)
-    reserved: list[tuple[int, int, int]]
+    #: the arena's high-water mark: no room was handed out past it
+    high_water: int
 
 
 class IndexTable:
@@ -85,7 +89,8 @@ class IndexTable:
             os.close(fd)
         self.fresh = fresh
         if fresh:
-            self._mm[: _HEADER.size] = _HEADER.pack(MAGIC, VERSION, 0, slots, arena_bytes)
+            self._mm[: _HEADER.size] = _HEADER.pack(MAGIC, VERSION, 0, slots, arena_bytes, 0)
+        self._hw = memoryview(self._mm)[_HIGH_WATER_AT:_HIGH_WATER_AT + 8].cast("q")
         self.entries = np.ndarray((slots,), dtype=ENTRY, buffer=self._mm, offset=HEADER_BYTES)
         e = self.entries
         self._state, self._seq, self._key = e["state"], e["seq"], e["key"]
@@ -96,30 +101,28 @@ class IndexTable:
         head = os.pread(fd, _HEADER.size, 0)
         if len(head) < _HEADER.size:
             return False
-        magic, version, _, have_slots, have_arena = _HEADER.unpack(head)
+        magic, version, _, have_slots, have_arena, _ = _HEADER.unpack(head)
         return magic == MAGIC and version == VERSION and have_slots == slots and have_arena == arena_bytes
 
     # -- writes (state last) ------------------------------------------------
 
-    def reserve(self, slots: list[int], keys: list[bytes], offsets: list[int], sizes: list[int]) -> None:
+    def raise_high_water(self, end: int) -> None:
+        """Before room up to ``end`` is handed out."""
+        self._hw[0] = end
+
+    def commit(self, slots: list[int], keys: list[bytes], offsets: list[int], sizes: list[int],
+               first_seq: int) -> None:
+        """Publish entries, numbered from ``first_seq`` in order."""
         if len(slots) == 1:  # numpy's batch machinery costs more than it saves here
             s = slots[0]
-            self._key[s], self._offset[s], self._size[s] = keys[0], offsets[0], sizes[0]
-            self._state[s] = RESERVED
-            return
-        idx = np.asarray(slots, dtype=np.int64)
-        self._key[idx] = keys
-        self._offset[idx] = offsets
-        self._size[idx] = sizes
-        self._state[idx] = RESERVED
-
-    def commit(self, slots: list[int], seqs: list[int]) -> None:
-        if len(slots) == 1:
-            self._seq[slots[0]] = seqs[0]
-            self._state[slots[0]] = COMMITTED
+            self._key[s], self._offset[s], self._size[s], self._seq[s] = keys[0], offsets[0], sizes[0], first_seq
+            self._state[s] = COMMITTED
         elif slots:
             idx = np.asarray(slots, dtype=np.int64)
-            self._seq[idx] = seqs
+            self._key[idx] = keys
+            self._offset[idx] = offsets
+            self._size[idx] = sizes
+            self._seq[idx] = np.arange(first_seq, first_seq + len(slots), dtype=np.uint64)
             self._state[idx] = COMMITTED
 
     def free(self, slots: list[int]) -> None:
@@ -134,12 +137,11 @@ class IndexTable:
     # -- recovery -----------------------------------------------------------------
 
     def recover(self, data_start: int, arena_bytes: int, align: int) -> tuple[Recovered, int]:
-        """Committed entries that are sound, oldest first, and the reserved
-        extents; plus how many entries were dropped as unsound."""
+        """Committed entries that are sound, oldest first, and the recorded
+        high-water mark; plus how many entries were dropped as unsound."""
         e = self.entries
         state = e["state"]
         committed = np.flatnonzero(state == COMMITTED)
-        reserved = np.flatnonzero(state == RESERVED)
         rows = e[committed]
         order = np.argsort(rows["seq"], kind="stable")
         committed, rows = committed[order], rows[order]
@@ -164,29 +166,23 @@ class IndexTable:
             taken_end = ends[i]
         dropped = int((~ok).sum())
         good = np.flatnonzero(ok)
-        res_rows = e[reserved]
-        res_ok = ((res_rows["offset"] >= data_start) & (res_rows["size"] >= 0)
-                  & (res_rows["offset"] + res_rows["size"] <= arena_bytes) & (res_rows["offset"] % align == 0))
         result = Recovered(
             keys=[bytes(k) for k in keys[good]],
             offsets=offsets[good].tolist(),
             sizes=sizes[good].tolist(),
             seqs=rows["seq"][good].tolist(),
             slots=committed[good].tolist(),
-            reserved=list(zip(reserved[res_ok].tolist(), res_rows["offset"][res_ok].tolist(),
-                              res_rows["size"][res_ok].tolist())),
+            high_water=min(max(int(self._hw[0]), data_start), arena_bytes),
         )
-        # Entries not recovered are free from now on; reserved ones stay
-        # reserved while their extents are quarantined (a second crash
-        # meanwhile must not free them either).
+        # Entries not recovered are free from now on.
         keep = np.zeros(self.slots, dtype=bool)
         keep[committed[good]] = True
-        keep[reserved[res_ok]] = True
         state[~keep] = FREE
         return result, dropped
 
     def close(self, *, unlink: bool = False) -> None:
         self.entries = self._state = self._seq = self._key = self._offset = self._size = None  # type: ignore
+        self._hw.release()
         try:
             self._mm.close()
         except BufferError:
