@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import socket
 import subprocess
@@ -185,7 +184,3 @@ class Peer:
 
     def release(self, lease: int) -> None:
         self.send(frame(Op.RELEASE, pack_i64(lease)))
-
-
-def nofile_limit(n: int) -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))

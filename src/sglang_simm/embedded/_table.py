@@ -30,7 +30,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
