@@ -175,6 +175,21 @@ def test_mput_on_an_existing_key(store, mem, key, rand, release):
         assert torch.equal(out, old)
 
 
+def test_mput_absent_skips_stored_keys_in_one_put(store, mem, key, rand):
+    """Embedded only: a backup's exists-then-put folded into one put."""
+    if not hasattr(store, "mput_absent"):
+        pytest.skip("mput_absent is an embedded-only extra")
+    old, new = rand(2048, seed=1), rand(2048, seed=2)
+    k_old, k_new = key("old"), key("new")
+    assert store.put(k_old, mem.holding(old)[0]) == OK
+    assert store.mput_absent([k_old, k_new], [mem.holding(new)[0], mem.holding(new)[0]]) == [
+        DS_DATA_ALREADY_EXISTS, OK]
+    for k, want in ((k_old, old), (k_new, new)):
+        dst, out = mem.view(2048)
+        assert store.get(k, dst) == 2048
+        assert torch.equal(out, want)
+
+
 def test_put_async_leaves_existing_object_alone(store, mem, key, rand):
     old, new = rand(512, seed=1), rand(512, seed=2)
     k = key()

@@ -81,7 +81,7 @@ def hold_get(args) -> None:
     server = handle(args)
     keys, size = args["keys"], args["size"]
     conn, r = server._request(Op.GET, encode_keys(keys), pack_ints([size] * len(keys)))
-    (lease,) = r.ints()
+    lease, _slot = r.ints()
     assert lease, "nothing to pin"
     print("ready", flush=True)
     time.sleep(3600)

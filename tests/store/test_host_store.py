@@ -21,7 +21,7 @@ import pytest
 from sglang_simm.embedded import _host
 from sglang_simm.embedded._host import HostServer, StoreUnreachable, pid_alive
 from sglang_simm.embedded._paths import StoreAccessError, StorePaths, check_name
-from sglang_simm.errors import BUILD_CONNECTION_FAILED, OK, OUT_OF_MEMORY, SEND_RPC_FAILED, TIMEOUT
+from sglang_simm.errors import BUILD_CONNECTION_FAILED, OK, OUT_OF_MEMORY, SEND_RPC_FAILED
 
 pytestmark = pytest.mark.host
 
@@ -227,7 +227,7 @@ def test_eight_processes_on_shared_and_own_keys_every_byte_checked(store):
     assert store.status()["open_leases"] == 0
 
 
-def test_store_process_killed_calls_fail_with_transport_codes_then_recover(store):
+def test_store_process_killed_calls_fail_with_transport_codes_then_recover_its_objects(store):
     data = Buf(4096, fill=9)
     assert put(store, "before", data) == OK
     old_pid = store.pid
@@ -245,7 +245,8 @@ def test_store_process_killed_calls_fail_with_transport_codes_then_recover(store
 
     wait_for(back, timeout=15, what="the client to start a new store and reconnect")
     assert store.pid != old_pid and pid_alive(store.pid)
-    assert store.lookup(["before"]) == [-4003]  # a new store starts empty
+    # the new store process took the dead one's objects over
+    assert get(store, "before", 4096) == (4096, b"\x09" * 4096)
     assert put(store, "after", data) == OK
     assert get(store, "after", 4096) == (4096, b"\x09" * 4096)
     assert store.reconnects >= 1
@@ -257,10 +258,10 @@ def test_a_stalled_store_times_out_and_the_client_reconnects(store, host_store_d
     assert client.pid == store.pid  # a second client of the same store process
     os.kill(store.pid, signal.SIGSTOP)
     try:
-        t0 = time.monotonic()
         with pytest.raises(StoreUnreachable, match="did not answer") as raised:
             client.lookup(["x"])
-        assert raised.value.code == TIMEOUT and time.monotonic() - t0 < 3
+        # SendRPCFailed, as SiMM HEAD reports a timed-out request (the client never says Timeout)
+        assert raised.value.code == SEND_RPC_FAILED
     finally:
         os.kill(store.pid, signal.SIGCONT)
     wait_for(lambda: _try(client.lookup, ["x"]) == [-4003], what="a new connection")

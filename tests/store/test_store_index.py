@@ -218,3 +218,51 @@ def test_random_operations_keep_the_books(seed):
     index.clear()
     assert (index.used, index.reserved) == (0, 0)
     assert index.alloc.free_bytes == index.alloc.size
+
+
+# -- the crash-consistent table, and taking a dead store's objects over ----------
+
+
+def _table_index(tmp_path, arena=1 << 20):
+    from sglang_simm.embedded._table import IndexTable
+
+    table = IndexTable(str(tmp_path / "t.index"), 1000, arena)
+    return table, StoreIndex(capacity=100_000, arena_bytes=arena, data_start=4096, table=table)
+
+
+def test_committed_objects_come_back_and_unfinished_puts_stay_unseen_and_quarantined(tmp_path):
+    table, index = _table_index(tmp_path)
+    lease, _, offsets = index.begin_put(A, ks("a", "b"), [1000, 1000], True)
+    index.commit_put(lease)
+    index.delete(b"b")
+    _, _, reserved_at = index.begin_put(B, ks("half"), [5000], True)  # the store dies before its commit
+    table.close()
+    from sglang_simm.embedded._table import IndexTable
+
+    table2 = IndexTable(str(tmp_path / "t.index"), 1000, 1 << 20)
+    assert not table2.fresh
+    found, dropped = table2.recover(4096, 1 << 20, 64)
+    assert (found.keys, found.offsets, dropped) == ([b"a"], [offsets[0]], 0)
+    again = StoreIndex(capacity=100_000, arena_bytes=1 << 20, data_start=4096, table=table2)
+    assert again.restore(found, quarantine_owner=0) == 1
+    assert again.lookup(ks("a", "b", "half")) == [OK, DS_KEY_NOT_FOUND, DS_KEY_NOT_FOUND]
+    # the half-written put's room is not handed out while its writer may still copy
+    lease, codes, got = again.begin_put(A, ks(*[f"n{i}" for i in range(40)]), [1000] * 40, True)
+    assert all(not (reserved_at[0] <= o < reserved_at[0] + 5000) for o in got)
+    again.release(lease)
+    assert again.quarantined_bytes >= 5000  # every hole below the dead store's high water
+    again.drop_owner(0)
+    assert again.quarantined_bytes == 0
+
+
+def test_recovery_drops_entries_that_overlap_or_lie_outside_the_arena(tmp_path):
+    table, index = _table_index(tmp_path)
+    for k in ("a", "b"):
+        lease, _, _ = index.begin_put(A, ks(k), [1000], True)
+        index.commit_put(lease)
+    e = table.entries
+    slot_b = int((e["key"] == b"b").nonzero()[0][0])
+    slot_a = int((e["key"] == b"a").nonzero()[0][0])
+    e["offset"][slot_b] = e["offset"][slot_a]  # a lying table: two objects on one extent
+    found, dropped = table.recover(4096, 1 << 20, 64)
+    assert found.keys == [b"a"] and dropped == 1

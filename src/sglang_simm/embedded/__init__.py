@@ -1,19 +1,35 @@
-"""An in-process SiMM store with the Python surface of ``simm.kv``.
+"""SiMM's ``simm.kv`` Python surface over a store on this host.
 
-The real client needs SiCL and RDMA NICs; this one keeps objects in host
-memory of the current process, shared by every ``Store()`` that names the
-same server, so code written for ``simm.kv`` runs unchanged::
+The real client needs SiCL and RDMA NICs; this one talks to a store on the
+same machine, so code written for ``simm.kv`` runs unchanged::
 
     from sglang_simm import embedded as kv          # or: with alias_as_simm_kv(): ...
-    kv.set_flag("cm_primary_node_ip", "my-store")   # the server's name
+    kv.set_flag("cm_primary_node_ip", "my-store")   # the store's name
     store = kv.Store()
 
-Modules: ``_client`` (the ``simm.kv`` surface: flags, memory regions, views,
-``Store``), ``_server`` (the shared objects, capacity and LRU of one named
-server, and the copies), ``_faults`` (error rate, latency, outage).
+Two stores stand behind it (flag ``embedded_scope``):
 
-Importing this package imports torch (the real ``simm.kv`` does too); the
-package root ``sglang_simm`` stays free of it.
+* ``host``: the *host store*, one store process per name per user, shared
+  by every process of the host (all TP ranks, several servers, the tools).
+  Objects live in a shared-memory arena that clients copy into and out of
+  themselves; the store process keeps the index, hands out leases, and
+  enforces limits on everything a client sends. It survives its clients,
+  and a crash of its own loses no published object: the next store process
+  of the name takes them over. ``_host`` (the client side), ``_daemon``
+  (the store process), ``_index`` (keys, extents, eviction, leases),
+  ``_table`` (the index kept crash-consistently beside the arena),
+  ``_arena`` and ``_allocator`` (the shared memory), ``_protocol`` (the
+  wire format), ``_limits`` (every limit and refusal), ``_metrics``
+  (Prometheus text), ``_paths`` (where a store lives, who may open it).
+* ``process``: a server inside the calling process (``_server``), for tests
+  and single-process tools.
+
+``_client`` is the ``simm.kv`` surface itself (flags, memory regions,
+views, ``Store``) and ``_faults`` the simulated network (error rate,
+latency, outage), per client process. See ``docs/local-store.md``.
+
+Importing this package imports nothing heavy; ``_client`` and ``_server``
+import torch (the real ``simm.kv`` does too), the store process never does.
 """
 
 from __future__ import annotations

@@ -125,6 +125,35 @@ class ExtentAllocator:
             end += self._remove(end)
         self._add(start, end - start)
 
+    def take_used(self, extents: list[tuple[int, int]]) -> None:
+        """Mark ``(offset, length)`` extents allocated, all at once (a store
+        taking over a dead one's objects). They must be sorted, disjoint,
+        aligned, and lie inside free extents."""
+        hint = None  # sorted input: the next extent is nearly always in the last remainder
+        for offset, length in extents:
+            start = hint if hint is not None and hint <= offset < hint + self._start_len[hint] else None
+            if start is None:
+                start = self._containing(offset)
+            if start is None or offset + length > start + self._start_len[start]:
+                raise ValueError(f"extent [{offset}, {offset + length}) is not free")
+            free_len = self._remove(start)
+            if offset > start:
+                self._add(start, offset - start)
+            hint = None
+            if start + free_len > offset + length:
+                hint = offset + length
+                self._add(hint, start + free_len - offset - length)
+
+    def _containing(self, offset: int) -> int | None:
+        """The start of the free extent holding ``offset`` (a linear scan:
+        only a takeover uses it, on an allocator with few free extents)."""
+        best = None
+        for start, length in self._start_len.items():
+            if start <= offset < start + length:
+                best = start
+                break
+        return best
+
     def truncate(self, end: int) -> None:
         """Stop handing out bytes at ``end`` (rounded down to ``align``): the
         free tail past it is dropped. Allocated extents past it stay valid

@@ -7,11 +7,21 @@ means a client never writes into a hole of the file: on a full tmpfs that
 write would be a SIGBUS, not an error code. A client maps the whole file
 and pre-faults (``MADV_POPULATE_WRITE``) each committed range once, so its
 copies do not take a page fault per 4 KiB on the hot path.
+
+The file starts with the lease table (``lease_table_bytes``): one int64
+per lease slot, the id of the lease that holds it or 0, written by the
+store process only. A reader checks its lease's word after its copy: a
+lease that expired meanwhile reads as a miss. Objects start after it.
+
+The file outlives a store process that dies (kill -9, OOM): the next
+store process of the name reopens it (``reuse``) and takes over the
+objects its index table (``_table``) lists.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import errno
 import logging
 import mmap
@@ -34,6 +44,23 @@ def _page_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+def lease_table_bytes(max_leases: int) -> int:
+    return _page_up(8 * max_leases)
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = None
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give the memory of ``[offset, offset + length)`` back to the host."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE | _FALLOC_FL_PUNCH_HOLE, offset, length) == 0
+
+
 def arena_bytes_for(capacity: int) -> int:
     """The arena's size for a capacity: an eighth more (at least 2 MiB), for
     alignment and for holes left between objects of different sizes."""
@@ -43,17 +70,34 @@ def arena_bytes_for(capacity: int) -> int:
 class ArenaFile:
     """The store process's handle: creates the file, commits memory."""
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, *, reuse: bool = False) -> None:
         self.path = path
         self.size = _page_up(size)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, self.size)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
+        self.reused = False
+        if reuse:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                pass
+            else:
+                try:
+                    check_file(path, fd)
+                    if os.fstat(fd).st_size != self.size:
+                        raise OSError(errno.EINVAL, f"arena {path} is not {self.size} bytes")
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self.reused = True
+        if not self.reused:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, self.size)
+            except BaseException:
+                os.close(fd)
+                os.unlink(path)
+                raise
         self._fd = fd
+        self._head: mmap.mmap | None = None
         self.step = min(max(self.size // 16, COMMIT_STEP_MIN), COMMIT_STEP_MAX)
         self.committed = 0
         self.commit_error: str | None = None
@@ -77,7 +121,34 @@ class ArenaFile:
         logger.error("host store: shared memory is full (%s)", self.commit_error)
         return self.committed
 
+    def lease_words(self, nbytes: int) -> memoryview:
+        """The lease table (committed and zeroed: no lease of a dead store
+        process is valid), as int64 words."""
+        if nbytes <= 0:
+            return memoryview(bytearray(8)).cast("q")
+        self.commit(nbytes)
+        self._head = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._head[:] = bytes(nbytes)
+        return memoryview(self._head).cast("q")
+
+    def release_after(self, end: int, upto: int | None = None) -> int:
+        """Give back the memory committed past ``end`` (no object lies
+        there), up to ``upto`` (default: what this process committed; a
+        store taking over a file passes its size); the bytes still
+        committed."""
+        start = _page_up(end)
+        stop = self.committed if upto is None else max(upto, self.committed)
+        if start < stop and _punch_hole(self._fd, start, stop - start):
+            self.committed = min(self.committed, start)
+        return self.committed
+
     def close(self, *, unlink: bool = True) -> None:
+        if self._head is not None:
+            try:
+                self._head.close()
+            except BufferError:  # the index's view still holds it: the GC unmaps it
+                pass
+            self._head = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -47,7 +47,9 @@ then put), and ``exists`` answering True while a put is still copying
 (``kv_rpc_service.cc:855-860``): here objects appear only when whole.
 
 Embedded-only extras, absent from the real client (probe with ``hasattr``):
-``get_flag``, ``Store.server`` and ``Store.delete_prefix``.
+``get_flag``, ``Store.server``, ``Store.delete_prefix`` and
+``Store.mput_absent`` (a batch put that skips keys already stored and
+answers which, in one request: a backup without the ``mexists`` before it).
 
 Checks done before the network, per the real client: batch-wide key and value
 limits, then per entry the view's memory region: a view made from a
@@ -207,6 +209,9 @@ _FLAG_SPECS: dict[str, tuple] = {
     "embedded_store_dir": (_string, ""),  # host scope; "" = $SGLANG_SIMM_STORE_DIR or /dev/shm/sglang-simm-<uid>
     "embedded_capacity_bytes": (_capacity, ""),  # "" = 4 GiB capped at RAM/4
     "embedded_eviction": (_choice(*EVICTION_POLICIES), "fifo"),
+    # host scope: a store this process starts exits after this many seconds
+    # with no client, freeing its memory (0: never); a running store keeps its own
+    "embedded_idle_exit_s": (_latency, "600.0"),
     # the SiMM release whose client semantics to follow (see the module docstring)
     "embedded_simm_release": (_choice(*RELEASES), HEAD),
     # "region": a get may write up to the end of the view's registered
@@ -341,6 +346,7 @@ def _open_host_server(name: str) -> HostServer:
         capacity=_capacity_flag(flags),
         policy=flags["embedded_eviction"],
         timeout_s=max(int(flags["clnt_sync_req_timeout_ms"]), 1) / 1000,
+        idle_exit_s=float(flags["embedded_idle_exit_s"]),
     )
     if server is not known:
         _configure_faults(server, flags)
@@ -675,6 +681,13 @@ class Store:
         # SiMM HEAD (dfe269a) deletes and re-puts an existing key in mput; the
         # v0.1.0.post1 tag kept the old object and answered -4005.
         return self._put(_as_keys(keys), _as_views(blocks), overwrite=_release() == HEAD, passthrough=False)
+
+    def mput_absent(self, keys: list[str], blocks: list[BlockView]) -> list[int]:
+        """Put the objects whose keys are not stored yet: per key 0 (stored
+        now), ``DS_DATA_ALREADY_EXISTS`` (-4005: stored before, left alone)
+        or mput's failure codes. Embedded only: on the host store it folds
+        ``mexists`` + ``mput`` into one put (reserve, copy, publish)."""
+        return self._put(_as_keys(keys), _as_views(blocks), overwrite=False, passthrough=False)
 
     def mget(self, keys: list[str], blocks: list[BlockView]) -> list[int]:
         return self._get(_as_keys(keys), _as_views(blocks), passthrough=False)

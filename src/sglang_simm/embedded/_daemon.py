@@ -1,18 +1,29 @@
 """The host store's process: one per store name per user, serving every
 client process on the host over a Unix socket.
 
-It owns the index (``_index``) and the arena file (``_arena``), and never
-touches object bytes: clients copy them. Single-threaded (a ``selectors``
-loop), so the index needs no lock and a batch is one step. A client's
-connection is its lease holder: when it closes, for whatever reason, the
-client's unfinished puts are dropped and its pins released.
+It owns the index (``_index``, kept crash-consistently in ``_table``) and
+the arena file (``_arena``), and never touches object bytes: clients copy
+them. Single-threaded (a ``selectors`` loop), so the index needs no lock
+and a batch is one step; batches are bounded (``StoreLimits.max_batch``)
+so that no step holds the others up for long. A client's connection owns
+its leases: when it closes, for whatever reason, its unfinished puts are
+dropped and its pins released; another connection cannot end them.
 
-Started by the first client that finds no store (``_host.spawn``), it
-outlives its clients, so a restarted SGLang server finds its pages; it ends
-on ``sglang-simm store stop`` (an ADMIN ``stop``), SIGTERM or SIGINT.
-Imports nothing heavy (no torch): it starts in well under a second.
+Every input is checked (``_limits``): a limit passed is a SiMM code to that
+client, a rate-limited log line and a ``refused_<reason>`` counter, never a
+crash; running out of file descriptors pauses accepting, not serving.
 
-    python -m sglang_simm.embedded._daemon --dir DIR --name NAME --capacity BYTES [--policy fifo|lru] [--detach]
+Started by the first client that finds no store (``_host``), or by
+``sglang-simm store start``, it outlives its clients, so a restarted SGLang
+server finds its pages. It ends, freeing its shared memory, on
+``sglang-simm store stop`` (an ADMIN ``stop``), SIGTERM or SIGINT, or
+after ``idle_exit_s`` with no client. If it dies instead (kill -9, OOM),
+arena, index and settings stay, and the next store process of the name
+takes every published object over, with the settings the store was started
+with (``NAME.json``). Imports no torch: it starts in well under a second.
+
+    python -m sglang_simm.embedded._daemon --dir DIR --name NAME --capacity BYTES [--policy fifo|lru]
+        [--idle-exit S] [--started-by client|operator] [--limits JSON] [--detach]
 """
 
 from __future__ import annotations
@@ -21,9 +32,11 @@ import argparse
 import errno
 import fcntl
 import itertools
+import json
 import logging
 import logging.handlers
 import os
+import resource
 import secrets
 import selectors
 import signal
@@ -31,22 +44,68 @@ import socket
 import struct
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._arena import ArenaFile, arena_bytes_for
-from sglang_simm.embedded._index import EVICTION_POLICIES, StoreIndex
+from sglang_simm.embedded._arena import ArenaFile, arena_bytes_for, lease_table_bytes
+from sglang_simm.embedded._index import EVICTION_POLICIES, LeaseError, StoreIndex
+from sglang_simm.embedded._limits import REFUSALS, RateLimitedLog, StoreLimits
 from sglang_simm.embedded._paths import StorePaths, ensure_dir
 from sglang_simm.embedded._protocol import Op, ProtocolError, Reader, frame, pack_ints, pack_json
-from sglang_simm.errors import INTERNAL_ERROR
+from sglang_simm.embedded._table import IndexTable
+from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, TARGET_UNAVAILABLE
 
 logger = logging.getLogger("sglang_simm.embedded.daemon")
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+#: File descriptors kept for the store's own files and the log.
+_FD_RESERVE = 32
+#: After accept() fails for lack of descriptors, accepting waits this long.
+_ACCEPT_BACKOFF_S = 0.1
+#: Owner id of a dead store's unfinished puts, quarantined after a takeover.
+_TAKEOVER_OWNER = 0
+#: The operator commands that walk every object, and may take a while.
+_SLOW_ADMIN = frozenset({"clear", "keys"})
+
+
+@dataclass
+class StoreSettings:
+    """What a store process was started with; persisted in ``NAME.json`` so
+    the next store process of the name (after a crash) keeps them."""
+
+    capacity: int
+    policy: str = "fifo"
+    limits: StoreLimits = field(default_factory=StoreLimits)
+    #: "operator" (``store start``) or "client" (started on first use)
+    started_by: str = "client"
+    arena: str = ""  # the arena file, once created
+
+    def save(self, path: str) -> None:
+        data = {"capacity": self.capacity, "policy": self.policy, "limits": self.limits.as_dict(),
+                "started_by": self.started_by, "arena": self.arena}
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)  # atomic: a crash leaves the old or the new
+
+    @classmethod
+    def load(cls, path: str) -> StoreSettings | None:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            return cls(capacity=int(data["capacity"]), policy=str(data["policy"]),
+                       limits=StoreLimits.from_dict(data.get("limits", {})),
+                       started_by=str(data.get("started_by", "client")), arena=str(data.get("arena", "")))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not isinstance(exc, FileNotFoundError):
+                logger.warning("ignoring unreadable store settings %s (%s)", path, exc)
+            return None
 
 
 class _Conn:
-    __slots__ = ("id", "inbuf", "outbuf", "pid", "sock", "started", "writing")
+    __slots__ = ("counted", "id", "inbuf", "outbuf", "paused", "pid", "sock", "started", "writing")
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int) -> None:
         self.sock = sock
@@ -56,24 +115,72 @@ class _Conn:
         self.outbuf = bytearray()
         self.started = False  # HELLO done
         self.writing = False  # registered for EVENT_WRITE
+        self.paused = False  # its replies back up: its requests wait
+        self.counted = 0  # bytes of inbuf counted in the daemon's ``buffered``
+
+
+def _fd_limit() -> int:
+    """Raise the soft descriptor limit to the hard one; the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 class StoreDaemon:
-    def __init__(self, paths: StorePaths, capacity: int, policy: str) -> None:
+    def __init__(self, paths: StorePaths, settings: StoreSettings, *, takeover: bool = False) -> None:
         self.paths = paths
+        self.settings = settings
+        limits = self.limits = settings.limits
         self.generation = secrets.token_hex(6)
-        self.arena = ArenaFile(paths.arena(self.generation), arena_bytes_for(capacity))
+        self.data_start = lease_table_bytes(limits.max_leases)
+        arena_size = self.data_start + arena_bytes_for(settings.capacity)
+        reuse = takeover and bool(settings.arena) and os.path.exists(settings.arena)
+        arena_path = settings.arena if reuse else paths.arena(self.generation)
+        self.arena = ArenaFile(arena_path, arena_size, reuse=reuse)
+        settings.arena = self.arena.path
+        self.table = IndexTable(paths.index, limits.objects_for(settings.capacity), self.arena.size)
+        if not self.arena.reused and not self.table.fresh:
+            self.table.clear()  # an index of another arena: nothing in it is here
         self.index = StoreIndex(
-            capacity=capacity, arena_bytes=self.arena.size, policy=policy, commit=self.arena.commit
+            capacity=settings.capacity, arena_bytes=self.arena.size, policy=settings.policy,
+            commit=self.arena.commit, limits=limits, data_start=self.data_start,
+            lease_words=self.arena.lease_words(self.data_start), table=self.table,
         )
+        self.recovered = self.dropped = 0
+        self.takeover_s = 0.0
+        if self.arena.reused:
+            t0 = time.monotonic()
+            found, self.dropped = self.table.recover(self.data_start, self.arena.size, self.index.alloc.align)
+            self.recovered = self.index.restore(found, _TAKEOVER_OWNER)
+            self.index.memory_released(self.arena.release_after(self.index.alloc.high_water(), upto=self.arena.size))
+            self.takeover_s = time.monotonic() - t0
+        # A dead store's writers may still be copying into the room it gave
+        # them: that room is free only after one lease time limit.
+        self._quarantine_ends = time.monotonic() + limits.lease_timeout_s if self.arena.reused else 0.0
+        settings.save(paths.settings)
         self.started = time.time()
         self.sel = selectors.DefaultSelector()
         self.conns: dict[int, _Conn] = {}
         self._ids = itertools.count(1)
         self.running = True
+        self.stop_reason = ""
         self.served = 0  # connections accepted since start
+        self.refused = dict.fromkeys(REFUSALS, 0)
+        self.log = RateLimitedLog(logger)
+        self.buffered = 0  # unfinished request bytes over all connections
+        self.max_connections = max(1, min(limits.max_connections, _fd_limit() - _FD_RESERVE))
         self._scratch = bytearray(1 << 20)  # one receive buffer for every connection
         self._scratch_view = memoryview(self._scratch)
+        self._spare_fd: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._accept_paused_until = 0.0
+        self._listening = False
+        self._next_expiry = 0.0
+        self.idle_since: float | None = time.monotonic()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket file is born 0600
         try:
@@ -82,21 +189,54 @@ class StoreDaemon:
             os.umask(old_umask)
         self.listener.listen(256)
         self.listener.setblocking(False)
-        self.sel.register(self.listener, selectors.EVENT_READ, None)
+        self._listen(True)
 
     # -- the loop -----------------------------------------------------------
 
+    def _listen(self, on: bool) -> None:
+        if on != self._listening:
+            if on:
+                self.sel.register(self.listener, selectors.EVENT_READ, None)
+            else:
+                self.sel.unregister(self.listener)
+            self._listening = on
+
     def serve_forever(self) -> None:
         while self.running:
-            for key, events in self.sel.select(timeout=0.5):
+            for key, events in self.sel.select(timeout=0.25):
                 if key.data is None:
                     self._accept()
                     continue
                 conn: _Conn = key.data
-                if events & selectors.EVENT_READ:
+                if events & selectors.EVENT_READ and conn.id in self.conns:
                     self._read(conn)
                 if events & selectors.EVENT_WRITE and conn.id in self.conns:
                     self._flush(conn)
+            self._housekeeping()
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if not self._listening and now >= self._accept_paused_until:
+            self._listen(True)
+        if self._quarantine_ends and now >= self._quarantine_ends:
+            self._quarantine_ends = 0.0
+            self.index.drop_owner(_TAKEOVER_OWNER)
+        if now >= self._next_expiry:
+            self._next_expiry = now + min(1.0, self.limits.lease_timeout_s / 4)
+            expired = self.index.expire()
+            if expired:
+                self.log.warning("lease_expired", "%d leases outlived the %g s lease time limit: ended "
+                                 "(readers' copies read as misses, writers' room quarantined until they close)",
+                                 expired, self.limits.lease_timeout_s)
+        idle = self.limits.idle_exit_s
+        if idle and self.idle_since is not None and now - self.idle_since >= idle:
+            logger.info("no client for %g s (idle exit): stopping", idle)
+            self.stop_reason = "idle"
+            self.running = False
+
+    def _refuse(self, reason: str, msg: str, *args: object) -> None:
+        self.refused[reason] += 1
+        self.log.warning(reason, msg, *args)
 
     def _accept(self) -> None:
         while True:
@@ -104,20 +244,77 @@ class StoreDaemon:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            if uid != os.geteuid():
-                logger.warning("refused a connection from uid %d (pid %d): this store is uid %d's", uid, pid, os.geteuid())
-                sock.close()
-                continue
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._refuse("fds", "accept failed (%s): accepting again in %g s", exc, _ACCEPT_BACKOFF_S)
+                    self._pause_accepting()
+                    return
+                self._shed_one(exc)
+                return
+            self._admit(sock)
+
+    def _pause_accepting(self) -> None:
+        self._listen(False)
+        self._accept_paused_until = time.monotonic() + _ACCEPT_BACKOFF_S
+
+    def _shed_one(self, exc: OSError) -> None:
+        """Out of descriptors: use the spare one to accept and refuse the
+        waiting client (it gets a reason, not a hang), then pause accepting."""
+        self._refuse("fds", "out of file descriptors accepting a client (%s, %d connections open): "
+                     "refusing and pausing accepts for %g s; raise the fd limit (ulimit -n) or "
+                     "lower max_connections", exc, len(self.conns), _ACCEPT_BACKOFF_S)
+        if self._spare_fd is not None:
+            os.close(self._spare_fd)
+            self._spare_fd = None
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                sock = None
+            if sock is not None:
+                self._send_refusal(sock, TARGET_UNAVAILABLE, "the host store is out of file descriptors")
+            try:
+                self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._spare_fd = None
+        self._pause_accepting()
+
+    @staticmethod
+    def _send_refusal(sock: socket.socket, code: int, why: str) -> None:
+        try:
             sock.setblocking(False)
-            conn = _Conn(sock, next(self._ids), pid)
-            self.conns[conn.id] = conn
-            self.served += 1
-            self.sel.register(sock, selectors.EVENT_READ, conn)
+            sock.send(frame(Op.ERROR, pack_json({"error": why, "code": code})))
+        except OSError:
+            pass
+        sock.close()
+
+    def _admit(self, sock: socket.socket) -> None:
+        try:
+            pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        except OSError:
+            sock.close()
+            return
+        if uid != os.geteuid():
+            logger.warning("refused a connection from uid %d (pid %d): this store is uid %d's", uid, pid, os.geteuid())
+            sock.close()
+            return
+        if len(self.conns) >= self.max_connections:
+            self._refuse("connections", "refused client pid %d: %d connections open (max_connections)",
+                         pid, len(self.conns))
+            self._send_refusal(sock, TARGET_UNAVAILABLE,
+                               f"the host store has {len(self.conns)} connections open, its limit "
+                               f"(max_connections {self.max_connections})")
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock, next(self._ids), pid)
+        self.conns[conn.id] = conn
+        self.served += 1
+        self.sel.register(sock, selectors.EVENT_READ, conn)
 
     def _drop(self, conn: _Conn, why: str) -> None:
         if self.conns.pop(conn.id, None) is None:
             return
+        self.buffered -= conn.counted
+        conn.counted = 0
         leases = self.index.drop_owner(conn.id)
         if leases:
             logger.info("client pid %d gone (%s) with %d open leases: released", conn.pid, why, leases)
@@ -126,11 +323,12 @@ class StoreDaemon:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
+        if not any(c.started for c in self.conns.values()):
+            self.idle_since = time.monotonic()
 
     def _read(self, conn: _Conn) -> None:
-        scratch = self._scratch
         try:
-            got = conn.sock.recv_into(scratch)
+            got = conn.sock.recv_into(self._scratch)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -139,30 +337,59 @@ class StoreDaemon:
         if not got:
             self._drop(conn, "closed")
             return
+        conn.inbuf += self._scratch_view[:got]
+        self._process(conn)
+
+    def _process(self, conn: _Conn) -> None:
+        """Serve the whole frames buffered for ``conn``, as long as its
+        replies do not back up; account for what is left."""
         buf = conn.inbuf
-        buf += self._scratch_view[:got]
         pos = 0
+        backlog = self.limits.reply_backlog_bytes
         try:
             while len(buf) - pos >= wire.HEADER.size:
+                if len(conn.outbuf) > backlog:
+                    self._pause(conn)
+                    break
                 length, op = wire.HEADER.unpack_from(buf, pos)
-                if length > wire.MAX_FRAME:
-                    raise ProtocolError(f"a frame of {length} bytes")
+                if length > self.limits.max_frame_bytes:
+                    self._refuse("frame", "client pid %d sent a frame of %d bytes (max_frame_bytes %d): dropped",
+                                 conn.pid, length, self.limits.max_frame_bytes)
+                    self._drop(conn, "frame too large")
+                    return
                 end = pos + wire.HEADER.size + length
                 if len(buf) < end:
                     break
-                reply = self._handle(conn, op, bytes(buf[pos + wire.HEADER.size : end]))
+                reply = self._handle(conn, op, bytes(buf[pos + wire.HEADER.size: end]))
                 pos = end
                 if reply is not None:
                     conn.outbuf += reply
                 if conn.id not in self.conns:
                     return
         except ProtocolError as exc:
-            logger.warning("client pid %d sent a bad frame (%s): dropped", conn.pid, exc)
+            self._refuse("bad_frame", "client pid %d sent a bad frame (%s): dropped", conn.pid, exc)
             self._drop(conn, "bad frame")
             return
         del buf[:pos]
+        self.buffered += len(buf) - conn.counted
+        conn.counted = len(buf)
+        if self.buffered > self.limits.input_budget_bytes:
+            self._refuse("input_budget", "client pid %d: %d unfinished request bytes buffered over all "
+                         "connections (input_budget_bytes %d): dropped", conn.pid, self.buffered,
+                         self.limits.input_budget_bytes)
+            self._drop(conn, "input budget")
+            return
         if conn.outbuf:
             self._flush(conn)
+
+    def _pause(self, conn: _Conn) -> None:
+        if not conn.paused:
+            conn.paused = True
+            self._watch(conn)
+
+    def _watch(self, conn: _Conn) -> None:
+        events = (0 if conn.paused else selectors.EVENT_READ) | (selectors.EVENT_WRITE if conn.writing else 0)
+        self.sel.modify(conn.sock, events or selectors.EVENT_WRITE, conn)
 
     def _flush(self, conn: _Conn) -> None:
         try:
@@ -175,10 +402,15 @@ class StoreDaemon:
         del conn.outbuf[:sent]
         # Watch for writability only while a reply is left over (rare: a
         # reply is small and the socket buffer empty), not on every reply.
-        if bool(conn.outbuf) != conn.writing:
-            conn.writing = bool(conn.outbuf)
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.writing else 0)
-            self.sel.modify(conn.sock, events, conn)
+        writing = bool(conn.outbuf)
+        resume = conn.paused and len(conn.outbuf) <= self.limits.reply_backlog_bytes
+        if writing != conn.writing or resume:
+            conn.writing = writing
+            if resume:
+                conn.paused = False
+            self._watch(conn)
+            if resume:
+                self._process(conn)
 
     # -- requests ---------------------------------------------------------------
 
@@ -194,47 +426,65 @@ class StoreDaemon:
             return self._dispatch(conn, op, r)
         except ProtocolError:
             raise
+        except _Refused as exc:
+            return None if op in wire.ONE_WAY else _error(exc.code, str(exc))
+        except LeaseError as exc:
+            if op in wire.ONE_WAY:
+                self._refuse("lease_owner", "client pid %d: %s %s: ignored", conn.pid, op.name, exc)
+                return None
+            if exc.code == INVALID_ARGUMENT:
+                self._refuse("lease_owner", "client pid %d: %s %s: refused", conn.pid, op.name, exc)
+            return _error(exc.code, f"{op.name}: {exc}")
         except Exception as exc:  # a bug here must not take the store down
             logger.exception("op %s from pid %d failed", op.name, conn.pid)
             if op in wire.ONE_WAY:
                 return None
-            return frame(Op.ERROR, pack_json({"error": f"{type(exc).__name__}: {exc}", "code": INTERNAL_ERROR}))
+            return _error(INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+
+    def _keys(self, r: Reader) -> list[bytes]:
+        keys = r.keys()
+        if len(keys) > self.limits.max_batch:
+            self._refuse("batch", "a batch of %d entries (max_batch %d): refused", len(keys), self.limits.max_batch)
+            raise _Refused(INVALID_ARGUMENT, f"a batch of {len(keys)} entries is above this store's "
+                           f"max_batch {self.limits.max_batch}; split it")
+        return keys
 
     def _dispatch(self, conn: _Conn, op: Op, r: Reader) -> bytes | None:
         index = self.index
         if op == Op.LOOKUP:
-            keys = r.keys()
+            keys = self._keys(r)
             r.done()
             return frame(op, pack_ints(index.lookup(keys)))
         if op == Op.PUT:
             overwrite = bool(r.u8())
-            keys = r.keys()
+            keys = self._keys(r)
             sizes = r.ints()
             r.done()
             if len(keys) != len(sizes):
                 raise ProtocolError("PUT with keys and sizes of different lengths")
             lease, codes, offsets = index.begin_put(conn.id, keys, sizes, overwrite)
+            self._count_entry_refusals()
             return frame(op, pack_ints([lease, self.arena.committed]), pack_ints(codes), pack_ints(offsets))
         if op == Op.COMMIT:
             lease = r.i64()
             r.done()
-            done = index.commit_put(lease)
+            done = index.commit_put(lease, owner=conn.id)
             return frame(op, pack_ints([code for _, code in done]))
         if op in (Op.ABORT, Op.RELEASE):
             lease = r.i64()
             r.done()
-            index.release(lease)
+            index.release(lease, owner=conn.id)
             return None
         if op == Op.GET:
-            keys = r.keys()
+            keys = self._keys(r)
             caps = r.ints()
             r.done()
             if len(keys) != len(caps):
                 raise ProtocolError("GET with keys and capacities of different lengths")
             lease, results, offsets = index.begin_get(conn.id, keys, caps)
-            return frame(op, pack_ints([lease]), pack_ints(results), pack_ints(offsets))
+            return frame(op, pack_ints([lease, index.lease_slot(lease)]), pack_ints(results), pack_ints(offsets))
         if op == Op.DELETE:
-            keys = r.keys()
+            keys = self._keys(r)
             r.done()
             return frame(op, pack_ints([index.delete(k) for k in keys]))
         if op == Op.DELETE_PREFIX:
@@ -243,17 +493,30 @@ class StoreDaemon:
             return frame(op, pack_ints([index.delete_prefix(prefix)]))
         if op == Op.HELLO:
             hello = r.json()
-            if hello.get("version") != wire.PROTOCOL_VERSION:
-                return frame(Op.ERROR, pack_json({
-                    "error": f"protocol version {hello.get('version')} is not this store's "
-                    f"{wire.PROTOCOL_VERSION} (another sglang-simm release made it): "
-                    f"stop it with 'sglang-simm store stop {self.paths.name}'",
-                }))
+            if not isinstance(hello, dict) or hello.get("version") != wire.PROTOCOL_VERSION:
+                version = hello.get("version") if isinstance(hello, dict) else None
+                return _error(INTERNAL_ERROR,
+                              f"protocol version {version} is not this store's "
+                              f"{wire.PROTOCOL_VERSION} (another sglang-simm release made it): "
+                              f"stop it with 'sglang-simm store stop {self.paths.name}'")
             conn.started = True
+            self.idle_since = None
             return frame(op, pack_json(self.describe()))
         if op == Op.ADMIN:
-            return frame(op, pack_json(self._admin(r.json(), conn)))
+            cmd = r.json()
+            if not isinstance(cmd, dict):
+                raise ProtocolError("an ADMIN body that is not a JSON object")
+            return frame(op, pack_json(self._admin(cmd, conn)))
         raise ProtocolError(f"op {op.name} is not a request")
+
+    def _count_entry_refusals(self) -> None:
+        stats = self.index.stats
+        for reason in ("key", "size", "leases"):
+            have = stats[f"refused_{reason}"]
+            if have != self.refused[reason]:
+                self.log.warning(reason, "refused %d entries (%s past this store's limits)",
+                                 have - self.refused[reason], reason)
+                self.refused[reason] = have
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -262,9 +525,14 @@ class StoreDaemon:
             "generation": self.generation,
             "arena": self.arena.path,
             "arena_bytes": self.arena.size,
+            "data_start": self.data_start,
             "committed_bytes": self.arena.committed,
             "capacity_bytes": self.index.capacity,
             "policy": self.index.policy,
+            "max_batch": self.limits.max_batch,
+            "lease_timeout_s": self.limits.lease_timeout_s,
+            "idle_exit_s": self.limits.idle_exit_s,
+            "started_by": self.settings.started_by,
             "version": wire.PROTOCOL_VERSION,
         }
 
@@ -276,9 +544,17 @@ class StoreDaemon:
         out["committed_bytes"] = self.arena.committed
         out["clients"] = sorted({c.pid for c in self.conns.values() if c.started and c is not asking})
         out["connections"] = len(self.conns)
+        out["max_connections"] = self.max_connections
         out["connections_served"] = self.served
+        out["buffered_request_bytes"] = self.buffered
         out["uptime_s"] = round(time.time() - self.started, 3)
         out["memory_error"] = self.arena.commit_error or ""
+        out["recovered"] = self.recovered
+        out["recovery_dropped"] = self.dropped
+        out["takeover_s"] = round(self.takeover_s, 4)
+        out["limits"] = self.limits.as_dict()
+        for reason in REFUSALS:
+            out[f"refused_{reason}"] = max(self.refused[reason], out.get(f"refused_{reason}", 0))
         return out
 
     def _admin(self, cmd: dict[str, Any], conn: _Conn) -> dict[str, Any]:
@@ -287,7 +563,10 @@ class StoreDaemon:
         if what == "status":
             return self.status(conn)
         if what == "clear":
-            return {"removed": index.clear()}
+            removed = index.clear()
+            # Give the shared memory back: nothing lies past the high water now.
+            index.memory_released(self.arena.release_after(index.alloc.high_water()))
+            return {"removed": removed, "committed_bytes": self.arena.committed}
         if what == "keys":
             return {"keys": [k.decode("utf-8", "surrogatepass") for k in index.objects]}
         if what == "set_capacity":
@@ -295,19 +574,28 @@ class StoreDaemon:
                 index.set_capacity(cmd.get("bytes"))
             except (TypeError, ValueError) as exc:
                 return {"error": str(exc), "type": type(exc).__name__}
+            self.settings.capacity = index.capacity
+            self.settings.save(self.paths.settings)
             return {"capacity_bytes": index.capacity}
         if what == "set_policy":
             try:
                 index.set_policy(cmd.get("policy"))
             except ValueError as exc:
                 return {"error": str(exc), "type": "ValueError"}
+            self.settings.policy = index.policy
+            self.settings.save(self.paths.settings)
             return {"policy": index.policy}
+        if what == "expire_leases":  # the lease time limit, now (tests, operators)
+            return {"expired": index.expire(float(cmd.get("older_than_s", 0.0)))}
         if what == "stop":
+            self.stop_reason = "stopped"
             self.running = False
             return {"stopping": os.getpid()}
         return {"error": f"unknown admin command {what!r}", "type": "ValueError"}
 
-    def close(self) -> None:
+    def close(self, *, keep_objects: bool = False) -> None:
+        """Stop serving; unless ``keep_objects``, free the shared memory and
+        the index (a stop or idle exit: the objects are gone)."""
         for conn in list(self.conns.values()):
             self._drop(conn, "store stopping")
         self.sel.close()
@@ -317,27 +605,52 @@ class StoreDaemon:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        self.arena.close(unlink=True)
+        self.table.close(unlink=not keep_objects)
+        self.arena.close(unlink=not keep_objects)
+        if not keep_objects:
+            try:
+                os.unlink(self.paths.settings)
+            except FileNotFoundError:
+                pass
+
+
+class _Refused(Exception):
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(why)
+        self.code = code
+
+
+def _error(code: int, why: str) -> bytes:
+    return frame(Op.ERROR, pack_json({"error": why, "code": code}))
 
 
 def _lock_name(paths: StorePaths) -> int | None:
     """Hold ``NAME.lock`` for this process's life: one store per name. None
     when another live store process holds it."""
     fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return None
-        raise
-    return fd
+    # A client probing the lock (``_host.lock_held``) holds it for a moment:
+    # try a few times before concluding that a store process holds it.
+    for attempt in range(10):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise
+        time.sleep(0.02)
+    os.close(fd)
+    return None
 
 
-def _remove_leftovers(paths: StorePaths) -> None:
-    """A store process that died left its socket and arena behind; clients
-    still mapping an old arena keep it alive until they unmap it."""
-    for path in [paths.socket, *paths.arenas()]:
+def remove_files(paths: StorePaths, *, objects: bool) -> None:
+    """A store process that died left its socket (and, with ``objects``, its
+    arena, index and settings) behind; clients still mapping an old arena
+    keep its memory until they unmap it. Call with the name's lock held."""
+    doomed = [paths.socket, paths.pid]
+    if objects:
+        doomed += [*paths.arenas(), paths.index, paths.settings]
+    for path in doomed:
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -354,12 +667,34 @@ def _setup_logging(paths: StorePaths, level: str) -> None:
     os.chmod(paths.log, 0o600)
 
 
+def _settings_for(args: argparse.Namespace, paths: StorePaths) -> tuple[StoreSettings, bool]:
+    """The settings to serve with, and whether a dead store's objects are
+    taken over: a dead store's own settings win over the launcher's."""
+    limits = StoreLimits.from_dict({**json.loads(args.limits or "{}"), "idle_exit_s": args.idle_exit})
+    asked = StoreSettings(capacity=args.capacity, policy=args.policy, limits=limits, started_by=args.started_by)
+    kept = StoreSettings.load(paths.settings)
+    if kept is None or not kept.arena or not os.path.exists(kept.arena):
+        remove_files(paths, objects=True)
+        return asked, False
+    if (kept.capacity, kept.policy) != (asked.capacity, asked.policy):
+        logger.warning(
+            "store %r takes over with the settings it was started with (capacity %d, %s eviction), "
+            "not the launcher's (capacity %d, %s); stop it to change them",
+            paths.name, kept.capacity, kept.policy, asked.capacity, asked.policy,
+        )
+    remove_files(paths, objects=False)
+    return kept, True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_simm.embedded._daemon", description=__doc__.split("\n")[0])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--capacity", type=int, required=True)
     parser.add_argument("--policy", choices=EVICTION_POLICIES, default="fifo")
+    parser.add_argument("--idle-exit", type=float, default=0.0, help="exit after S seconds with no client (0: never)")
+    parser.add_argument("--started-by", choices=("client", "operator"), default="client")
+    parser.add_argument("--limits", default="", help="StoreLimits fields as JSON")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--detach", action="store_true", help="fork and return at once (the launcher exits)")
     args = parser.parse_args(argv)
@@ -372,9 +707,9 @@ def main(argv: list[str] | None = None) -> int:
     if lock is None:
         return 0  # another store process of this name won the race: it serves
     _setup_logging(paths, args.log_level)
-    _remove_leftovers(paths)
     try:
-        daemon = StoreDaemon(paths, args.capacity, args.policy)
+        settings, takeover = _settings_for(args, paths)
+        daemon = StoreDaemon(paths, settings, takeover=takeover)
     except Exception as exc:
         logger.exception("cannot start store %r", args.name)
         print(f"sglang-simm store {args.name!r}: cannot start: {exc}", file=sys.stderr)
@@ -384,20 +719,26 @@ def main(argv: list[str] | None = None) -> int:
     os.chmod(paths.pid, 0o600)
 
     def stop(signum: int, _frame: Any) -> None:
+        daemon.stop_reason = signal.Signals(signum).name
         daemon.running = False
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # outlive the terminal that started a client
+    if takeover:
+        logger.info("store %r took over %d objects (%d dropped as unsound) of the store process that died, "
+                    "in %.3f s", args.name, daemon.recovered, daemon.dropped, daemon.takeover_s)
     logger.info(
-        "store %r serving on %s: capacity %d bytes, arena %s (%d bytes), eviction %s",
+        "store %r serving on %s: capacity %d bytes, arena %s (%d bytes), eviction %s, max %d connections, "
+        "idle exit %s",
         args.name, paths.socket, daemon.index.capacity, daemon.arena.path, daemon.arena.size, daemon.index.policy,
+        daemon.max_connections, f"{settings.limits.idle_exit_s:g} s" if settings.limits.idle_exit_s else "never",
     )
     try:
         daemon.serve_forever()
     finally:
         daemon.close()
-        logger.info("store %r stopped", args.name)
+        logger.info("store %r stopped (%s): shared memory freed", args.name, daemon.stop_reason or "exit")
         os.close(lock)
     return 0
 

@@ -5,24 +5,37 @@ several servers, the tools).
 ``HostServer`` has the in-process server's surface (``put_from``,
 ``get_into``, ``lookup``, ``delete``, ...) so the ``simm.kv`` layer in
 ``_client`` serves both the same way. Per batch it sends one control
-request (two for a put: reserve, then publish), and copies the bytes
-itself, between the caller's memory and the shared arena, with the GIL
-released (``_copy.copy_many``).
+request (two for a put: reserve, then publish; a batch above the store's
+``max_batch`` goes in several), and copies the bytes itself, between the
+caller's memory and the shared arena, with the GIL released
+(``_copy.copy_many``).
+
+It trusts nothing the store answers: every offset and size is checked
+against the arena it mapped before a byte is copied (a bad answer fails
+that call with ``INTERNAL_ERROR``), and after a get's copy the lease's word
+in the arena's lease table is checked, so a lease that expired meanwhile
+reads as a miss, never as bytes the store may have reused.
 
 Faults never raise into the caller's data path: a store that is gone,
 stalled or restarting turns a call into transport codes
-(``StoreUnreachable.code``), and the next calls reconnect, starting the
-store process again if nobody else did. A connection is closed only when
-no copy under its leases is in flight, so the store never hands out
-memory this process may still be writing or reading.
+(``StoreUnreachable.code``) within the call's time limit (``timeout_s``,
+reconnect and handshake included), and the next calls reconnect. A client
+starts a store process only when no process holds the name's lock (none
+is running, not even a stalled one). A connection is closed only when no
+copy under its leases is in flight, so the store never hands out memory
+this process may still be writing or reading.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import logging
 import os
 import socket
 import struct
+import json
 import subprocess
 import sys
 import threading
@@ -38,10 +51,10 @@ from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, read
 from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
 from sglang_simm.errors import (
     BUILD_CONNECTION_FAILED,
+    DS_KEY_NOT_FOUND,
     INTERNAL_ERROR,
     OK,
     SEND_RPC_FAILED,
-    TIMEOUT,
     code_name,
 )
 
@@ -54,16 +67,40 @@ RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 2.0
 #: Operator commands (clear, stop, status) may take longer than a batch.
 ADMIN_TIMEOUT_S = 30.0
+#: Until a store says its own (HELLO), batches are split at this size.
+DEFAULT_MAX_BATCH = 16384
+#: An auto-started store exits after this long with no client (flag
+#: ``embedded_idle_exit_s``): long enough to outlive a server's restart.
+DEFAULT_IDLE_EXIT_S = 600.0
 
 
 class StoreUnreachable(ConnectionError):
     """The store process could not serve a call; ``code`` is what the
     entries of that call fail with (a transport code, as the real client's
-    RPC failures)."""
+    RPC failures). ``no_store``: nothing listens on the socket (starting
+    one may help); ``refused``: the store answered and said no."""
 
-    def __init__(self, code: int, why: str) -> None:
+    def __init__(self, code: int, why: str, *, no_store: bool = False, refused: bool = False) -> None:
         super().__init__(f"{code_name(code)}: {why}")
         self.code = code
+        self.no_store = no_store
+        self.refused = refused
+
+
+def lock_held(paths: StorePaths) -> bool:
+    """True while a store process holds the name's lock (running, starting,
+    stopping or stalled): then nobody may start another."""
+    try:
+        fd = os.open(paths.lock, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)
+    return False
 
 
 def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
@@ -101,6 +138,7 @@ class _Connection:
         self._closed = False
         self.info: dict[str, Any] = {}
         self.arena: ArenaMap | None = None
+        self.data_start = 0  # objects lie in [data_start, arena.size)
 
     # -- framing ------------------------------------------------------------
 
@@ -194,6 +232,9 @@ class HostServer:
         policy: str = "fifo",
         timeout_s: float = 1.0,
         spawn: bool = True,
+        idle_exit_s: float = DEFAULT_IDLE_EXIT_S,
+        started_by: str = "client",
+        limits: dict[str, Any] | None = None,
     ) -> None:
         self.root = ensure_dir(store_dir(root), create=spawn)
         self.paths = StorePaths(self.root, name)
@@ -202,6 +243,10 @@ class HostServer:
         self.policy_requested = policy
         self.timeout_s = timeout_s
         self.spawn_allowed = spawn
+        self.idle_exit_s = idle_exit_s
+        self.started_by = started_by
+        self.limits = dict(limits or {})
+        self.max_batch = DEFAULT_MAX_BATCH
         #: The network between this process and the store (see ``_faults``).
         self.faults = FaultInjector()
         self._conn: _Connection | None = None
@@ -212,6 +257,7 @@ class HostServer:
         self._old_arenas: list[ArenaMap] = []
         self.reconnects = 0
         self.closed = False
+        self._warned = False
 
     # -- connecting ---------------------------------------------------------------
 
@@ -228,11 +274,10 @@ class HostServer:
                 return
             except StoreUnreachable as exc:
                 last = str(exc)
-                if exc.code == INTERNAL_ERROR:  # reachable, but it refused us
+                if exc.refused:  # reachable, but it refused us
                     raise
-            if self.spawn_allowed and not started:
-                self._spawn()
-                started = True
+                if exc.no_store and self.spawn_allowed and not started:
+                    started = self._spawn()
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
@@ -244,23 +289,33 @@ class HostServer:
         )
 
     def _connect(self) -> _Connection:
-        """A new connection with its handshake done, made current."""
+        """A new connection with its handshake done, made current, within
+        this handle's time limit (connect and handshake together)."""
+        deadline = time.monotonic() + self.timeout_s
         try:
             conn = _Connection(self.paths, self.timeout_s)
         except FileNotFoundError as exc:
-            raise StoreUnreachable(BUILD_CONNECTION_FAILED, "no store process is running") from exc
-        except (ConnectionRefusedError, socket.timeout) as exc:
+            raise StoreUnreachable(BUILD_CONNECTION_FAILED, "no store process is running", no_store=True) from exc
+        except ConnectionRefusedError as exc:
+            raise StoreUnreachable(BUILD_CONNECTION_FAILED, f"the store process does not accept ({exc})",
+                                   no_store=True) from exc
+        except socket.timeout as exc:
             raise StoreUnreachable(BUILD_CONNECTION_FAILED, f"the store process does not accept ({exc})") from exc
         except OSError as exc:
             raise StoreUnreachable(BUILD_CONNECTION_FAILED, f"{type(exc).__name__}: {exc}") from exc
         hello = pack_json({"version": wire.PROTOCOL_VERSION, "pid": os.getpid()})
         try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("no time left for the handshake")
             with conn.lock:
-                op, body = conn.exchange(frame(Op.HELLO, hello), timeout_s=max(self.timeout_s, 5.0))
+                op, body = conn.exchange(frame(Op.HELLO, hello), timeout_s=left)
             info = Reader(body).json()
             if op == Op.ERROR:
                 conn.break_off()
-                raise StoreUnreachable(INTERNAL_ERROR, info.get("error", "refused"))
+                raise StoreUnreachable(int(info.get("code", INTERNAL_ERROR)), info.get("error", "refused"),
+                                       refused=True)
+            _check_hello(info)
             arena = self._arena_for(info)
         except StoreUnreachable:
             raise
@@ -269,16 +324,22 @@ class HostServer:
             raise StoreUnreachable(BUILD_CONNECTION_FAILED, f"handshake failed: {type(exc).__name__}: {exc}") from exc
         conn.info = info
         conn.arena = arena
+        conn.data_start = int(info["data_start"])
+        self.max_batch = max(1, int(info.get("max_batch", DEFAULT_MAX_BATCH)))
         arena.populate(int(info.get("committed_bytes", 0)))
         with self._conn_lock:
             old, self._conn = self._conn, conn
         if old is not None:
             old.break_off()
             self.reconnects += 1
-        if self.capacity_requested != info["capacity_bytes"] and self.spawn_allowed and not self._spawned:
-            logger.info(
-                "host store %r is running with capacity %s (asked for %s: the running store keeps its own)",
-                self.name, human_bytes(info["capacity_bytes"]), human_bytes(self.capacity_requested),
+        asked = (self.capacity_requested, self.policy_requested)
+        if self.spawn_allowed and asked != (info["capacity_bytes"], info["policy"]) and not self._warned:
+            self._warned = True
+            logger.warning(
+                "host store %r runs with capacity %s and %s eviction (started by %s); this process asked for "
+                "%s and %s: the store keeps its own (stop it to change them)",
+                self.name, human_bytes(info["capacity_bytes"]), info["policy"], info.get("started_by", "?"),
+                human_bytes(self.capacity_requested), self.policy_requested,
             )
         self._retry_s = RETRY_FIRST_S
         return conn
@@ -292,15 +353,23 @@ class HostServer:
             current.retire()  # a restarted store: the old arena goes once unused
         return arena
 
-    def _spawn(self) -> None:
+    def _spawn(self) -> bool:
+        """Start the store process, unless one holds the name's lock (it is
+        running, starting, stopping or stalled: starting another would only
+        wait on the lock); whether one was started."""
         for proc in self._spawned:
             proc.poll()  # reap the short-lived launchers
         self._spawned = [p for p in self._spawned if p.returncode is None]
+        if lock_held(self.paths):
+            return False
         cmd = [
             sys.executable, "-m", "sglang_simm.embedded._daemon", "--detach",
             "--dir", self.root, "--name", self.name,
             "--capacity", str(self.capacity_requested), "--policy", self.policy_requested,
+            "--idle-exit", str(self.idle_exit_s), "--started-by", self.started_by,
         ]
+        if self.limits:
+            cmd += ["--limits", json.dumps(self.limits)]
         env = dict(os.environ)
         # The store process must import this very package, wherever it came from.
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -311,6 +380,7 @@ class HostServer:
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             close_fds=True, start_new_session=True, env=env,
         ))
+        return True
 
     def _current(self) -> _Connection:
         """The live connection, or a reconnection attempt (rate-limited, so a
@@ -332,7 +402,7 @@ class HostServer:
         try:
             return self._connect()
         except StoreUnreachable as exc:
-            if self.spawn_allowed and exc.code == BUILD_CONNECTION_FAILED:
+            if self.spawn_allowed and exc.no_store:
                 self._spawn()  # the next attempt finds it up
             raise
 
@@ -347,13 +417,21 @@ class HostServer:
                 rop, body = conn.exchange(frame(op, *parts), timeout_s=timeout_s)
         except socket.timeout as exc:
             conn.break_off()  # a late reply would answer the next request
-            raise StoreUnreachable(TIMEOUT, f"the store process did not answer within {self.timeout_s:g} s") from exc
+            # SendRPCFailed, as SiMM HEAD reports a timed-out request (never Timeout)
+            raise StoreUnreachable(SEND_RPC_FAILED,
+                                   f"the store process did not answer within {timeout_s or self.timeout_s:g} s") from exc
         except OSError as exc:
             conn.break_off()
             raise StoreUnreachable(SEND_RPC_FAILED, f"the connection to the store process was lost ({exc})") from exc
         reader = Reader(body)
         if rop == Op.ERROR:
-            raise StoreUnreachable(INTERNAL_ERROR, f"the store process failed: {reader.json().get('error')}")
+            try:
+                err = reader.json()
+                code, why = int(err.get("code", INTERNAL_ERROR)), err.get("error")
+            except (ValueError, TypeError, AttributeError):
+                conn.break_off()
+                code, why = INTERNAL_ERROR, "an unreadable error"
+            raise StoreUnreachable(code, f"the store process refused {op.name}: {why}", refused=True)
         if rop != op:
             conn.break_off()
             raise StoreUnreachable(INTERNAL_ERROR, f"the store process answered {rop} to {op.name}")
@@ -369,25 +447,45 @@ class HostServer:
 
     # -- the data path (server codes; StoreUnreachable on transport faults) ----
 
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        step = self.max_batch
+        return [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
+
     def lookup(self, keys: Sequence[str]) -> list[int]:
-        part = encode_keys(keys)
-        _, r = self._request(Op.LOOKUP, part)
-        return r.ints()
+        out: list[int] = []
+        for a, b in self._chunks(len(keys)):
+            _, r = self._request(Op.LOOKUP, encode_keys(keys[a:b]))
+            out += _ints(r, b - a)
+        return out
 
     def put_from(self, items: Sequence[tuple[str, int, int]], overwrite: bool) -> list[int]:
         """Store ``(key, ptr, size)`` entries, copying from ``ptr``: the same
         codes as the in-process server's ``put_from``."""
+        if len(items) <= self.max_batch:
+            return self._put_batch(items, overwrite)
+        out: list[int] = []
+        for a, b in self._chunks(len(items)):
+            out += self._put_batch(items[a:b], overwrite)
+        return out
+
+    def _put_batch(self, items: Sequence[tuple[str, int, int]], overwrite: bool) -> list[int]:
+        n = len(items)
         part = encode_keys([k for k, _, _ in items])
         conn, r = self._request(Op.PUT, bytes((int(overwrite),)), part, pack_ints([s for _, _, s in items]))
-        lease, committed = r.ints()
-        codes = r.ints()
-        offsets = r.ints()
+        lease, committed = _ints(r, 2)
+        codes = _ints(r, n)
+        offsets = _ints(r, n)
         if not lease:
             return codes
         reserved = [i for i, code in enumerate(codes) if code == OK]
-        conn.arena.populate(committed)
-        base = conn.arena.base
+        arena = conn.arena
+        base = arena.base
         copies = [(base + offsets[i], items[i][1], items[i][2]) for i in reserved]
+        if not _in_arena(conn, [(offsets[i], items[i][2]) for i in reserved]):
+            self._send_one_way(conn, Op.ABORT, lease)
+            conn.break_off()
+            raise _bad_answer("PUT", "an offset outside the arena")
+        arena.populate(committed)
         conn.enter()
         try:
             copy_many(copies)
@@ -398,9 +496,9 @@ class HostServer:
         conn.leave()
         try:
             _, r = self._request(Op.COMMIT, pack_i64(lease), conn=conn)
-            final = r.ints()
+            final = _ints(r, len(reserved))
         except StoreUnreachable as exc:
-            final = [exc.code] * len(reserved)  # the lease died with the connection
+            final = [exc.code] * len(reserved)  # the lease died with the connection, or expired
         for i, code in zip(reserved, final):
             codes[i] = code
         return codes
@@ -408,18 +506,40 @@ class HostServer:
     def get_into(self, items: Sequence[tuple[str, int, int]]) -> list[int]:
         """Copy objects into ``(key, ptr, capacity)`` buffers: the object's
         size, ``DS_KEY_NOT_FOUND`` or ``INVALID_ARGUMENT`` (buffer too small)."""
+        if len(items) <= self.max_batch:
+            return self._get_batch(items)
+        out: list[int] = []
+        for a, b in self._chunks(len(items)):
+            out += self._get_batch(items[a:b])
+        return out
+
+    def _get_batch(self, items: Sequence[tuple[str, int, int]]) -> list[int]:
+        n = len(items)
         part = encode_keys([k for k, _, _ in items])
         conn, r = self._request(Op.GET, part, pack_ints([c for _, _, c in items]))
-        (lease,) = r.ints()
-        results = r.ints()
-        offsets = r.ints()
+        lease, slot = _ints(r, 2)
+        results = _ints(r, n)
+        offsets = _ints(r, n)
         if not lease:
             return results
-        base = conn.arena.base
-        copies = [(items[i][1], base + offsets[i], size) for i, size in enumerate(results) if size >= 0]
+        hits = [i for i, size in enumerate(results) if size >= 0]
+        arena = conn.arena
+        if (not _in_arena(conn, [(offsets[i], results[i]) for i in hits])
+                or any(results[i] > items[i][2] for i in hits)
+                or not 0 <= slot < conn.data_start // 8):
+            self._send_one_way(conn, Op.RELEASE, lease)
+            conn.break_off()
+            raise _bad_answer("GET", "an offset, size or lease slot outside what this client mapped")
+        base = arena.base
+        copies = [(items[i][1], base + offsets[i], results[i]) for i in hits]
         conn.enter()
         try:
             copy_many(copies)
+            # The lease must still be ours after the copy: one that expired
+            # meanwhile may have let the store reuse those bytes.
+            if ctypes.c_int64.from_address(base + 8 * slot).value != lease:
+                for i in hits:
+                    results[i] = DS_KEY_NOT_FOUND
         finally:
             conn.leave()
             self._send_one_way(conn, Op.RELEASE, lease)
@@ -521,6 +641,38 @@ class HostServer:
         return f"<HostServer {self.name!r} {usage}{down}>"
 
 
+def _ints(r: Reader, n: int) -> list[int]:
+    """An int list of exactly ``n`` from a reply."""
+    try:
+        values = r.ints()
+    except wire.ProtocolError as exc:
+        raise _bad_answer("a reply", str(exc)) from exc
+    if len(values) != n:
+        raise _bad_answer("a reply", f"{len(values)} values where {n} were due")
+    return values
+
+
+def _in_arena(conn: _Connection, extents: list[tuple[int, int]]) -> bool:
+    """Every ``(offset, size)`` lies in the object part of the mapped arena."""
+    lo, hi = conn.data_start, conn.arena.size
+    return all(lo <= offset and 0 <= size and offset + size <= hi for offset, size in extents)
+
+
+def _bad_answer(what: str, why: str) -> StoreUnreachable:
+    logger.error("host store answered %s with %s: failing the call (a store bug; its log may say more)", what, why)
+    return StoreUnreachable(INTERNAL_ERROR, f"the store process answered {what} with {why}")
+
+
+def _check_hello(info: Any) -> None:
+    if not isinstance(info, dict):
+        raise ValueError("a handshake that is not a JSON object")
+    for name in ("arena", "arena_bytes", "data_start", "capacity_bytes", "policy", "pid"):
+        if name not in info:
+            raise ValueError(f"a handshake without {name!r}")
+    if not 0 < int(info["data_start"]) < int(info["arena_bytes"]):
+        raise ValueError(f"data_start {info['data_start']} outside an arena of {info['arena_bytes']} bytes")
+
+
 def _log_tail(path: str, lines: int = 3) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -561,7 +713,8 @@ _HANDLES: dict[tuple[str, str], HostServer] = {}
 _HANDLES_LOCK = threading.Lock()
 
 
-def get_or_open(name: str, *, root: str | None, capacity: int, policy: str, timeout_s: float) -> HostServer:
+def get_or_open(name: str, *, root: str | None, capacity: int, policy: str, timeout_s: float,
+                idle_exit_s: float = DEFAULT_IDLE_EXIT_S) -> HostServer:
     """This process's handle on host store ``name``, connected (the store
     process started if needed) on first use."""
     key = (store_dir(root), name)
@@ -569,7 +722,8 @@ def get_or_open(name: str, *, root: str | None, capacity: int, policy: str, time
         handle = _HANDLES.get(key)
         if handle is not None and not handle.closed:
             return handle
-        handle = HostServer(name, root=root, capacity=capacity, policy=policy, timeout_s=timeout_s)
+        handle = HostServer(name, root=root, capacity=capacity, policy=policy, timeout_s=timeout_s,
+                            idle_exit_s=idle_exit_s)
         handle.open()
         _HANDLES[key] = handle
         return handle

@@ -22,26 +22,47 @@ Eviction takes the oldest unpinned object: FIFO by default, as SiMM's data
 server behaves (it has no access bit: ``src/data_server/kv_cache_evictor.cc``
 at HEAD), or LRU, where a get makes an object young again.
 
+Leases belong to the connection that took them: another connection's
+COMMIT, ABORT or RELEASE is refused (``LeaseError``). A lease older than
+the lease time limit expires (``expire``): a get lease's pins are dropped
+and its word in the arena's lease table cleared, so the reader, which
+checks that word after its copy, reports a miss instead of bytes that may
+have been reused meanwhile; a put lease's room stops counting against the
+capacity but its extents stay quarantined until its connection closes,
+since its writer may still be copying into them.
+
+Every object also lives in the crash-consistent table (``_table``), when
+one is given, so the next store process of the name can take it over.
+
 Codes are the data server's (``DS_*``, ``INVALID_ARGUMENT`` for a reader's
-buffer smaller than the object, ``OUT_OF_MEMORY`` when the arena's memory
-cannot be committed); the client maps them as the real client does.
+buffer smaller than the object or a key or size past SiMM's limits,
+``OUT_OF_MEMORY`` when the arena's memory cannot be committed); the client
+maps them as the real client does.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sglang_simm.embedded._allocator import ExtentAllocator, aligned
+from sglang_simm.embedded._limits import StoreLimits, key_ok
 from sglang_simm.errors import (
+    MAX_KEY_BYTES,
+    MAX_VALUE_BYTES,
     DS_CACHE_POOL_ALLOC_FAILED,
     DS_DATA_ALREADY_EXISTS,
     DS_KEY_NOT_FOUND,
     INVALID_ARGUMENT,
     OK,
     OUT_OF_MEMORY,
+    SEND_RPC_FAILED,
+    TARGET_UNAVAILABLE,
 )
 
 EVICTION_POLICIES = ("fifo", "lru")
@@ -67,13 +88,32 @@ STAT_NAMES = (
     "out_of_memory",  # puts refused because the arena's memory could not be committed
     "deletes",  # objects deleted
     "aborted",  # reserved objects never published (writer gone or aborted)
+    "recovered",  # objects taken over from a store process that died
+    "refused_key",  # entries with a key past 256 bytes
+    "refused_size",  # entries with a negative size or one past SiMM's limit
+    "refused_leases",  # batches refused because max_leases were open
+    "refused_lease_owner",  # COMMIT/ABORT/RELEASE of another connection's lease
+    "refused_lease_expired",  # leases that outlived the lease time limit
 )
+
+
+class LeaseError(KeyError):
+    """A COMMIT, ABORT or RELEASE the index refuses; ``code`` for the client."""
+
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(why)
+        self.code = code
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
 
 
 @dataclass(slots=True, eq=False)
 class _Object:
     offset: int
     size: int
+    slot: int = -1  # its entry in the table
     pins: int = 0
     #: False once it left the index while pinned: freed at the last unpin
     live: bool = True
@@ -86,13 +126,29 @@ class _Lease:
     items: list = field(default_factory=list)
     overwrite: bool = False
     is_put: bool = True
+    started: float = 0.0
+    slot: int = 0  # its word in the lease table
+
+
+class _NoTable:
+    """The table's surface for an index kept in memory only (unit tests)."""
+
+    def raise_high_water(self, end: int) -> None: ...
+    def commit(self, *args: object) -> None: ...
+    def free(self, *args: object) -> None: ...
+    def clear(self) -> None: ...
 
 
 class StoreIndex:
     """Objects by key in one arena of ``arena_bytes``, ``capacity`` object
     bytes at most. ``commit(end)`` makes the arena's memory real up to at
     least byte ``end`` if it can, and returns the end of the memory now
-    committed (less than ``end``: the host has no memory left for it)."""
+    committed (less than ``end``: the host has no memory left for it).
+
+    ``data_start``: the first byte objects may use (the lease table lies
+    before it); ``lease_words``: that table, one int64 per lease slot (a
+    lease's id while it is open, else 0); ``table``: the crash-consistent
+    index (``_table.IndexTable``)."""
 
     def __init__(
         self,
@@ -101,10 +157,21 @@ class StoreIndex:
         arena_bytes: int,
         policy: str = "fifo",
         commit: Callable[[int], int] | None = None,
+        limits: StoreLimits | None = None,
+        data_start: int = 0,
+        lease_words: Any = None,
+        table: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.set_policy(policy)
         self.alloc = ExtentAllocator(arena_bytes)
+        if data_start:
+            taken = self.alloc.alloc(data_start)
+            assert taken == 0, "a fresh allocator hands out offset 0 first"
+        self.data_start = data_start
         self.capacity = self._check_capacity(capacity)
+        self.limits = limits or StoreLimits()
+        self.max_objects = self.limits.objects_for(capacity)
         self._commit = commit or (lambda end: end)
         self._committed = 0
         self.objects: OrderedDict[bytes, _Object] = OrderedDict()  # oldest first
@@ -113,6 +180,15 @@ class StoreIndex:
         self._leases: dict[int, _Lease] = {}
         self._by_owner: dict[int, set[int]] = {}
         self._ids = itertools.count(1)
+        self._next_seq = 1  # publish order, kept in the table
+        self._high_water = data_start  # recorded in the table: room is handed out below it only
+        self._lease_words = lease_words if lease_words is not None else [0] * self.limits.max_leases
+        self._lease_slots = array("q", range(self.limits.max_leases - 1, -1, -1))
+        self._table = table if table is not None else _NoTable()
+        self._slots = array("q", range(self.max_objects - 1, -1, -1))
+        #: expired put leases' extents, by owner: freed when it is gone
+        self._quarantine: dict[int, list[_Object]] = {}
+        self._clock = clock
         self.stats = dict.fromkeys(STAT_NAMES, 0)
         #: bytes the capacity was lowered to when the host ran out of memory
         self.memory_limited: int | None = None
@@ -122,23 +198,80 @@ class StoreIndex:
             raise TypeError(f"capacity_bytes must be an int, got {value!r}")
         if value <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {value!r}")
-        if value > self.alloc.size:
+        if value > self.alloc.size - self.data_start:
             raise ValueError(
-                f"capacity_bytes {value} is above the {self.alloc.size} bytes this store's shared "
-                "memory can hold; stop the store and start it with the larger capacity"
+                f"capacity_bytes {value} is above the {self.alloc.size - self.data_start} bytes this store's "
+                "shared memory can hold; stop the store and start it with the larger capacity"
             )
         return value
+
+    # -- taking over a dead store's objects -----------------------------------
+
+    def restore(self, recovered: Any, quarantine_owner: int) -> int:
+        """Publish what a dead store process's table held (``_table.Recovered``),
+        oldest first, and hold the free space below its high-water mark
+        (where its writers may still be copying) under ``quarantine_owner``
+        (released with ``drop_owner``); how many objects."""
+        align = self.alloc.align
+        extents = sorted((o, aligned(max(s, 1), align)) for o, s in zip(recovered.offsets, recovered.sizes))
+        clean, end = [], self.data_start
+        for offset, length in extents:
+            if offset < end:  # overlaps what is kept: the table is lying about it
+                continue
+            clean.append((offset, length))
+            end = offset + length
+        high = aligned(max(recovered.high_water, end), align)
+        quarantined, at = [], self.data_start
+        for offset, length in clean:
+            if offset > at:
+                quarantined.append(_Object(at, offset - at))
+            at = offset + length
+        if high > at:
+            quarantined.append(_Object(at, min(high, self.alloc.size) - at))
+        self.alloc.take_used(sorted(clean + [(q.offset, q.size) for q in quarantined]))
+        keep = set(clean)
+        taken_slots = set()
+        for key, offset, size, slot in zip(recovered.keys, recovered.offsets, recovered.sizes, recovered.slots):
+            extent = (offset, aligned(max(size, 1), align))
+            if extent not in keep or self.used + size > self.capacity:
+                if extent in keep:  # sound, but past the capacity: its room is free
+                    keep.discard(extent)
+                    self.alloc.free(offset, size)
+                self._table.free([slot])
+                continue
+            keep.discard(extent)  # one object per extent, whatever the table says
+            self.objects[key] = _Object(offset, size, slot)
+            self.used += size
+            taken_slots.add(slot)
+        if quarantined:
+            self._quarantine[quarantine_owner] = quarantined
+        self._table.raise_high_water(high)
+        self._high_water = high
+        if taken_slots:
+            self._slots = array("q", (s for s in range(self.max_objects - 1, -1, -1) if s not in taken_slots))
+        if recovered.seqs:
+            self._next_seq = max(recovered.seqs) + 1
+        self._committed = self._commit(self.alloc.high_water())
+        self.stats["recovered"] = len(self.objects)
+        return len(self.objects)
 
     # -- room ---------------------------------------------------------------
 
     def _unpublish(self, key: bytes) -> _Object:
         obj = self.objects.pop(key)
         self.used -= obj.size
+        self._release_slot(obj)
         if obj.pins:
             obj.live = False
         else:
             self.alloc.free(obj.offset, obj.size)
         return obj
+
+    def _release_slot(self, obj: _Object) -> None:
+        if obj.slot >= 0:
+            self._table.free([obj.slot])
+            self._slots.append(obj.slot)
+            obj.slot = -1
 
     def _evict_one(self) -> bool:
         for key, obj in self.objects.items():
@@ -165,6 +298,9 @@ class StoreIndex:
             del objects[key]
         self.used -= freed
         self.stats["evictions"] += len(victims)
+        slots = [obj.slot for _, obj in victims if obj.slot >= 0]
+        self._table.free(slots)
+        self._slots.extend(slots)
         align = self.alloc.align
         run_start = run_end = -1
         for offset, size in sorted((obj.offset, aligned(obj.size, align)) for _, obj in victims):
@@ -176,6 +312,14 @@ class StoreIndex:
         if run_end > run_start:
             self.alloc.free(run_start, run_end - run_start)
         return freed >= nbytes
+
+    def _make_slots(self, n: int) -> bool:
+        """Table entries for ``n`` more objects, evicting the oldest for them
+        (the object cap); False when pinned objects hold them all."""
+        while len(self._slots) < n:
+            if not self._evict_one():
+                return False
+        return True
 
     def _place(self, size: int) -> tuple[int, int]:
         """``(offset, OK)`` of room for ``size`` object bytes, evicting the
@@ -198,12 +342,17 @@ class StoreIndex:
             if not self._evict_one():  # holes too small: make a bigger one
                 return -1, DS_CACHE_POOL_ALLOC_FAILED
 
+    def memory_released(self, committed: int) -> None:
+        """The arena gave back its memory past ``committed`` (no object
+        lies there): commit it again before handing it out."""
+        self._committed = min(self._committed, committed)
+
     def _memory_exhausted(self) -> None:
         """The host could not back more of the arena: from now on, store
         only what the memory committed so far holds (evicting within it),
         so later puts succeed instead of failing one by one."""
         self.alloc.truncate(self._committed)
-        limit = max(min(self.capacity, self.alloc.size), 1)
+        limit = max(min(self.capacity, self.alloc.size - self.data_start), 1)
         if limit < self.capacity:
             self.capacity = limit
             self.memory_limited = limit
@@ -222,7 +371,10 @@ class StoreIndex:
         objects = self.objects
         todo = []
         for i, (key, size) in enumerate(zip(keys, sizes)):
-            if not overwrite and key in objects:
+            if len(key) > MAX_KEY_BYTES or not 0 <= size <= MAX_VALUE_BYTES:  # _limits' rule, inlined: hot
+                codes[i] = INVALID_ARGUMENT
+                stats["refused_key" if not key_ok(key) else "refused_size"] += 1
+            elif not overwrite and key in objects:
                 codes[i] = DS_DATA_ALREADY_EXISTS
                 stats["already_exists"] += 1
             elif size > self.capacity:
@@ -230,6 +382,19 @@ class StoreIndex:
                 stats["rejected"] += 1
             else:
                 todo.append(i)
+        if not todo:
+            return 0, codes, offsets
+        if not self._lease_slots:
+            for i in todo:
+                codes[i] = DS_CACHE_POOL_ALLOC_FAILED
+            stats["refused_leases"] += 1
+            return 0, codes, offsets
+        if not self._make_slots(len(todo)):
+            todo_ok = len(self._slots)
+            for i in todo[todo_ok:]:
+                codes[i] = DS_CACHE_POOL_ALLOC_FAILED
+                stats["rejected"] += 1
+            todo = todo[:todo_ok]
         items = self._place_run(todo, keys, sizes, offsets)
         for i in todo[len(items):]:  # one at a time, each evicting what it needs
             offset, code = self._place(sizes[i])
@@ -242,6 +407,14 @@ class StoreIndex:
             items.append((i, keys[i], _Object(offset, sizes[i])))
         if not items:
             return 0, codes, offsets
+        slots = self._slots
+        end = 0
+        for _, _, obj in items:
+            obj.slot = slots.pop()
+            end = max(end, obj.offset + obj.size)
+        if end > self._high_water:  # recorded before the room is handed out
+            self._high_water = aligned(end, self.alloc.align)
+            self._table.raise_high_water(self._high_water)
         return self._lease(_Lease(owner, items, overwrite, True)), codes, offsets
 
     def _place_run(self, todo: list[int], keys: Sequence[bytes], sizes: Sequence[int],
@@ -276,27 +449,36 @@ class StoreIndex:
             items.append((i, keys[i], _Object(offset, size)))
         return items
 
-    def commit_put(self, lease_id: int) -> list[tuple[int, int]]:
+    def commit_put(self, lease_id: int, owner: int | None = None) -> list[tuple[int, int]]:
         """Publish a put lease: ``(entry index, code)`` for each reserved
         entry (OK, or DS_DATA_ALREADY_EXISTS when another put of the key,
-        without overwrite, was published first)."""
-        lease = self._end_lease(lease_id, is_put=True)
+        without overwrite, was published first). ``owner``: the connection
+        asking, refused (``LeaseError``) unless the lease is its own."""
+        lease = self._end_lease(lease_id, is_put=True, owner=owner)
         out = []
         objects = self.objects
         published = published_bytes = 0
+        slots, pkeys, poffsets, psizes = [], [], [], []
         for i, key, obj in lease.items:
             self.reserved -= obj.size
             if key in objects:
                 if not lease.overwrite:
+                    self._release_slot(obj)
                     self.alloc.free(obj.offset, obj.size)
                     self.stats["already_exists"] += 1
                     out.append((i, DS_DATA_ALREADY_EXISTS))
                     continue
                 self._unpublish(key)
             objects[key] = obj
+            slots.append(obj.slot)
+            pkeys.append(key)
+            poffsets.append(obj.offset)
+            psizes.append(obj.size)
             published += 1
             published_bytes += obj.size
             out.append((i, OK))
+        self._table.commit(slots, pkeys, poffsets, psizes, self._next_seq)
+        self._next_seq += published
         self.used += published_bytes
         self.stats["puts"] += published
         self.stats["bytes_in"] += published_bytes
@@ -310,7 +492,8 @@ class StoreIndex:
         """Pin what is there: ``(lease, sizes or codes, offsets)``; lease 0
         when nothing was pinned. A reader's buffer smaller than the object
         is INVALID_ARGUMENT (the data server's check), an absent key
-        DS_KEY_NOT_FOUND."""
+        DS_KEY_NOT_FOUND. The lease's slot in the lease table is
+        ``lease_slot(lease)``."""
         n = len(keys)
         results = [DS_KEY_NOT_FOUND] * n
         offsets = [-1] * n
@@ -319,13 +502,20 @@ class StoreIndex:
         stats["gets"] += n
         pinned = []
         lru = self.policy == "lru"
+        full = not self._lease_slots
         for i, (key, cap) in enumerate(zip(keys, capacities)):
             obj = objects.get(key)
             if obj is None:
+                if not key_ok(key):
+                    results[i] = INVALID_ARGUMENT
+                    stats["refused_key"] += 1
                 stats["misses"] += 1
                 continue
             if obj.size > cap:
                 results[i] = INVALID_ARGUMENT
+                continue
+            if full:
+                results[i] = TARGET_UNAVAILABLE
                 continue
             obj.pins += 1
             pinned.append(obj)
@@ -335,22 +525,35 @@ class StoreIndex:
             stats["bytes_out"] += obj.size
             if lru:
                 objects.move_to_end(key)
+        if full and any(r == TARGET_UNAVAILABLE for r in results):
+            stats["refused_leases"] += 1
         if not pinned:
             return 0, results, offsets
         return self._lease(_Lease(owner, pinned, False, False)), results, offsets
 
-    def release(self, lease_id: int) -> None:
-        """Unpin a get lease, or abort a put lease (its room is returned)."""
+    def lease_slot(self, lease_id: int) -> int:
+        lease = self._leases.get(lease_id)
+        return lease.slot if lease is not None else -1
+
+    def release(self, lease_id: int, owner: int | None = None) -> None:
+        """Unpin a get lease, or abort a put lease (its room is returned).
+        An unknown lease (expired, or released already) is ignored; another
+        connection's is refused (``LeaseError``)."""
         lease = self._leases.get(lease_id)
         if lease is not None:
-            self._end_lease(lease_id, is_put=lease.is_put)
+            self._end_lease(lease_id, is_put=lease.is_put, owner=owner)
             self._undo(lease)
 
     def _undo(self, lease: _Lease) -> None:
         if lease.is_put:
+            slots = []
             for _, _, obj in lease.items:
                 self.reserved -= obj.size
                 self.alloc.free(obj.offset, obj.size)
+                if obj.slot >= 0:
+                    slots.append(obj.slot)
+            self._table.free(slots)
+            self._slots.extend(slots)
             self.stats["aborted"] += len(lease.items)
             return
         for obj in lease.items:
@@ -362,33 +565,75 @@ class StoreIndex:
 
     def _lease(self, lease: _Lease) -> int:
         lease_id = next(self._ids)
+        lease.started = self._clock()
+        lease.slot = self._lease_slots.pop()
+        self._lease_words[lease.slot] = lease_id
         self._leases[lease_id] = lease
         self._by_owner.setdefault(lease.owner, set()).add(lease_id)
         return lease_id
 
-    def _end_lease(self, lease_id: int, *, is_put: bool) -> _Lease:
+    def _end_lease(self, lease_id: int, *, is_put: bool, owner: int | None = None) -> _Lease:
         lease = self._leases.get(lease_id)
         if lease is None or lease.is_put != is_put:
-            raise KeyError(f"no open {'put' if is_put else 'get'} lease {lease_id}")
+            raise LeaseError(
+                SEND_RPC_FAILED, f"no open {'put' if is_put else 'get'} lease {lease_id} (expired, or never granted)"
+            )
+        if owner is not None and lease.owner != owner:
+            self.stats["refused_lease_owner"] += 1
+            raise LeaseError(INVALID_ARGUMENT, f"lease {lease_id} belongs to another connection")
         del self._leases[lease_id]
+        self._lease_words[lease.slot] = 0
+        self._lease_slots.append(lease.slot)
         owned = self._by_owner[lease.owner]
         owned.discard(lease_id)
         if not owned:
             del self._by_owner[lease.owner]
         return lease
 
+    def expire(self, max_age_s: float | None = None) -> int:
+        """End the leases older than ``max_age_s`` (the lease time limit):
+        unpin gets (their readers' check then fails), quarantine puts' room
+        until their connection is gone. How many expired."""
+        limit = self.limits.lease_timeout_s if max_age_s is None else max_age_s
+        cutoff = self._clock() - limit
+        old = [lid for lid, lease in self._leases.items() if lease.started <= cutoff]
+        for lease_id in old:
+            lease = self._end_lease(lease_id, is_put=self._leases[lease_id].is_put)
+            if lease.is_put:
+                for _, _, obj in lease.items:
+                    self.reserved -= obj.size  # room no longer held against capacity
+                self._quarantine.setdefault(lease.owner, []).extend(obj for _, _, obj in lease.items)
+            else:
+                self._undo(lease)
+        self.stats["refused_lease_expired"] += len(old)
+        return len(old)
+
     def drop_owner(self, owner: int) -> int:
-        """A client is gone: abort its puts and unpin its gets; how many
-        leases it held."""
+        """A client is gone: abort its puts, unpin its gets and free its
+        quarantined room; how many leases it held."""
         lease_ids = self._by_owner.pop(owner, set())
         for lease_id in lease_ids:
-            self._undo(self._leases.pop(lease_id))
+            lease = self._leases.pop(lease_id)
+            self._lease_words[lease.slot] = 0
+            self._lease_slots.append(lease.slot)
+            self._undo(lease)
+        slots = []
+        for obj in self._quarantine.pop(owner, ()):
+            self.alloc.free(obj.offset, obj.size)
+            if obj.slot >= 0:
+                slots.append(obj.slot)
+        self._table.free(slots)
+        self._slots.extend(slots)
         return len(lease_ids)
 
     def open_leases(self, owner: int | None = None) -> int:
         if owner is None:
             return len(self._leases)
         return len(self._by_owner.get(owner, ()))
+
+    @property
+    def quarantined_bytes(self) -> int:
+        return sum(obj.size for objs in self._quarantine.values() for obj in objs)
 
     # -- the rest of the surface ----------------------------------------------------
 
@@ -433,8 +678,10 @@ class StoreIndex:
         out = dict(self.stats)
         out.update(
             objects=len(self.objects),
+            max_objects=self.max_objects,
             used_bytes=self.used,
             reserved_bytes=self.reserved,
+            quarantined_bytes=self.quarantined_bytes,
             capacity_bytes=self.capacity,
             arena_bytes=self.alloc.size,
             arena_free_bytes=self.alloc.free_bytes,

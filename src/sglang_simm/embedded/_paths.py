@@ -3,8 +3,11 @@
 One directory per user (``/dev/shm/sglang-simm-<uid>`` by default, or
 ``$SGLANG_SIMM_STORE_DIR``), mode 0700; in it, per store name: ``NAME.sock``
 (the store process's socket, 0600), ``NAME.lock`` (held by the store process
-while it lives: one process per name), ``NAME.pid``, ``NAME.log`` and the
-shared arena ``NAME.<generation>.arena`` (0600). Only the owning user can
+while it lives: one process per name), ``NAME.pid``, ``NAME.log``, the
+shared arena ``NAME.<generation>.arena``, its index table ``NAME.index`` and
+the settings the store was started with, ``NAME.json`` (all 0600). Arena,
+index and settings outlive a store process that dies, so the next one takes
+its objects over. Only the owning user can
 reach any of it; anything in the way that belongs to someone else, or that
 others could open, is refused with a message saying what to do.
 """
@@ -18,8 +21,8 @@ import tempfile
 from dataclasses import dataclass
 
 STORE_DIR_ENV = "SGLANG_SIMM_STORE_DIR"
-NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}\Z")
-NAME_RULE = "1-64 of A-Z a-z 0-9 . _ -, not starting with '.'"
+NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
+NAME_RULE = "1-64 of A-Z a-z 0-9 . _ -, starting with a letter, digit or '_'"
 
 
 class StoreAccessError(PermissionError):
@@ -114,6 +117,14 @@ class StorePaths:
     def log(self) -> str:
         return os.path.join(self.root, f"{self.name}.log")
 
+    @property
+    def index(self) -> str:
+        return os.path.join(self.root, f"{self.name}.index")
+
+    @property
+    def settings(self) -> str:
+        return os.path.join(self.root, f"{self.name}.json")
+
     def arena(self, generation: str) -> str:
         return os.path.join(self.root, f"{self.name}.{generation}.arena")
 
@@ -132,12 +143,29 @@ class StorePaths:
 
 
 def store_names(root: str) -> list[str]:
-    """Names with a socket in ``root`` (live or stale), sorted."""
+    """Names with a socket, settings or an index in ``root`` (live or
+    dead), sorted."""
     try:
         entries = os.listdir(root)
     except FileNotFoundError:
         return []
-    return sorted(e[: -len(".sock")] for e in entries if e.endswith(".sock") and NAME_RE.match(e[: -len(".sock")]))
+    names = set()
+    for e in entries:
+        for suffix in (".sock", ".json", ".index"):
+            if e.endswith(suffix) and NAME_RE.match(e[: -len(suffix)]):
+                names.add(e[: -len(suffix)])
+    return sorted(names)
+
+
+def held_bytes(paths: StorePaths) -> int:
+    """Memory the store's files hold (arena, index), live or dead."""
+    total = 0
+    for path in [*paths.arenas(), paths.index]:
+        try:
+            total += os.lstat(path).st_blocks * 512
+        except FileNotFoundError:
+            pass
+    return total
 
 
 def read_pid(paths: StorePaths) -> int | None:

@@ -26,13 +26,11 @@ from enum import IntEnum
 from typing import Any, Sequence
 
 #: Bumped on any change a client and a store process must agree on.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 HEADER = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
-#: A frame larger than this is a broken peer, not a batch.
-MAX_FRAME = 256 << 20
 
 
 class Op(IntEnum):
@@ -41,12 +39,12 @@ class Op(IntEnum):
     PUT = 3  # u8 overwrite, keys, sizes -> lease, codes, offsets, committed end
     COMMIT = 4  # lease -> codes (one per reserved entry, entry order)
     ABORT = 5  # lease -> (no reply)
-    GET = 6  # keys, capacities -> lease, sizes or codes, offsets
+    GET = 6  # keys, capacities -> [lease, lease slot], sizes or codes, offsets
     RELEASE = 7  # lease -> (no reply)
     DELETE = 8  # keys (one) -> codes
     DELETE_PREFIX = 9  # keys (one prefix) -> ints [count]
     ADMIN = 10  # JSON -> JSON (stats, clear, keys, set_capacity, stop)
-    ERROR = 255  # reply: JSON {"error": text}
+    ERROR = 255  # reply: JSON {"error": text, "code": SiMM code}
 
 
 #: Ops whose request gets no reply.

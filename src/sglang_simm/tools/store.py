@@ -3,19 +3,22 @@
 A host store (``manager_address: "local"`` or ``"local://NAME"``) starts by
 itself with its first client; these commands are for the operator who
 wants to size it before servers start, look inside, or let it go. They
-never start a store by accident: only ``start`` does.
+never start a store by accident: only ``start`` does (and it takes a dead
+store's objects over, with that store's settings). ``status`` shows dead
+stores and the memory they still hold; ``stop`` frees it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
-from sglang_simm.embedded._host import HostServer, StoreUnreachable, pid_alive, wait_gone
+from sglang_simm.embedded._host import HostServer, StoreUnreachable, lock_held, pid_alive, wait_gone
 from sglang_simm.embedded._index import EVICTION_POLICIES
-from sglang_simm.embedded._paths import StorePaths, read_pid, store_dir, store_names
+from sglang_simm.embedded._paths import StorePaths, check_name, held_bytes, read_pid, store_dir, store_names
 
 _DEFAULT_NAME = "default"
 
@@ -31,11 +34,19 @@ def add_arguments(sub: Any) -> None:
     status = actions.add_parser("status", help="capacity, bytes used, objects, hits and misses, clients")
     status.add_argument("name", nargs="?", help="one store (default: every store in the directory)")
     status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--prometheus", action="store_true",
+                        help="print the counters in Prometheus text format (sglang_simm:store_*)")
     common(status)
     start = actions.add_parser("start", help="start a store now, with a capacity and eviction policy")
     start.add_argument("name", nargs="?", default=_DEFAULT_NAME)
     start.add_argument("--capacity", default="4GiB", help="bytes of objects it holds (e.g. 512MiB, 8GiB)")
     start.add_argument("--eviction", choices=EVICTION_POLICIES, default="fifo")
+    start.add_argument("--idle-exit", type=float, default=0.0, metavar="S",
+                       help="exit (freeing its memory) after S seconds with no client (default 0: never)")
+    start.add_argument("--max-connections", type=int, help="connections at once (default 1024)")
+    start.add_argument("--max-objects", type=int, help="objects at once (default: one per 4 KiB of capacity)")
+    start.add_argument("--lease-timeout", type=float, metavar="S",
+                       help="a client's batch may hold memory this long (default 30)")
     common(start)
     clear = actions.add_parser("clear", help="remove every object of a store")
     clear.add_argument("name")
@@ -59,16 +70,21 @@ def _human(n: int) -> str:
 
 
 def _status_of(root: str, name: str) -> dict[str, Any]:
+    paths = StorePaths(root, name)
     try:
         server = _handle(root, name)
     except StoreUnreachable as exc:
-        pid = read_pid(StorePaths(root, name))
-        return {"name": name, "running": False, "why": str(exc), "pid": pid if pid_alive(pid) else None}
+        pid = read_pid(paths)
+        held = held_bytes(paths)
+        return {"name": name, "running": False, "why": str(exc), "pid": pid if pid_alive(pid) else None,
+                "dead": not lock_held(paths) and (held > 0 or os.path.exists(paths.settings)),
+                "held_bytes": held}
     try:
         status = server.status()
     finally:
         server.close()
     status["running"] = True
+    status["held_bytes"] = held_bytes(paths)
     return status
 
 
@@ -78,19 +94,34 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
     root = store_dir(args.dir)
     what = args.store_command
     if what == "status":
-        names = [args.name] if args.name else store_names(root)
+        names = [check_name(args.name)] if args.name else store_names(root)
         statuses = [_status_of(root, n) for n in names]
-        if args.json:
+        if args.prometheus:
+            from sglang_simm.embedded._metrics import render
+
+            print(render(statuses), end="")
+        elif args.json:
             console.print_json(json.dumps(statuses))
         else:
             _print_status(console, root, statuses)
         return 0 if all(s["running"] for s in statuses) else 1
     if what == "start":
         capacity = parse_byte_size(args.capacity)
-        server = HostServer(args.name, root=root, capacity=capacity, policy=args.eviction, timeout_s=5.0)
+        limits = {k: v for k, v in (("max_connections", args.max_connections), ("max_objects", args.max_objects),
+                                    ("lease_timeout_s", args.lease_timeout)) if v is not None}
+        if args.idle_exit < 0:
+            raise ValueError(f"--idle-exit must be >= 0 seconds (0: never), got {args.idle_exit:g}")
+        from sglang_simm.embedded._limits import StoreLimits
+
+        StoreLimits.from_dict(limits)  # a bad value fails here, naming the option's field
+        server = HostServer(check_name(args.name), root=root, capacity=capacity, policy=args.eviction,
+                            timeout_s=5.0, idle_exit_s=args.idle_exit, started_by="operator", limits=limits)
         server.open()
         status = server.status()
         server.close()
+        if status.get("recovered"):
+            console.print(f"store {args.name!r} took over {status['recovered']} objects of the store process "
+                          f"that died, with the settings it was started with")
         if status["capacity_bytes"] != capacity or status["policy"] != args.eviction:
             console.print(
                 f"store {args.name!r} was already running (pid {status['pid']}) with capacity "
@@ -102,17 +133,18 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
                       f"{args.eviction} eviction, socket {StorePaths(root, args.name).socket}")
         return 0
     if what == "clear":
-        server = _handle(root, args.name)
+        server = _handle(root, check_name(args.name))
         try:
-            removed = server.admin("clear")["removed"]
+            done = server.admin("clear")
         finally:
             server.close()
-        console.print(f"store {args.name!r}: removed {removed} objects")
+        console.print(f"store {args.name!r}: removed {done['removed']} objects; "
+                      f"{_human(done.get('committed_bytes', 0))} of shared memory still committed")
         return 0
     if what == "stop":
         if not args.all and not args.name:
             raise ValueError("name a store to stop, or pass --all")
-        names = store_names(root) if args.all else [args.name]
+        names = store_names(root) if args.all else [check_name(args.name)]
         code = 0
         for name in names:
             code |= _stop(console, root, name)
@@ -128,7 +160,6 @@ def _stop(console: Any, root: str, name: str) -> int:
         pid = read_pid(paths)
         if pid_alive(pid):
             console.print(f"store {name!r} (pid {pid}) does not answer; stopping it with SIGTERM")
-            import os
             import signal
 
             os.kill(pid, signal.SIGTERM)
@@ -136,8 +167,7 @@ def _stop(console: Any, root: str, name: str) -> int:
                 return 0
             console.print(f"[red]store {name!r} (pid {pid}) did not stop[/red]")
             return 1
-        console.print(f"store {name!r} is not running")
-        return 0
+        return _free_dead(console, paths)
     pid = server.pid
     started = time.monotonic()
     if server.stop():
@@ -145,6 +175,36 @@ def _stop(console: Any, root: str, name: str) -> int:
         return 0
     console.print(f"[red]store {name!r} (pid {pid}) did not stop[/red]")
     return 1
+
+
+def _free_dead(console: Any, paths: StorePaths) -> int:
+    """A store whose process died: free the memory its files hold, holding
+    the name's lock so that no store starts meanwhile."""
+    import fcntl
+
+    from sglang_simm.embedded._daemon import remove_files
+
+    try:
+        fd = os.open(paths.lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                console.print(f"store {paths.name!r} is starting or stopping; try again")
+                return 1
+        held = held_bytes(paths)
+        remove_files(paths, objects=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if held:
+        console.print(f"store {paths.name!r} was not running: freed the {_human(held)} its files held")
+    else:
+        console.print(f"store {paths.name!r} is not running")
+    return 0
 
 
 def _print_status(console: Any, root: str, statuses: list[dict[str, Any]]) -> None:
@@ -158,7 +218,12 @@ def _print_status(console: Any, root: str, statuses: list[dict[str, Any]]) -> No
         grid.add_column(style="bold")
         grid.add_column()
         if not s["running"]:
-            grid.add_row("state", "not running" + (f" (pid {s['pid']} does not answer)" if s.get("pid") else ""))
+            state = "not running" + (f" (pid {s['pid']} does not answer)" if s.get("pid") else "")
+            if s.get("dead"):
+                state = (f"dead: its process is gone, its files hold {_human(s.get('held_bytes', 0))}; "
+                         f"'sglang-simm store start {s['name']}' takes its objects over, "
+                         f"'sglang-simm store stop {s['name']}' frees them")
+            grid.add_row("state", state)
             console.print(f"[bold]store {s['name']!r}[/bold] in {root}")
             console.print(grid)
             continue
@@ -177,7 +242,14 @@ def _print_status(console: Any, root: str, statuses: list[dict[str, Any]]) -> No
             ("puts", f"{s['puts']} stored ({_human(s['bytes_in'])}), {s['evictions']} evicted, "
                      f"{s['rejected'] + s['out_of_memory']} refused"),
             ("clients", ", ".join(map(str, s["clients"])) or "none connected"),
+            ("leases", f"{s['open_leases']} open"
+                       + (f", {_human(s['quarantined_bytes'])} quarantined" if s.get("quarantined_bytes") else "")),
+            ("refused", ", ".join(f"{k[len('refused_'):]} {v}" for k, v in sorted(s.items())
+                                  if k.startswith("refused_") and v) or "nothing"),
+            ("idle exit", f"after {s['idle_exit_s']:g} s with no client" if s.get("idle_exit_s") else "never"),
         ]
+        if s.get("recovered"):
+            rows.append(("recovered", f"{s['recovered']} objects taken over in {s.get('takeover_s', 0):.3f} s"))
         for key, value in rows:
             grid.add_row(key, value)
         console.print(f"[bold]store {s['name']!r}[/bold] in {root}")

@@ -185,6 +185,10 @@ def _timed_pair(prepare_fns: list[Callable[[int], None]], fns: dict[str, Callabl
     return out
 
 
+#: Control-cost batch sizes (pages a call): small backups, a typical one, a big one.
+SMALL_BATCHES = (8, 40, 128)
+
+
 def measure(*, repeat: int = 15, pages: int = 128, bandwidth_page_size: int = 16,
             control_pages: int = 128) -> dict[str, Any]:
     import torch
@@ -229,26 +233,31 @@ def measure(*, repeat: int = 15, pages: int = 128, bandwidth_page_size: int = 16
     results["bandwidth"] = {k: v.as_dict() for k, v in samples.items()}
     del buffers, host
 
-    # 3: control cost, tiny pages (copying costs ~nothing)
+    # 3: control cost, tiny pages (copying costs ~nothing), at the batch sizes
+    # serving sends: SGLang's backups in a multi-turn workload are ~40 pages.
     tiny = PRESETS["tiny"]
-    host = build_host_pool(tiny, tokens=2 * control_pages * tiny.page_size, layout="page_first")
+    most = max(SMALL_BATCHES)
+    host = build_host_pool(tiny, tokens=2 * most * tiny.page_size, layout="page_first")
     tps = tiny.page_size
-    w = torch.arange(0, control_pages * tps, dtype=torch.int64)
-    r = torch.arange(control_pages * tps, 2 * control_pages * tps, dtype=torch.int64)
+    results["control_by_pages"] = {}
     with _simm_backend(f"local://{name}-c", tiny, host, 256 << 20) as hostb, \
             _simm_backend(f"inprocess://{name}-c", tiny, host, 256 << 20) as inproc:
-        h_prep, h_set, h_exists, h_get = _ours(hostb, w, r, control_pages, tiny.page_bytes())
-        i_prep, i_set, i_exists, i_get = _ours(inproc, w, r, control_pages, tiny.page_bytes())
-        control = _timed_pair(
-            [h_prep, i_prep],
-            {
-                "host exists": h_exists, "in-process exists": i_exists,
-                "host set": h_set, "in-process set": i_set,
-                "host get": h_get, "in-process get": i_get,
-            },
-            max(repeat, 30),
-        )
-    results["control"] = {k: v.as_dict() for k, v in control.items()}
+        for n in SMALL_BATCHES:
+            w = torch.arange(0, n * tps, dtype=torch.int64)
+            r = torch.arange(most * tps, (most + n) * tps, dtype=torch.int64)
+            h_prep, h_set, h_exists, h_get = _ours(hostb, w, r, n, tiny.page_bytes())
+            i_prep, i_set, i_exists, i_get = _ours(inproc, w, r, n, tiny.page_bytes())
+            control = _timed_pair(
+                [h_prep, i_prep],
+                {
+                    "host exists": h_exists, "in-process exists": i_exists,
+                    "host set": h_set, "in-process set": i_set,
+                    "host get": h_get, "in-process get": i_get,
+                },
+                max(repeat, 30),
+            )
+            results["control_by_pages"][str(n)] = {k: v.as_dict() for k, v in control.items()}
+    results["control"] = results["control_by_pages"][str(control_pages)]
     results["control_pages"] = control_pages
     return results
 
@@ -268,11 +277,246 @@ def render(console: Any, results: dict[str, Any]) -> None:
         t.add_row(f"file {op} (/dev/shm)", f"{file:.2f}", f"{file / memcpy:.0%}", "")
     t.add_row("memcpy (same bytes)", f"{memcpy:.2f}", "100%", "")
     console.print(t)
-    c = results["control"]
-    t = Table(title=f"Control cost per call, {results['control_pages']} tiny pages (copies ~free)")
-    for col in ("call", "host store us", "in-process us", "host / in-process"):
+    by_pages = results.get("control_by_pages") or {str(results["control_pages"]): results["control"]}
+    t = Table(title="Control cost per call, tiny pages (copies ~free)")
+    for col in ("pages", "call", "host store us", "in-process us", "host / in-process"):
         t.add_column(col, justify="right" if col != "call" else "left")
-    for op in ("exists", "set", "get"):
-        h, i = c[f"host {op}"]["median_s"] * 1e6, c[f"in-process {op}"]["median_s"] * 1e6
-        t.add_row(op, f"{h:.0f}", f"{i:.0f}", f"{h / i:.2f}x")
+    for n, c in by_pages.items():
+        for op in ("exists", "set", "get"):
+            h, i = c[f"host {op}"]["median_s"] * 1e6, c[f"in-process {op}"]["median_s"] * 1e6
+            t.add_row(n, op, f"{h:.0f}", f"{i:.0f}", f"{h / i:.2f}x")
     console.print(t)
+
+
+# -- the store as a server: folds, fairness, stalls, crashes ----------------------
+
+
+def _host_store(name: str, capacity: int, **kw: Any) -> Any:
+    from sglang_simm.embedded._host import HostServer
+
+    server = HostServer(name, capacity=capacity, timeout_s=kw.pop("timeout_s", 10.0), **kw)
+    server.open()
+    return server
+
+
+def measure_fold(repeat: int = 30, object_bytes: int = 4096) -> dict[str, Any]:
+    """A backup of fresh keys at each small batch size, per call: the
+    backend's exists + put (three requests) against ``mput_absent``'s
+    folded put (two), side by side."""
+    buf = ctypes.create_string_buffer(object_bytes)
+    ptr = ctypes.addressof(buf)
+    name = f"bench-fold-{uuid.uuid4().hex[:8]}"
+    server = _host_store(name, 256 << 20, idle_exit_s=30.0)
+    out: dict[str, Any] = {"object_bytes": object_bytes}
+    try:
+        for n in SMALL_BATCHES:
+            objects = 2 * n  # a page is a K and a V object
+            two = Sample(f"exists+put {n}")
+            one = Sample(f"put absent {n}")
+            for rep in range(repeat):
+                for sample, fold in ((two, False), (one, True)):
+                    keys = _keys("fold" if fold else "two", rep, objects)
+                    items = [(k, ptr, object_bytes) for k in keys]
+                    t0 = time.perf_counter()
+                    if fold:
+                        codes = server.put_from(items, False)
+                    else:
+                        assert not any(c == 0 for c in server.lookup(keys))
+                        codes = server.put_from(items, True)
+                    sample.seconds.append(time.perf_counter() - t0)
+                    sample.nbytes = objects * object_bytes
+                    assert not any(codes)
+            out[str(n)] = {"exists+put": two.as_dict(), "put absent": one.as_dict()}
+    finally:
+        server.stop()
+    return out
+
+
+_HAMMER = """
+import ctypes, sys, time
+from sglang_simm.embedded._host import HostServer
+name, n, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+c = HostServer(name, capacity=1, spawn=False, timeout_s=30)
+c.open()
+buf = ctypes.create_string_buffer(64)
+keys = [f"hammer{i}" for i in range(n)]
+c.put_from([(k, ctypes.addressof(buf), 64) for k in keys], True)
+print("ready", flush=True)
+end = time.monotonic() + seconds
+calls = 0
+while time.monotonic() < end:
+    c.lookup(keys)
+    c.get_into([(k, ctypes.addressof(buf), 64) for k in keys])
+    calls += 2
+print(calls, flush=True)
+"""
+
+
+def measure_fairness(samples: int = 2000) -> dict[str, Any]:
+    """A 1-key get's latency from one client while another sends the
+    largest batch the store allows (LOOKUP and GET of ``max_batch`` keys,
+    back to back), against the same get on an idle store."""
+    import subprocess
+    import sys
+
+    name = f"bench-fair-{uuid.uuid4().hex[:8]}"
+    server = _host_store(name, 256 << 20, idle_exit_s=30.0)
+    buf = ctypes.create_string_buffer(4096)
+    item = [("one", ctypes.addressof(buf), 4096)]
+    assert server.put_from(item, True) == [0]
+    out: dict[str, Any] = {"max_batch": server.max_batch}
+
+    def gets() -> list[float]:
+        times = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            assert server.get_into(item) == [4096]
+            times.append(time.perf_counter() - t0)
+        return times
+
+    try:
+        out["idle"] = _percentiles(gets())
+        env = dict(os.environ)
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen([sys.executable, "-c", _HAMMER, name, str(server.max_batch), "600"],
+                                stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            out["under largest batch"] = _percentiles(gets())
+        finally:
+            proc.kill()
+            proc.wait()
+        t0 = time.perf_counter()
+        server.lookup([f"hammer{i}" for i in range(server.max_batch)])
+        out["largest batch lookup_s"] = time.perf_counter() - t0
+    finally:
+        server.stop()
+    return out
+
+
+def _percentiles(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
+    return {"p50_ms": pick(0.5) * 1e3, "p99_ms": pick(0.99) * 1e3, "max_ms": times[-1] * 1e3, "n": len(times)}
+
+
+def measure_stalled(calls: int = 5, timeout_ms: int = 1000) -> dict[str, Any]:
+    """Each call's duration while the store process is stopped (SIGSTOP),
+    with a ``timeout_ms`` time limit: the first times out on its request,
+    the next ones on their reconnect's handshake."""
+    import signal
+
+    from sglang_simm.embedded._host import StoreUnreachable
+
+    name = f"bench-stall-{uuid.uuid4().hex[:8]}"
+    server = _host_store(name, 16 << 20, idle_exit_s=30.0, timeout_s=timeout_ms / 1000)
+    pid = server.pid
+    durations, codes = [], []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            try:
+                server.lookup(["x"])
+                codes.append(0)
+            except StoreUnreachable as exc:
+                codes.append(exc.code)
+            durations.append(time.perf_counter() - t0)
+            time.sleep(2.1)  # past the reconnect back-off, so each call tries the store
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        server.stop()
+    return {"timeout_ms": timeout_ms, "durations_s": durations, "codes": codes}
+
+
+_CRASH_WRITER = """
+import ctypes, sys
+from sglang_simm.embedded._host import HostServer
+name, size = sys.argv[1], int(sys.argv[2])
+c = HostServer(name, capacity=1, spawn=False, timeout_s=30)
+c.open()
+bufs = [ctypes.create_string_buffer(bytes([i + 1]) * size, size) for i in range(251)]
+i = 0
+while True:
+    c.put_from([(f"w{j}", ctypes.addressof(bufs[j % 251]), size) for j in range(i, i + 16)], True)
+    i += 16
+    if i == 16:
+        print("writing", flush=True)
+"""
+
+
+def measure_crash(capacity: int = 1 << 30, object_bytes: int = 1 << 20) -> dict[str, Any]:
+    """kill -9 of a store holding ``capacity`` bytes while a writer keeps
+    writing: objects recovered by the next store process, wrong bytes
+    among them, and the takeover time (the store's own, and the time until
+    a new client's first answer)."""
+    import signal
+    import subprocess
+    import sys
+
+    from sglang_simm.embedded._host import HostServer, pid_alive
+
+    name = f"bench-crash-{uuid.uuid4().hex[:8]}"
+    server = _host_store(name, capacity, idle_exit_s=0.0)
+    pid = server.pid
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    writer = subprocess.Popen([sys.executable, "-c", _CRASH_WRITER, name, str(object_bytes)],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+        while server.status()["used_bytes"] < capacity - 32 * object_bytes:
+            time.sleep(0.05)
+        time.sleep(0.5)  # evicting and writing: the kill lands mid-batch
+        held = server.status()["objects"]
+        os.kill(pid, signal.SIGKILL)
+        while pid_alive(pid):
+            time.sleep(0.01)
+    finally:
+        writer.kill()
+        writer.wait()
+    server.close()
+    t0 = time.perf_counter()
+    again = HostServer(name, capacity=1 << 20, timeout_s=30.0)  # starts the next store process
+    again.open()
+    status = again.status()
+    first_answer_s = time.perf_counter() - t0
+    out = ctypes.create_string_buffer(object_bytes)
+    wrong = read = 0
+    for key in again.keys():
+        assert again.get_into([(key, ctypes.addressof(out), object_bytes)]) == [object_bytes]
+        wrong += object_bytes - out.raw.count(bytes([int(key[1:]) % 251 + 1]))
+        read += 1
+    again.stop()
+    return {"capacity_bytes": capacity, "object_bytes": object_bytes, "objects_before_kill": held,
+            "recovered": status["recovered"], "read_back": read, "wrong_bytes": wrong,
+            "dropped_as_unsound": status["recovery_dropped"], "takeover_s": status["takeover_s"],
+            "restart_to_first_answer_s": first_answer_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sglang_simm.tools.bench.store [fold|fairness|stalled|crash ...] [--json PATH]``:
+    the server measurements of ``bench --store`` on their own (crash: 1 GiB)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m sglang_simm.tools.bench.store")
+    parser.add_argument("what", nargs="*", default=["fold", "fairness", "stalled"],
+                        choices=["fold", "fairness", "stalled", "crash"])
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--crash-gib", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    fns = {"fold": measure_fold, "fairness": measure_fairness, "stalled": measure_stalled,
+           "crash": lambda: measure_crash(int(args.crash_gib * (1 << 30)))}
+    result = {what: fns[what]() for what in args.what}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

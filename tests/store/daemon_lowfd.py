@@ -1,0 +1,13 @@
+"""The store process under a hard descriptor limit it cannot raise, with
+``max_connections`` above what that limit allows: accept() itself runs out
+of descriptors (EMFILE), as under systemd's default of 1024."""
+
+import resource
+import sys
+
+from sglang_simm.embedded import _daemon
+
+n = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+_daemon._fd_limit = lambda: 1 << 20  # let max_connections stand: the kernel's limit is what is hit
+sys.exit(_daemon.main(sys.argv[2:]))

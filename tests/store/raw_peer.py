@@ -1,0 +1,186 @@
+"""A store process of the test's own, and a raw same-uid peer that speaks
+the wire protocol directly (what a buggy or hostile client can send)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from sglang_simm.embedded import _protocol as wire
+from sglang_simm.embedded._paths import StorePaths
+from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
+
+SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+LOWFD = os.path.join(os.path.dirname(__file__), "daemon_lowfd.py")
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, e.get("PYTHONPATH")) if p)
+    return e
+
+
+def wait_for(cond, timeout: float = 20.0, what: str = "a condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class StoreProc:
+    """``python -m sglang_simm.embedded._daemon`` as a child of the test."""
+
+    def __init__(self, root: str, name: str, *, capacity: int = 16 << 20, limits: dict | None = None,
+                 idle_exit: float = 0.0, policy: str = "fifo", nofile: int | None = None) -> None:
+        self.paths = StorePaths(root, name)
+        args = ["--dir", root, "--name", name, "--capacity", str(capacity), "--policy", policy,
+                "--idle-exit", str(idle_exit), "--limits", json.dumps(limits or {})]
+        if nofile:
+            cmd = [sys.executable, LOWFD, str(nofile), *args]
+        else:
+            cmd = [sys.executable, "-m", "sglang_simm.embedded._daemon", *args]
+        self.proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for(lambda: os.path.exists(self.paths.pid) or self.proc.poll() is not None, what="the store to start")
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the store did not start: {self.proc.stderr.read().decode()}")
+        self.pid = self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def rss_kib(self) -> int:
+        """Private resident memory (anonymous pages, not the shared arena)."""
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+        raise AssertionError("no RssAnon")
+
+    def status(self) -> dict[str, Any]:
+        """The store's status, once it takes a connection (it may be busy
+        closing others, or refusing for its limits)."""
+        def attempt():
+            try:
+                with Peer(self.paths) as p:
+                    return p.admin("status")
+            except (AssertionError, OSError):
+                return None
+        try:
+            return wait_for(attempt, what="the store to answer a status request")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; its process {'runs' if self.alive() else 'exited'}; "
+                                 f"its log ends: {self.log_tail()}") from None
+
+    def log_tail(self) -> str:
+        try:
+            with open(self.paths.log) as f:
+                return " | ".join(f.read().splitlines()[-4:])
+        except OSError:
+            return ""
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+class Peer:
+    """A raw connection: frames in, frames out, nothing checked."""
+
+    def __init__(self, paths: StorePaths, *, hello: bool = True, timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(paths.socket)
+        self.info: dict[str, Any] = {}
+        if hello:
+            op, body = self.call(Op.HELLO, pack_json({"version": wire.PROTOCOL_VERSION, "pid": os.getpid()}))
+            assert op == Op.HELLO, Reader(body).json()
+            self.info = Reader(body).json()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv_frame(self) -> tuple[int, bytes]:
+        head = self._exact(wire.HEADER.size)
+        length, op = wire.HEADER.unpack(head)
+        return op, self._exact(length)
+
+    def _exact(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            more = self.sock.recv(n - len(buf))
+            if not more:
+                raise ConnectionResetError("the store closed the connection")
+            buf += more
+        return buf
+
+    def call(self, op: Op, *parts: bytes) -> tuple[int, bytes]:
+        self.send(frame(op, *parts))
+        return self.recv_frame()
+
+    def closed_by_store(self) -> bool:
+        try:
+            return self.sock.recv(1 << 16) == b""
+        except ConnectionResetError:
+            return True
+
+    # -- requests ------------------------------------------------------------
+
+    def admin(self, cmd: str, **args: Any) -> dict[str, Any]:
+        op, body = self.call(Op.ADMIN, pack_json({"cmd": cmd, **args}))
+        assert op == Op.ADMIN
+        return Reader(body).json()
+
+    def lookup(self, keys: list[str]) -> list[int]:
+        op, body = self.call(Op.LOOKUP, encode_keys(keys))
+        assert op == Op.LOOKUP, Reader(body).json()
+        return Reader(body).ints()
+
+    def put(self, keys: list[str], sizes: list[int], overwrite: bool = True) -> tuple[int, list[int], list[int]]:
+        op, body = self.call(Op.PUT, bytes((int(overwrite),)), encode_keys(keys), pack_ints(sizes))
+        assert op == Op.PUT, Reader(body).json()
+        r = Reader(body)
+        lease, _committed = r.ints()
+        return lease, r.ints(), r.ints()
+
+    def commit(self, lease: int) -> tuple[int, Any]:
+        op, body = self.call(Op.COMMIT, pack_i64(lease))
+        r = Reader(body)
+        return op, (r.json() if op == Op.ERROR else r.ints())
+
+    def get(self, keys: list[str], caps: list[int]) -> tuple[int, int, list[int], list[int]]:
+        op, body = self.call(Op.GET, encode_keys(keys), pack_ints(caps))
+        assert op == Op.GET, Reader(body).json()
+        r = Reader(body)
+        lease, slot = r.ints()
+        return lease, slot, r.ints(), r.ints()
+
+    def release(self, lease: int) -> None:
+        self.send(frame(Op.RELEASE, pack_i64(lease)))

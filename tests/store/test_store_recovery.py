@@ -1,0 +1,202 @@
+"""A crash that loses nothing, and nothing left behind (issue 17, findings
+7 and 8): kill -9 of the store process mid-write, settings that persist,
+idle exit, dead stores' memory freed, clear giving memory back, names."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+pytest.importorskip("rich")
+
+from sglang_simm.embedded._host import HostServer, pid_alive  # noqa: E402
+from sglang_simm.embedded._paths import StorePaths, check_name, held_bytes  # noqa: E402
+from sglang_simm.errors import OK  # noqa: E402
+from sglang_simm.tools.cli import main  # noqa: E402
+
+from raw_peer import StoreProc, env, wait_for  # noqa: E402
+
+pytestmark = pytest.mark.host
+
+SIZE = 64 << 10
+
+WRITER = """
+import ctypes, sys
+from sglang_simm.embedded._host import HostServer
+name, root = sys.argv[1], sys.argv[2]
+c = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5)
+c.open()
+size = int(sys.argv[3])
+bufs = [ctypes.create_string_buffer(bytes([i % 251 + 1]) * size, size) for i in range(251)]
+i = 0
+while True:
+    batch = [(f"w{j}", ctypes.addressof(bufs[j % 251]), size) for j in range(i, i + 8)]
+    try:
+        c.put_from(batch, True)
+    except Exception:
+        pass
+    i += 8
+    if i == 64:
+        print("writing", flush=True)
+"""
+
+
+def name() -> str:
+    return f"rec-{uuid.uuid4().hex[:8]}"
+
+
+def read_all(client: HostServer) -> tuple[int, int]:
+    """(objects read, wrong bytes) over every key the store lists."""
+    keys = client.keys()
+    out = ctypes.create_string_buffer(SIZE)
+    wrong = 0
+    for k in keys:
+        assert client.get_into([(k, ctypes.addressof(out), SIZE)]) == [SIZE]
+        want = int(k[1:]) % 251 + 1
+        wrong += SIZE - out.raw.count(bytes([want]))
+    return len(keys), wrong
+
+
+def test_kill_9_mid_write_loses_no_published_object_and_serves_no_torn_one(host_store_dir):
+    n = name()
+    store = StoreProc(host_store_dir, n, capacity=32 << 20)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, n, host_store_dir, str(SIZE)], env=env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+        wait_for(lambda: store.status()["evictions"] > 0, what="the store to fill and evict")
+        store.kill9()  # mid-write: the writer never stops
+        before = store.paths
+        assert held_bytes(before) > 16 << 20  # the arena's memory is still there
+    finally:
+        writer.kill()
+        writer.wait(timeout=10)
+    again = StoreProc(host_store_dir, n, capacity=1 << 20)  # other settings asked: the store's own win
+    try:
+        s = again.status()
+        assert s["recovered"] > 0 and s["objects"] == s["recovered"]
+        assert s["capacity_bytes"] == 32 << 20
+        client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=10)
+        client.open()
+        objects, wrong = read_all(client)
+        assert objects == s["recovered"] and wrong == 0
+        # the recovered store takes new writes beside the old objects
+        buf = ctypes.create_string_buffer(b"\x03" * SIZE, SIZE)
+        assert client.put_from([("w2", ctypes.addressof(buf), SIZE)], True) == [OK]
+        client.close()
+    finally:
+        again.stop()
+    assert not os.path.exists(again.paths.index) and held_bytes(again.paths) == 0  # a stop frees it all
+
+
+def test_settings_persist_and_a_client_asking_for_others_is_warned(host_store_dir, caplog):
+    n = name()
+    store = StoreProc(host_store_dir, n, capacity=32 << 20, policy="lru")
+    store.kill9()
+    client = HostServer(n, root=host_store_dir, capacity=1 << 20, policy="fifo", timeout_s=5)
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.embedded"):
+        client.open()  # starts the next store process: it comes back with the operator's settings
+    s = client.status()
+    assert (s["capacity_bytes"], s["policy"]) == (32 << 20, "lru")
+    assert any("32.0 MiB and lru" in r.getMessage() for r in caplog.records)
+    assert client.stop()
+
+
+# -- 8. left-overs --------------------------------------------------------------------
+
+
+def test_an_idle_store_exits_and_frees_its_memory(host_store_dir):
+    n = name()
+    client = HostServer(n, root=host_store_dir, capacity=8 << 20, idle_exit_s=0.3, timeout_s=5)
+    client.open()
+    pid = client.pid
+    buf = ctypes.create_string_buffer(1 << 20)
+    assert client.put_from([("a", ctypes.addressof(buf), 1 << 20)], True) == [OK]
+    assert pid_alive(pid)  # a client is connected: no idle exit
+    client.close()
+    wait_for(lambda: not pid_alive(pid), what="the idle store to exit")
+    paths = StorePaths(host_store_dir, n)
+    assert held_bytes(paths) == 0 and not os.path.exists(paths.settings) and not os.path.exists(paths.socket)
+
+
+def test_a_dead_store_shows_in_status_and_stop_frees_its_memory(host_store_dir, capsys):
+    n = name()
+    store = StoreProc(host_store_dir, n, capacity=16 << 20)
+    client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
+    client.open()
+    buf = ctypes.create_string_buffer(4 << 20)
+    assert client.put_from([("a", ctypes.addressof(buf), 4 << 20)], True) == [OK]
+    client.close()
+    store.kill9()
+    assert main(["store", "status", n, "--dir", host_store_dir, "--json"]) == 1
+    (status,) = json.loads(capsys.readouterr().out)
+    assert status["dead"] and status["held_bytes"] >= 4 << 20
+    assert main(["store", "status", n, "--dir", host_store_dir, "--prometheus"]) == 1
+    text = capsys.readouterr().out
+    assert f'sglang_simm:store_up{{store="{n}"}} 0' in text
+    assert main(["store", "stop", n, "--dir", host_store_dir]) == 0
+    assert "freed" in capsys.readouterr().out
+    assert held_bytes(StorePaths(host_store_dir, n)) == 0
+    assert n not in os.listdir(host_store_dir) and not StorePaths(host_store_dir, n).arenas()
+
+
+def test_clear_gives_the_committed_memory_back(host_store_dir, capsys):
+    n = name()
+    store = StoreProc(host_store_dir, n, capacity=64 << 20)
+    try:
+        client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
+        client.open()
+        buf = ctypes.create_string_buffer(1 << 20)
+        assert client.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(32)], True) == [OK] * 32
+        held = held_bytes(store.paths)
+        assert held >= 32 << 20
+        assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
+        assert "removed 32 objects" in capsys.readouterr().out
+        assert held_bytes(store.paths) < held - (30 << 20)
+        assert client.put_from([("again", ctypes.addressof(buf), 1 << 20)], True) == [OK]  # and it still serves
+        out = ctypes.create_string_buffer(1 << 20)
+        assert client.get_into([("again", ctypes.addressof(out), 1 << 20)]) == [1 << 20]
+        client.close()
+    finally:
+        store.stop()
+
+
+def test_prometheus_text_names_the_stores_counters(host_store_dir, capsys):
+    n = name()
+    store = StoreProc(host_store_dir, n)
+    try:
+        client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
+        client.open()
+        buf = ctypes.create_string_buffer(4096)
+        client.put_from([("a", ctypes.addressof(buf), 4096)], True)
+        client.get_into([("a", ctypes.addressof(buf), 4096), ("zz", ctypes.addressof(buf), 4096)])
+        client.close()
+        assert main(["store", "status", n, "--dir", host_store_dir, "--prometheus"]) == 0
+        text = capsys.readouterr().out
+    finally:
+        store.stop()
+    label = f'store="{n}"'
+    for line in (f"sglang_simm:store_up{{{label}}} 1", f"sglang_simm:store_objects{{{label}}} 1",
+                 f"sglang_simm:store_hits_total{{{label}}} 1", f"sglang_simm:store_misses_total{{{label}}} 1",
+                 f'sglang_simm:store_refusals_total{{{label},reason="batch"}} 0'):
+        assert line in text, line
+    assert "# TYPE sglang_simm:store_hits_total counter" in text
+
+
+@pytest.mark.parametrize("bad", ["-x", "--capacity", ".hidden", "a/b", ""])
+def test_store_names_are_checked_the_same_everywhere(bad, host_store_dir):
+    with pytest.raises(ValueError, match="store name"):
+        check_name(bad)
+    with pytest.raises(ValueError, match="store name"):
+        HostServer(bad, root=host_store_dir, capacity=1)
+    from sglang_simm.config import SiMMConfig
+
+    with pytest.raises(Exception, match="store name"):
+        SiMMConfig(manager_address=f"local://{bad}")
