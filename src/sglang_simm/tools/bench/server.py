@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from sglang_simm.tools.bench.server_backends import BACKENDS, L3_BACKENDS, Environment, Shape
 from sglang_simm.tools.bench.server_metrics import scrape, summary
-from sglang_simm.tools.bench.server_tap import TAP_ENV, by_size, read_ops, write_tap
+from sglang_simm.tools.bench.server_tap import RESERVE_ENV, TAP_ENV, by_size, read_ops, write_tap
 from sglang_simm.tools.bench.server_workloads import (
     Backups,
     Workload,
@@ -41,6 +41,10 @@ from sglang_simm.tools.bench.server_workloads import (
 )
 from sglang_simm.tools.sglang_server import SGLangServer
 from sglang_simm.tools.tiny_model import PRESETS, write_model
+
+#: the host RAM SGLang keeps free when it sizes a host pool, in the bench's
+#: servers (SGLang's own: 10 GiB, see ``server_tap._patch_host_reserve``)
+HOST_RESERVE_BYTES = 1 << 30
 
 #: the goal of issue 20: ours over Mooncake, per-operation GiB/s, every batch size
 GOAL_RATIO = 2.0
@@ -178,7 +182,8 @@ def _launch(env: Environment, shape: Shape, names: list[str], root: str, tap: st
     servers: dict[str, SGLangServer] = {}
     for name in names:
         config = env.config(name, shape)
-        config = replace(config, pythonpath=(tap,), env={**config.env, TAP_ENV: os.path.join(env.tap_dir, name)})
+        config = replace(config, pythonpath=(tap,), env={**config.env, TAP_ENV: os.path.join(env.tap_dir, name),
+                                                         RESERVE_ENV: str(HOST_RESERVE_BYTES)})
         servers[name] = SGLangServer(config, os.path.join(root, name), name=name).launch()
     return servers
 
@@ -206,6 +211,7 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
         "settings": {"backends": names, "asked": plan.backends, "repeat": plan.repeat, "preset": plan.preset,
                      "kv_bytes_per_token": preset.kv_bytes_per_token(), "page_size": plan.page_size,
                      "device_tokens": plan.device_tokens, "hicache_ratio": plan.hicache_ratio,
+                     "host_memory_reserve_bytes": HOST_RESERVE_BYTES,
                      "workload": asdict(plan.workload)},
         "mooncake": {"available": env.mooncake.available, "why": env.mooncake.why},
         "long_prompt": {n: [] for n in names}, "multi_turn": {n: [] for n in names},

@@ -53,6 +53,8 @@ class Shape:
     #: the device (L1) pool in tokens; the host pool is ``hicache_ratio`` x
     device_tokens: int = 8192
     hicache_ratio: float = 2.0
+    #: the L3 capacity of ours (host store) and Mooncake (its segment), alike
+    l3_bytes: int = 2 << 30
     python: str = ""
     startup_timeout_s: float = 900.0
 
@@ -169,7 +171,8 @@ class Environment:
             if store not in self.stores:
                 self.stores.append(store)
             return shape.config(route="simm", extra_config={
-                "manager_address": f"local://{store}", "request_timeout_ms": REQUEST_TIMEOUT_MS})
+                "manager_address": f"local://{store}", "request_timeout_ms": REQUEST_TIMEOUT_MS,
+                "embedded_capacity_bytes": shape.l3_bytes})
         if backend == "file":
             return shape.config(route="file", extra_config={"file_storage_path": self.file_dir})
         if backend == "mooncake":
@@ -177,7 +180,7 @@ class Environment:
                 raise RuntimeError(f"Mooncake is not available: {self.mooncake.why}")
             return shape.config(route="mooncake", extra_config={
                 "master_server_address": self.master.address, "protocol": "tcp",
-                "metadata_server": "P2PHANDSHAKE", "global_segment_size": 1 << 30,
+                "metadata_server": "P2PHANDSHAKE", "global_segment_size": shape.l3_bytes,
                 "local_hostname": "127.0.0.1", "device_name": ""})
         if backend == "host":
             return shape.config(route=None)

@@ -95,7 +95,8 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"versions: SGLang {v.get('sglang')}, torch {v.get('torch')}, sglang-simm {v.get('sglang-simm')}, "
         f"Mooncake {v.get('mooncake-transfer-engine-non-cuda')}",
         f"model: {s['preset']} ({s['kv_bytes_per_token'] // 1024} KiB KV/token), page {s['page_size']} tokens, "
-        f"device pool {s['device_tokens']} tokens, host pool x{s['hicache_ratio']}",
+        f"device pool {s['device_tokens']} tokens, host pool x{s['hicache_ratio']}; SGLang's host-memory reserve "
+        f"lowered from 10 to {s.get('host_memory_reserve_bytes', 0) / 2**30:.0f} GiB in these servers",
         f"load average (1/5/15 min): before {_load(result['load']['before'])}, after {_load(result['load']['after'])}; "
         f"whole run {result['seconds']:.0f} s; servers healthy after "
         + ", ".join(f"{n} {t:.0f} s" for n, t in result["server_start_s"].items()),

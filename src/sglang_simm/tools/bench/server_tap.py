@@ -88,34 +88,65 @@ def chain_after(ours: str) -> None:
 
 
 def install() -> None:
-    """Wrap SGLang's controller batch functions once their module is imported."""
+    """Patch SGLang's modules (``_PATCHES``) as they are imported."""
     import importlib.abc
+    import importlib.util
     import sys
 
-    if CONTROLLER_MODULE in sys.modules:
-        patch(sys.modules[CONTROLLER_MODULE].HiCacheController)
+    pending = {name: fn for name, fn in _PATCHES.items() if name not in sys.modules}
+    for name, fn in _PATCHES.items():
+        if name in sys.modules:
+            fn(sys.modules[name])
+    if not pending:
         return
 
     class _Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != CONTROLLER_MODULE:
+            fn = pending.pop(name, None)
+            if fn is None:
                 return None
-            sys.meta_path.remove(self)
-            import importlib.util
-
-            spec = importlib.util.find_spec(name)
+            sys.meta_path.remove(self)  # the real finders look it up, not this one again
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                if pending:
+                    sys.meta_path.insert(0, self)
             if spec is None or spec.loader is None:
                 return spec
             run = spec.loader.exec_module
 
             def exec_module(module):
                 run(module)
-                patch(module.HiCacheController)
+                fn(module)
 
             spec.loader.exec_module = exec_module
             return spec
 
     sys.meta_path.insert(0, _Finder())
+
+
+def _patch_controller(module) -> None:
+    patch(module.HiCacheController)
+
+
+def _patch_host_reserve(module) -> None:
+    """SGLang 0.5.23 refuses a host pool unless 10 GiB of the machine's RAM
+    stay free after it (``HICACHE_HOST_MEMORY_RESERVE_BYTES``), so a few
+    servers side by side on a small shared machine fail to start on a
+    pool of megabytes; ``$SGLANG_SIMM_BENCH_HOST_RESERVE`` (bytes) sets it."""
+    value = os.environ.get(RESERVE_ENV)
+    if value and hasattr(module, "HICACHE_HOST_MEMORY_RESERVE_BYTES"):
+        module.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(value)
+
+
+#: the environment variable lowering SGLang's host-memory reserve
+RESERVE_ENV = "SGLANG_SIMM_BENCH_HOST_RESERVE"
+
+#: module -> what to do once SGLang imported it
+_PATCHES = {
+    CONTROLLER_MODULE: _patch_controller,
+    "sglang.srt.mem_cache.pool_host.base": _patch_host_reserve,
+}
 
 
 #: the controller's per-batch functions: (name, op, reads) -- a read is
