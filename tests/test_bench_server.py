@@ -129,6 +129,8 @@ def test_checks_fail_on_a_missed_l3_read_or_a_different_answer():
     bad = checks({**base, "long_prompt": _long("file", 480, 496)})
     assert not bad["ok"] and "480 tokens from L3, expected 496" in bad["failures"][0]
     assert not checks({**base, "long_prompt": _long("ours", 496, 496, ok=False)})["ok"]
+    down = checks({**base, "long_prompt": {}, "failed": {"mooncake": "mooncake exited with status 1\nlog"}})
+    assert down["failures"] == ["mooncake did not start: mooncake exited with status 1"]
 
 
 def test_goal_is_ours_over_mooncake_per_batch_size():
@@ -253,6 +255,43 @@ def test_tap_times_every_batch_of_a_real_backend_through_the_controllers_own_cod
     assert ops[1].gib_per_s == pytest.approx(2 * pool_bytes / 2**30 / ops[1].seconds)
     dist = server_tap.by_size(ops)
     assert dist["get"]["1-8"]["n"] == 1 and dist["set"]["1-8"]["n"] == 1
+
+
+def test_patches_apply_to_modules_imported_after_install(monkeypatch):
+    seen = []
+    name = "_sglang_simm_test_late_module"
+    monkeypatch.setattr(server_tap, "_PATCHES", {name: seen.append})
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    server_tap.install()
+    assert not seen
+    import importlib
+    import tempfile
+
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, f"{name}.py"), "w") as f:
+        f.write("VALUE = 1\n")
+    monkeypatch.syspath_prepend(folder)
+    module = importlib.import_module(name)
+    try:
+        assert seen == [module] and module.VALUE == 1
+        assert not any(type(f).__name__ == "_Finder" for f in sys.meta_path)  # gone once done
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_host_memory_reserve_is_lowered_only_when_asked(monkeypatch):
+    pytest.importorskip("sglang")
+    from sglang.srt.mem_cache.pool_host import base
+
+    monkeypatch.setattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 10 << 30)
+    monkeypatch.delenv(server_tap.RESERVE_ENV, raising=False)
+    server_tap._patch_host_reserve(base)
+    assert base.HICACHE_HOST_MEMORY_RESERVE_BYTES == 10 << 30
+    monkeypatch.setenv(server_tap.RESERVE_ENV, str(1 << 30))
+    before = base.host_memory_budget_bytes()
+    server_tap._patch_host_reserve(base)
+    assert base.HICACHE_HOST_MEMORY_RESERVE_BYTES == 1 << 30
+    assert base.host_memory_budget_bytes() > before  # what SGLang sizes the pool against
 
 
 def test_tap_sitecustomize_loads_the_tap_from_its_file(tmp_path):

@@ -39,7 +39,7 @@ from sglang_simm.tools.bench.server_workloads import (
     rotated,
     store_for_restart,
 )
-from sglang_simm.tools.sglang_server import SGLangServer
+from sglang_simm.tools.sglang_server import SGLangServer, ServerError
 from sglang_simm.tools.tiny_model import PRESETS, write_model
 
 #: the host RAM SGLang keeps free when it sizes a host pool, in the bench's
@@ -215,15 +215,24 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
                      "workload": asdict(plan.workload)},
         "mooncake": {"available": env.mooncake.available, "why": env.mooncake.why},
         "long_prompt": {n: [] for n in names}, "multi_turn": {n: [] for n in names},
-        "server_start_s": {}, "histograms": {}, "per_op": {}, "restart": {},
+        "server_start_s": {}, "histograms": {}, "per_op": {}, "restart": {}, "failed": {},
     }
     servers: dict[str, SGLangServer] = {}
     try:
         progress(f"starting {len(names)} servers side by side ({', '.join(names)})")
         servers = _launch(env, shape, names, os.path.join(workdir, "servers"), tap)
-        for name, server in servers.items():
-            server.wait_ready()
+        for name, server in list(servers.items()):
+            try:
+                server.wait_ready()
+            except ServerError as exc:  # the others still run; the report says why this one did not
+                result["failed"][name] = str(exc)[-3000:]
+                del servers[name]
+                continue
             result["server_start_s"][name] = server.started_in_s
+        names = [n for n in names if n in servers]
+        if not names:
+            raise ServerError("no server started: " + "; ".join(result["failed"].values()))
+        result["settings"]["backends"] = names
         backups = {n: Backups(os.path.join(env.tap_dir, n)) if n in L3_BACKENDS else None for n in names}
         w, vocab = plan.workload, preset.vocab_size
         for rep in range(plan.repeat):
@@ -249,7 +258,11 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
             progress(f"restart: starting {', '.join(l3)} again on the same L3")
             servers = _launch(env, shape, l3, os.path.join(workdir, "restarted"), tap)
             for name in l3:
-                servers[name].wait_ready()
+                try:
+                    servers[name].wait_ready()
+                except ServerError as exc:
+                    result["failed"][f"{name} (restarted)"] = str(exc)[-3000:]
+                    continue
                 result["restart"][name] = after_restart(servers[name], prompts, before[name], w)
         for name in names:
             ops = read_ops(os.path.join(env.tap_dir, name))
@@ -261,6 +274,9 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
         env.close()
         if plan.workdir is None and not os.environ.get("SGLANG_SIMM_KEEP_BENCH"):
             shutil.rmtree(workdir, ignore_errors=True)
+    names = result["settings"]["backends"]
+    result["long_prompt"] = {n: v for n, v in result["long_prompt"].items() if n in names}
+    result["multi_turn"] = {n: v for n, v in result["multi_turn"].items() if n in names}
     result["answers_vs"] = "none" if "none" in names else names[0]
     result["multi_turn_answers"] = compare_turns(result["multi_turn"], result["answers_vs"])
     result["summary"] = aggregate(result)
@@ -276,7 +292,7 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
     prompt gave the first answer; L3 backends served the flushed prompt from
     L3; multi-turn answers agree across backends; restarts gave the same
     answers where they hit."""
-    failures: list[str] = []
+    failures: list[str] = [f"{name} did not start: {why.splitlines()[0]}" for name, why in result.get("failed", {}).items()]
     for name, reps in result["long_prompt"].items():
         for i, rep in enumerate(reps):
             for r in rep["requests"]:

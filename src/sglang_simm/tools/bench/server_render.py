@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_simm.tools.bench.server_backends import MOONCAKE_INSTALL
+from sglang_simm.tools.bench.server_tap import SIZE_CLASSES, size_class
 
 #: how each backend is named in tables
 TITLES = {"ours": "ours (host store)", "file": "file (/dev/shm)", "mooncake": "Mooncake (TCP)",
@@ -153,14 +154,16 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (op, label) in zip(axes, (("get", "reads (prefetch)"), ("set", "writes (backup)"))):
+        classes = [size_class(lo) for lo, _ in SIZE_CLASSES]
+        used = [c for c in classes if any(c in (per.get(op) or {}) for per in result["per_op"].values())]
         for name, per in result["per_op"].items():
             d = per.get(op) or {}
-            if d:
-                sizes = list(d)
-                ax.errorbar(range(len(sizes)), [d[k]["median"] for k in sizes],
+            sizes = [c for c in used if c in d]
+            if sizes:
+                ax.errorbar([used.index(c) for c in sizes], [d[k]["median"] for k in sizes],
                             yerr=[[d[k]["median"] - d[k]["p10"] for k in sizes], [d[k]["p90"] - d[k]["median"] for k in sizes]],
                             marker="o", capsize=3, label=TITLES.get(name, name))
-                ax.set_xticks(range(len(sizes)), sizes)
+        ax.set_xticks(range(len(used)), used)
         ax.set_title(f"L3 {label}, per call (p10-p90)")
         ax.set_xlabel("pages per call")
         ax.set_ylabel("GiB/s")
