@@ -73,7 +73,7 @@ QUICK_WORKLOAD = Workload(long_tokens=512, filler_tokens=1024, filler_chunk=256,
 
 
 def plan_from_args(args: Any) -> ServerPlan:
-    """``--backends``, ``--repeat``, ``--quick``, ``--preset``, ``--python``."""
+    """``--backends``, ``--repeat``, ``--quick``, ``--preset``, ``--python``, ``--no-restart``."""
     quick = bool(getattr(args, "quick", False))
     names = getattr(args, "backends", None)
     backends = [b.strip() for b in names.split(",") if b.strip()] if names else (
@@ -88,7 +88,8 @@ def plan_from_args(args: Any) -> ServerPlan:
     preset = getattr(args, "preset", None) or ("llama-tiny" if quick else "llama-demo")
     if preset not in PRESETS:
         raise ValueError(f"--preset must be one of {', '.join(sorted(PRESETS))}, got {preset!r}")
-    plan = ServerPlan(backends=backends, repeat=repeat, preset=preset, python=getattr(args, "python", None) or "")
+    plan = ServerPlan(backends=backends, repeat=repeat, preset=preset, python=getattr(args, "python", None) or "",
+                      restart=not getattr(args, "no_restart", False))
     if quick:
         plan = replace(plan, workload=QUICK_WORKLOAD, device_tokens=1024)
     return plan

@@ -35,6 +35,31 @@ and its modules; the method in short:
   counts K and V objects as pages on writes and only the K bytes on reads);
 - figures are medians with their min-max over repetitions; the machine is
   shared, its load average is stamped on each run.
+
+Run it:
+
+```
+pip install 'sglang-simm[bench]'                  # rich, numpy, matplotlib
+pip install mooncake-transfer-engine-non-cuda     # optional: Mooncake (leaves torch alone)
+apt-get install -y libibverbs1 libnl-3-200 libnl-route-3-200   # what Mooncake's binaries link
+sglang-simm bench --server --json out.json --plot out.png --docs docs/benchmarks.md --label NAME
+sglang-simm bench --server --quick                # ours and file, tiny model, one repetition
+```
+
+Options: `--backends ours,file,mooncake,host,none`, `--repeat N` (default 2),
+`--preset llama-tiny|llama-demo` (16 KiB of KV per token), `--python` (the
+servers' interpreter), `--no-restart`. Without Mooncake importable in the
+servers' Python the bench prints the install line and runs the others. The
+bench starts `mooncake_master` on 127.0.0.1 itself and stops it by its pid;
+the servers run with `--sleep-on-idle` and with SGLang's 10 GiB host-memory
+reserve lowered to 1 GiB (several servers on one small machine otherwise
+refuse a host pool of megabytes). Exit status 1 when an answer differed or a
+server did not start; goals are reported, not enforced.
+
+Known limits: on this CPU the suffix's prefill hides most of the transfer in
+TTFT, so the per-call bandwidth tables are where backends differ; Mooncake's
+segment lives inside the server here (SGLang's default), so a restart loses
+its pages (a standalone `mooncake_client` would keep them; not measured).
 """
 
 _SECTION = "<!-- bench-server:{label} -->"
