@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--preset", help="model (llama-tiny, llama-demo; default llama-demo, --quick llama-tiny)")
     server.add_argument("--python", help="the Python the servers run (default: this one)")
     server.add_argument("--no-restart", action="store_true", help="skip the restart on the same L3")
+    server.add_argument("--small", action="store_true",
+                        help="a lighter workload for a loaded machine (1,536-token prompt, 4 clients x 3 rounds "
+                             "of 384 tokens, a 2,048-token device pool)")
     server.add_argument("--docs", metavar="PATH", help="write this run's section of a Markdown results file")
     server.add_argument("--label", default="latest", help="the section's name in --docs (default: %(default)s)")
     from sglang_simm.tools.store import add_arguments as add_store_arguments

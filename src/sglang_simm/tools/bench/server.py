@@ -72,6 +72,12 @@ QUICK_WORKLOAD = Workload(long_tokens=512, filler_tokens=1024, filler_chunk=256,
                           rounds=2, turn_tokens=160, answer_tokens=8, restart_prompts=2, restart_tokens=320)
 
 
+#: ``--small``: the same shapes at about a third of the prefill work (a
+#: shared two-core machine prefills a few hundred tokens a second)
+SMALL_WORKLOAD = Workload(long_tokens=1536, filler_tokens=2048, filler_chunk=1024, warmup_tokens=512, clients=4,
+                          rounds=3, turn_tokens=384, answer_tokens=32, restart_prompts=3, restart_tokens=512)
+
+
 def plan_from_args(args: Any) -> ServerPlan:
     """``--backends``, ``--repeat``, ``--quick``, ``--preset``, ``--python``, ``--no-restart``."""
     quick = bool(getattr(args, "quick", False))
@@ -92,6 +98,8 @@ def plan_from_args(args: Any) -> ServerPlan:
                       restart=not getattr(args, "no_restart", False))
     if quick:
         plan = replace(plan, workload=QUICK_WORKLOAD, device_tokens=1024)
+    elif getattr(args, "small", False):
+        plan = replace(plan, workload=SMALL_WORKLOAD, device_tokens=2048)
     return plan
 
 

@@ -41,6 +41,8 @@ class Workload:
     #: (at least the device pool, so the prompt leaves it)
     filler_tokens: int = 4096
     filler_chunk: int = 1024
+    #: the prompt that pays a server's one-off costs first (0: the long prompt's length)
+    warmup_tokens: int = 0
     new_tokens: int = 8
     clients: int = 8
     rounds: int = 4
@@ -124,7 +126,7 @@ def long_prompt(server: SGLangServer, backups: Backups | None, w: Workload, seed
     prompt = tokens(rng, w.long_tokens, vocab)
     page = server.config.page_size
     # one-off costs (first prefill of this length, allocations) on a prompt of its own
-    server.generate(tokens(rng, w.long_tokens, vocab), max_new_tokens=1, extra_key=f"warm-{seed}")
+    server.generate(tokens(rng, w.warmup_tokens or w.long_tokens, vocab), max_new_tokens=1, extra_key=f"warm-{seed}")
     if backups is not None:
         backups.settle()
     t0 = time.time()
