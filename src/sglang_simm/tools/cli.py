@@ -167,13 +167,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure our backend against SGLang's in-tree one")
     bench.add_argument("--pages", default="1,8,32,128,1024", help="batch sizes (pages per call)")
-    bench.add_argument("--repeat", type=int, default=30, help="timed repetitions per point (median)")
+    bench.add_argument("--repeat", type=int, default=None,
+                       help="timed repetitions per point (median; default 30, with --server 2)")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     bench.add_argument("--store", action="store_true",
                        help="measure the host store (local) against memcpy, SGLang's file backend and the "
                             "in-process store instead")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="draw a PNG chart (needs matplotlib)")
+    bench.add_argument("--server", action="store_true",
+                       help="L3 backends side by side in real CPU SGLang servers: ours, file, Mooncake, host tier "
+                            "only, no HiCache (minutes; see docs/benchmarks.md)")
+    server = bench.add_argument_group("with --server")
+    server.add_argument("--backends", help="comma list of ours,file,mooncake,host,none (default: all; --quick: ours,file)")
+    server.add_argument("--preset", help="model (llama-tiny, llama-demo; default llama-demo, --quick llama-tiny)")
+    server.add_argument("--python", help="the Python the servers run (default: this one)")
+    server.add_argument("--no-restart", action="store_true", help="skip the restart on the same L3")
+    server.add_argument("--small", action="store_true",
+                        help="a lighter workload for a loaded machine (1,536-token prompt, 4 clients x 3 rounds "
+                             "of 384 tokens, a 2,048-token device pool)")
+    server.add_argument("--docs", metavar="PATH", help="write this run's section of a Markdown results file")
+    server.add_argument("--label", default="latest", help="the section's name in --docs (default: %(default)s)")
     from sglang_simm.tools.store import add_arguments as add_store_arguments
 
     add_store_arguments(sub)

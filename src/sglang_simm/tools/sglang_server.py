@@ -43,6 +43,11 @@ SCHEDULER_TITLE = "sglang::scheduler"
 #: The backend names of the two routes.
 ROUTES = ("simm", "dynamic")
 
+#: SGLang's own L3 backends, reached by name with their own extra config
+#: (``file``: ``file_storage_path``; ``mooncake``: its master and transfer
+#: settings), for comparisons with this plugin.
+INTREE_BACKENDS = ("file", "mooncake")
+
 #: What the backend logs per write batch with ``enable_profile`` (backend.py).
 _SET_LINE = re.compile(r"SiMM batch_set_v1: (\d+) pages, (\d+) already stored, (\d+) written")
 _GET_LINE = re.compile(r"SiMM batch_get_v1: (\d+) pages, (\d+) hits")
@@ -82,6 +87,16 @@ class ServerConfig:
     #: the Python that runs SGLang (one where SGLang and this package are installed)
     python: str = sys.executable
     startup_timeout_s: float = 600.0
+    #: False: no ``--enable-hierarchical-cache`` (and no L3): the device
+    #: prefix cache alone, the baseline an operator starts from
+    hierarchical_cache: bool = True
+    #: ``--sleep-on-idle``: an idle CPU scheduler otherwise spins at 20-40 %
+    #: of a core, which spoils runs of several servers side by side
+    sleep_on_idle: bool = False
+    #: folders put on the server's ``PYTHONPATH`` after the stand-ins' own
+    #: (a ``sitecustomize.py`` there runs after theirs, see
+    #: ``cpu_standins.chain_sitecustomize``)
+    pythonpath: Sequence[str] = ()
 
     def storage_args(self) -> list[str]:
         if self.route is None:
@@ -95,8 +110,8 @@ class ServerConfig:
                 "interface_v1": 1,
                 **extra,
             }
-        elif self.route != "simm":
-            raise ValueError(f"route must be one of {ROUTES} or None, got {self.route!r}")
+        elif self.route not in ("simm", *INTREE_BACKENDS):
+            raise ValueError(f"route must be one of {ROUTES + INTREE_BACKENDS} or None, got {self.route!r}")
         return [
             "--hicache-storage-backend",
             self.route,
@@ -134,17 +149,22 @@ class ServerConfig:
             str(self.page_size),
             "--max-total-tokens",
             str(self.max_total_tokens),
-            "--enable-hierarchical-cache",
-            "--hicache-ratio",
-            str(self.hicache_ratio),
-            "--hicache-mem-layout",
-            self.mem_layout,
-            "--hicache-io-backend",
-            self.io_backend,
-            "--hicache-write-policy",
-            self.write_policy,
-            *self.storage_args(),
         ]
+        if self.hierarchical_cache:
+            args += [
+                "--enable-hierarchical-cache",
+                "--hicache-ratio",
+                str(self.hicache_ratio),
+                "--hicache-mem-layout",
+                self.mem_layout,
+                "--hicache-io-backend",
+                self.io_backend,
+                "--hicache-write-policy",
+                self.write_policy,
+                *self.storage_args(),
+            ]
+        if self.sleep_on_idle:
+            args.append("--sleep-on-idle")
         if self.enable_metrics:
             args.append("--enable-metrics")
         args.extend(self.extra_args)
@@ -164,7 +184,7 @@ def server_env(config: ServerConfig, workdir: str) -> dict[str, str]:
     caches under ``workdir`` or the venv."""
     env = dict(os.environ)
     site_dir = cpu_standins.write_sitecustomize(os.path.join(workdir, "site"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, *config.pythonpath, env.get("PYTHONPATH", "")) if p)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["HF_HUB_OFFLINE"] = "1"

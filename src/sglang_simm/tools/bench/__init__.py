@@ -274,6 +274,10 @@ def run_bench(console: Any, args: Any) -> int:
     """
     if getattr(args, "store", False):
         return run_store_bench(console, args)
+    if getattr(args, "server", False):
+        from sglang_simm.tools.bench.server_cli import run_server_bench
+
+        return run_server_bench(console, args)
     plan = plan_from_args(args)
     if getattr(args, "plot", None):
         try:
@@ -298,7 +302,7 @@ def run_store_bench(console: Any, args: Any) -> int:
     backend and the in-process store (``tools.bench.store``)."""
     from sglang_simm.tools.bench import store
 
-    repeat = 5 if getattr(args, "quick", False) else max(int(getattr(args, "repeat", 15) or 15), 5)
+    repeat = 5 if getattr(args, "quick", False) else max(int(getattr(args, "repeat", None) or 30), 5)
     with console.status("bench --store: host store, file backend, memcpy"):
         result = store.measure(repeat=repeat)
     result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}

@@ -1,0 +1,202 @@
+"""The servers ``bench --server`` compares: one ``ServerConfig`` per backend,
+the same model, flags and pool sizes for each, and what each needs outside
+the server (a host store, a folder, a Mooncake master).
+
+* ``ours``: this plugin on a host store of the bench's own (``local://NAME``);
+* ``file``: SGLang's ``file`` backend in a folder on /dev/shm (memory, like
+  the others);
+* ``mooncake``: SGLang's Mooncake Store over TCP, its segment inside the
+  server, with a ``mooncake_master`` the bench starts on 127.0.0.1;
+* ``host``: HiCache with the host tier only (no L3);
+* ``none``: no HiCache (the device prefix cache alone).
+
+Mooncake is optional: ``mooncake_status`` says whether the server's Python
+imports it and where its master binary is, and otherwise gives the install
+line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sglang_simm.tools.sglang_server import ServerConfig, free_port
+
+#: every backend the bench knows, in its default order
+BACKENDS = ("ours", "file", "mooncake", "host", "none")
+#: the ones with an L3 tier (restarts, L3 reads)
+L3_BACKENDS = ("ours", "file", "mooncake")
+
+#: what to run when Mooncake does not import (the Debian libraries are what
+#: its binaries link against)
+MOONCAKE_INSTALL = (
+    "pip install mooncake-transfer-engine-non-cuda && "
+    "apt-get install -y libibverbs1 libnl-3-200 libnl-route-3-200"
+)
+
+#: SiMM's default request time limit is 1 s; CPU servers side by side on a
+#: shared machine have held an answer longer (see tests/e2e/conftest.py)
+REQUEST_TIMEOUT_MS = 10_000
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What every server shares (so they differ only in their L3 tier)."""
+
+    model_path: str
+    page_size: int = 16
+    #: the device (L1) pool in tokens; the host pool is ``hicache_ratio`` x
+    device_tokens: int = 8192
+    hicache_ratio: float = 2.0
+    #: the L3 capacity of ours (host store) and Mooncake (its segment), alike
+    l3_bytes: int = 2 << 30
+    python: str = ""
+    startup_timeout_s: float = 900.0
+
+    def config(self, **fields: Any) -> ServerConfig:
+        base = ServerConfig(
+            model_path=self.model_path, page_size=self.page_size, max_total_tokens=self.device_tokens,
+            hicache_ratio=self.hicache_ratio, enable_metrics=True, sleep_on_idle=True,
+            startup_timeout_s=self.startup_timeout_s, prefetch_policy="wait_complete",
+            **({"python": self.python} if self.python else {}),
+        )
+        return replace(base, **fields)
+
+
+@dataclass
+class MooncakeStatus:
+    available: bool
+    master: str | None = None
+    why: str = ""
+
+
+def mooncake_status(python: str) -> MooncakeStatus:
+    """Whether ``python`` imports Mooncake's store and its ``mooncake_master``
+    is there (next to ``python`` or on ``PATH``)."""
+    probe = subprocess.run(
+        [python, "-c", "from mooncake.store import MooncakeDistributedStore"],
+        capture_output=True, text=True, timeout=120,
+    )
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return MooncakeStatus(False, why=f"{python} cannot import mooncake.store ({last}); install: {MOONCAKE_INSTALL}")
+    master = os.path.join(os.path.dirname(python), "mooncake_master")
+    if not os.access(master, os.X_OK):
+        master = shutil.which("mooncake_master") or ""
+    if not master:
+        return MooncakeStatus(False, why=f"mooncake.store imports but no mooncake_master binary; install: {MOONCAKE_INSTALL}")
+    return MooncakeStatus(True, master=master)
+
+
+class MooncakeMaster:
+    """``mooncake_master`` on 127.0.0.1 with a free port, stopped by its pid."""
+
+    def __init__(self, binary: str, log_path: str) -> None:
+        self.binary = binary
+        self.log_path = log_path
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> MooncakeMaster:
+        import socket
+
+        self.port = free_port()
+        # its HTTP metrics server would take a fixed port on every interface
+        args = [self.binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
+                "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; log {self.log_path}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"mooncake_master did not listen on {self.address} within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@dataclass
+class Environment:
+    """What the backends need outside their servers; ``close()`` removes it."""
+
+    tag: str
+    root: str
+    tap_dir: str
+    mooncake: MooncakeStatus
+    master: MooncakeMaster | None = None
+    file_dir: str = ""
+    stores: list[str] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, python: str, *, want_mooncake: bool, workdir: str) -> Environment:
+        tag = f"bench-{os.getpid()}"
+        mooncake = mooncake_status(python) if want_mooncake else MooncakeStatus(False, why="not asked for")
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        file_dir = tempfile.mkdtemp(prefix=f"sglang-simm-{tag}-file-", dir=shm)
+        env = cls(tag=tag, root=workdir, tap_dir=os.path.join(workdir, "tap"), mooncake=mooncake, file_dir=file_dir)
+        if mooncake.available:
+            try:
+                env.master = MooncakeMaster(mooncake.master, os.path.join(workdir, "mooncake_master.log")).start()
+            except RuntimeError as exc:
+                env.mooncake = MooncakeStatus(False, why=str(exc))
+        return env
+
+    def config(self, backend: str, shape: Shape) -> ServerConfig:
+        """``backend``'s server (one of ``BACKENDS``)."""
+        if backend == "ours":
+            store = f"{self.tag}-ours"
+            if store not in self.stores:
+                self.stores.append(store)
+            return shape.config(route="simm", extra_config={
+                "manager_address": f"local://{store}", "request_timeout_ms": REQUEST_TIMEOUT_MS,
+                "embedded_capacity_bytes": shape.l3_bytes})
+        if backend == "file":
+            return shape.config(route="file", extra_config={"file_storage_path": self.file_dir})
+        if backend == "mooncake":
+            if self.master is None:
+                raise RuntimeError(f"Mooncake is not available: {self.mooncake.why}")
+            return shape.config(route="mooncake", extra_config={
+                "master_server_address": self.master.address, "protocol": "tcp",
+                "metadata_server": "P2PHANDSHAKE", "global_segment_size": shape.l3_bytes,
+                "local_hostname": "127.0.0.1", "device_name": ""})
+        if backend == "host":
+            return shape.config(route=None)
+        if backend == "none":
+            return shape.config(hierarchical_cache=False)
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+    def close(self) -> None:
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
+        from sglang_simm.embedded._host import HostServer, StoreUnreachable
+
+        for store in self.stores:
+            try:
+                HostServer(store, capacity=1, spawn=False).stop()
+            except (StoreUnreachable, OSError):
+                pass
+        shutil.rmtree(self.file_dir, ignore_errors=True)

@@ -1,0 +1,113 @@
+"""``sglang-simm bench --server``: run, print, write JSON, the chart and this
+run's section of the results file (``--docs``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from typing import Any
+
+from sglang_simm.tools.bench.server import plan_from_args, run
+from sglang_simm.tools.bench.server_render import markdown, plot, render
+
+#: the results file's opening, written when it does not exist yet
+DOCS_HEADER = """# Benchmarks: L3 backends side by side in real SGLang servers
+
+Written by `sglang-simm bench --server --docs docs/benchmarks.md --label NAME`:
+each run replaces its own section (between its markers) and keeps the
+others. What is measured and how: `src/sglang_simm/tools/bench/server.py`
+and its modules; the method in short:
+
+- one CPU SGLang server per backend, same model, flags, pool sizes and
+  prompts, started side by side with `--sleep-on-idle`; one server works at a
+  time, in an order rotated every repetition, and its backups finish before
+  the next one starts;
+- TTFT is the time to the first streamed chunk; hit rates come from
+  `cached_tokens_details`; every repeated prompt's answer is checked against
+  its first answer (ids and logprobs), multi-turn answers across backends;
+- per-operation bandwidth: every `batch_get_v1` / `batch_set_v1` call timed
+  the same way around each backend inside the server (bytes of the pages
+  that succeeded over the call's wall time), and SGLang's own `/metrics`
+  histograms as each backend reports them (`file` reports none; Mooncake
+  counts K and V objects as pages on writes and only the K bytes on reads);
+- figures are medians with their min-max over repetitions; the machine is
+  shared, its load average is stamped on each run.
+
+Run it:
+
+```
+pip install 'sglang-simm[bench]'                  # rich, numpy, matplotlib
+pip install mooncake-transfer-engine-non-cuda     # optional: Mooncake (leaves torch alone)
+apt-get install -y libibverbs1 libnl-3-200 libnl-route-3-200   # what Mooncake's binaries link
+sglang-simm bench --server --json out.json --plot out.png --docs docs/benchmarks.md --label NAME
+sglang-simm bench --server --quick                # ours and file, tiny model, one repetition
+```
+
+Options: `--backends ours,file,mooncake,host,none`, `--repeat N` (default 2),
+`--preset llama-tiny|llama-demo` (16 KiB of KV per token), `--python` (the
+servers' interpreter), `--no-restart`. Without Mooncake importable in the
+servers' Python the bench prints the install line and runs the others. The
+bench starts `mooncake_master` on 127.0.0.1 itself and stops it by its pid;
+the servers run with `--sleep-on-idle` and with SGLang's 10 GiB host-memory
+reserve lowered to 1 GiB (several servers on one small machine otherwise
+refuse a host pool of megabytes). Exit status 1 when an answer differed or a
+server did not start; goals are reported, not enforced.
+
+Known limits: on this CPU the suffix's prefill hides most of the transfer in
+TTFT, so the per-call bandwidth tables are where backends differ; Mooncake's
+segment lives inside the server here (SGLang's default), so a restart loses
+its pages (a standalone `mooncake_client` would keep them; not measured).
+"""
+
+_SECTION = "<!-- bench-server:{label} -->"
+_END = "<!-- /bench-server:{label} -->"
+
+
+def update_docs(path: str, label: str, body: str) -> None:
+    """Replace (or append) ``label``'s section of ``path``."""
+    if not re.fullmatch(r"[\w.-]+", label):
+        raise ValueError(f"--label takes letters, digits, '.', '_' or '-', got {label!r}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = DOCS_HEADER
+    start, end = _SECTION.format(label=label), _END.format(label=label)
+    section = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def run_server_bench(console: Any, args: Any) -> int:
+    """0 when every answer checked out, 1 if not (goals are reported, not enforced)."""
+    plan = plan_from_args(args)
+    if getattr(args, "plot", None):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise OSError(f"--plot needs matplotlib ({exc}): pip install 'sglang-simm[bench]'") from exc
+    if "mooncake" in plan.backends:
+        console.print("Mooncake is used when the servers' Python imports it")
+    with console.status("bench --server") as status:
+        result = run(plan, progress=lambda text: status.update(f"bench --server: {text}"))
+    render(console, result)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2, default=str)
+        console.print(f"wrote {args.json}")
+    if getattr(args, "plot", None):
+        plot(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    if getattr(args, "docs", None):
+        command = "sglang-simm " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "bench --server"
+        update_docs(args.docs, getattr(args, "label", "latest") or "latest", markdown(result, command))
+        console.print(f"wrote {os.path.abspath(args.docs)} (section {args.label})")
+    return 0 if result["checks"]["ok"] else 1

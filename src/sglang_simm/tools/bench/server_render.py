@@ -1,0 +1,173 @@
+"""``bench --server``'s output: rich tables, the Markdown of
+``docs/benchmarks.md``, and the chart (matplotlib)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_simm.tools.bench.server_backends import MOONCAKE_INSTALL
+from sglang_simm.tools.bench.server_tap import SIZE_CLASSES, size_class
+
+#: how each backend is named in tables
+TITLES = {"ours": "ours (host store)", "file": "file (/dev/shm)", "mooncake": "Mooncake (TCP)",
+          "host": "host tier only", "none": "no HiCache"}
+
+LONG_LABELS = (("scratch", "from scratch"), ("after traffic", "host tier"), ("after flush", "L3 after flush"))
+
+
+def _ms(d: dict[str, float] | None) -> str:
+    if not d:
+        return "-"
+    text = f"{d['median'] * 1e3:.0f}"
+    if d["n"] > 1:
+        text += f" ({d['min'] * 1e3:.0f}-{d['max'] * 1e3:.0f})"
+    return text
+
+
+def _pct(d: dict[str, float] | None) -> str:
+    return "-" if not d else f"{d['median']:.2f}"
+
+
+def _gbs(d: dict[str, float] | None) -> str:
+    if not d:
+        return "-"
+    return f"{d['p10']:.2f} / {d['median']:.2f} / {d['p90']:.2f} ({d['n']})"
+
+
+def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Every table as (title, header, rows): one source for rich and Markdown."""
+    s, summ = result["settings"], result["summary"]
+    names = s["backends"]
+    out = []
+    rows = []
+    for n in names:
+        long = summ.get(n, {}).get("long_ttft_s", {})
+        tiers = [f"{r['cached']['host']}/{r['cached']['storage']}" for r in result["long_prompt"][n][-1]["requests"][1:]]
+        rows.append([TITLES.get(n, n), *(_ms(long.get(k)) for k, _ in LONG_LABELS), " ".join(tiers)])
+    out.append((f"Long prompt ({s['workload']['long_tokens']} tokens), TTFT ms: median (min-max) of {s['repeat']}",
+                ["backend", *(t for _, t in LONG_LABELS), "tokens host/L3 (last rep)"], rows))
+    rounds = range(1, s["workload"]["rounds"] + 1)
+    rows = []
+    for n in names:
+        mt = summ.get(n, {}).get("multi_turn", {})
+        rr = mt.get("rounds", {})
+        rows.append([TITLES.get(n, n), _ms(mt.get("mean_ttft_s")),
+                     *(f"{_ms(rr.get(r, {}).get('ttft_s'))} [{_pct(rr.get(r, {}).get('hit_rate'))}]" for r in rounds)])
+    w = s["workload"]
+    out.append((f"Multi-turn ({w['clients']} clients x {w['rounds']} rounds of {w['turn_tokens']}-token turns): "
+                f"mean TTFT ms, and per round TTFT [hit rate]",
+                ["backend", "mean TTFT", *(f"round {r}" for r in rounds)], rows))
+    rows = []
+    for n in names:
+        per = result["per_op"].get(n) or {}
+        for op, label in (("get", "read (prefetch)"), ("set", "write (backup)")):
+            for size, d in (per.get(op) or {}).items():
+                rows.append([TITLES.get(n, n), label, size, _gbs(d)])
+    if rows:
+        out.append(("Per L3 call, timed around each backend in the server: GiB/s p10 / median / p90 (calls)",
+                    ["backend", "op", "pages", "GiB/s"], rows))
+    rows = []
+    for n, h in result["histograms"].items():
+        for metric in ("sglang:prefetch_bandwidth", "sglang:backup_bandwidth"):
+            d = (h or {}).get(metric)
+            if d:
+                rows.append([TITLES.get(n, n), metric.split(":")[1], _gbs(d)])
+    if rows:
+        out.append(("SGLang's /metrics histograms as each backend reports them (GB/s, estimated inside coarse "
+                    "buckets; Mooncake counts only K bytes on reads)", ["backend", "histogram", "p10 / median / p90 (ops)"],
+                    rows))
+    if result["goals"]:
+        out.append((f"Ours against Mooncake, median per call (goal >= 2x)", ["op", "pages", "ours GiB/s",
+                    "Mooncake GiB/s", "ours / Mooncake"],
+                    [[g["op"], g["pages"], f"{g['ours']:.2f}", f"{g['mooncake']:.2f}",
+                      f"{g['ratio']:.2f}x" + ("" if g["met"] else " (behind)")] for g in result["goals"]]))
+    if result["restart"]:
+        out.append(("Restart on the same L3", ["backend", "L3 hits", "same answers"],
+                    [[TITLES.get(n, n), f"{d['l3_hits']}/{d['prompts']}", f"{d['same_answers']}/{d['prompts']}"]
+                     for n, d in result["restart"].items()]))
+    return out
+
+
+def notes(result: dict[str, Any]) -> list[str]:
+    m, s = result["machine"], result["settings"]
+    v = m.get("versions", {})
+    lines = [
+        f"machine: {m['cpu']}, {m['cores']} cores, {(m.get('memory_bytes') or 0) / 2**30:.0f} GiB; {m['platform']}",
+        f"versions: SGLang {v.get('sglang')}, torch {v.get('torch')}, sglang-simm {v.get('sglang-simm')}, "
+        f"Mooncake {v.get('mooncake-transfer-engine-non-cuda')}",
+        f"model: {s['preset']} ({s['kv_bytes_per_token'] // 1024} KiB KV/token), page {s['page_size']} tokens, "
+        f"device pool {s['device_tokens']} tokens, host pool x{s['hicache_ratio']}; SGLang's host-memory reserve "
+        f"lowered from 10 to {s.get('host_memory_reserve_bytes', 0) / 2**30:.0f} GiB in these servers",
+        f"load average (1/5/15 min): before {_load(result['load']['before'])}, after {_load(result['load']['after'])}; "
+        f"whole run {result['seconds']:.0f} s; servers healthy after "
+        + ", ".join(f"{n} {t:.0f} s" for n, t in result["server_start_s"].items()),
+        f"answers: long prompts checked against their first answer (ids and logprobs); multi-turn answers against "
+        f"{result['answers_vs']}'s: " + ", ".join(f"{n} {d['same']}/{d['of']}" for n, d in result["multi_turn_answers"].items()),
+    ]
+    if not result["mooncake"]["available"] and "mooncake" in s["asked"]:
+        lines.append(f"Mooncake left out: {result['mooncake']['why']}")
+    elif "mooncake" not in s["asked"]:
+        lines.append(f"Mooncake not asked for (install: {MOONCAKE_INSTALL})")
+    for f in result["checks"]["failures"]:
+        lines.append(f"CHECK FAILED: {f}")
+    return lines
+
+
+def _load(values) -> str:
+    return "/".join(f"{x:.1f}" for x in values)
+
+
+def render(console: Any, result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console.print("[bold]sglang-simm bench --server[/bold]")
+    for title, header, rows in tables(result):
+        t = Table(title=title, title_justify="left")
+        for i, h in enumerate(header):
+            t.add_column(h, justify="left" if i == 0 else "right")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+    for line in notes(result):
+        console.print(line)
+
+
+def markdown(result: dict[str, Any], command: str) -> str:
+    """One run's section of ``docs/benchmarks.md``."""
+    lines = [f"### `{command}`", ""]
+    for line in notes(result):
+        lines.append(f"- {line}")
+    lines.append("")
+    for title, header, rows in tables(result):
+        lines += [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Per-call median GiB/s by batch size, reads and writes, per backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (op, label) in zip(axes, (("get", "reads (prefetch)"), ("set", "writes (backup)"))):
+        classes = [size_class(lo) for lo, _ in SIZE_CLASSES]
+        used = [c for c in classes if any(c in (per.get(op) or {}) for per in result["per_op"].values())]
+        for name, per in result["per_op"].items():
+            d = per.get(op) or {}
+            sizes = [c for c in used if c in d]
+            if sizes:
+                ax.errorbar([used.index(c) for c in sizes], [d[k]["median"] for k in sizes],
+                            yerr=[[d[k]["median"] - d[k]["p10"] for k in sizes], [d[k]["p90"] - d[k]["median"] for k in sizes]],
+                            marker="o", capsize=3, label=TITLES.get(name, name))
+        ax.set_xticks(range(len(used)), used)
+        ax.set_title(f"L3 {label}, per call (p10-p90)")
+        ax.set_xlabel("pages per call")
+        ax.set_ylabel("GiB/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

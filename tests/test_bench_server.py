@@ -1,0 +1,340 @@
+"""``sglang-simm bench --server``: its pieces, and the whole harness on a tiny
+model with the ``file`` backend and ours (one repetition), so it cannot rot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import pytest
+
+from sglang_simm.tools.bench import server_metrics, server_tap
+from sglang_simm.tools.bench.server import checks, goals, plan_from_args
+from sglang_simm.tools.bench.server_backends import MOONCAKE_INSTALL, Environment, Shape, mooncake_status
+from sglang_simm.tools.bench.server_cli import update_docs
+from sglang_simm.tools.bench.server_workloads import (
+    Workload,
+    compare_turns,
+    conversation_prompts,
+    matchable,
+    rotated,
+)
+from sglang_simm.tools.sglang_server import ServerConfig, server_env
+
+# -- the servers' command lines ------------------------------------------------------
+
+
+def test_no_hicache_drops_every_hicache_flag_and_sleep_on_idle_is_passed():
+    args = ServerConfig(model_path="m", hierarchical_cache=False, sleep_on_idle=True).launch_args(1234)
+    assert not [a for a in args if a.startswith("--hicache") or a == "--enable-hierarchical-cache"], args
+    assert "--sleep-on-idle" in args
+    default = ServerConfig(model_path="m").launch_args(1234)
+    assert "--enable-hierarchical-cache" in default and "--sleep-on-idle" not in default
+
+
+@pytest.mark.parametrize("route", ["file", "mooncake"])
+def test_sglangs_own_backends_are_named_with_their_own_extra_config(route):
+    args = ServerConfig(model_path="m", route=route, extra_config={"k": 1}).launch_args(1)
+    i = args.index("--hicache-storage-backend")
+    assert args[i + 1] == route
+    assert json.loads(args[args.index("--hicache-storage-backend-extra-config") + 1]) == {"k": 1}
+    with pytest.raises(ValueError, match="route must be one of"):
+        ServerConfig(model_path="m", route="nope").launch_args(1)
+
+
+def test_extra_pythonpath_comes_after_the_standins(tmp_path):
+    env = server_env(ServerConfig(model_path="m", pythonpath=("/tap",)), str(tmp_path))
+    parts = env["PYTHONPATH"].split(os.pathsep)
+    assert parts[0] == str(tmp_path / "site") and parts[1] == "/tap"
+
+
+def test_each_backend_gets_its_own_l3_and_the_same_shape(tmp_path):
+    env = Environment(tag="t", root=str(tmp_path), tap_dir=str(tmp_path / "tap"),
+                      mooncake=mooncake_status(sys.executable), file_dir=str(tmp_path / "f"))
+    shape = Shape(model_path="m", device_tokens=1024)
+    ours, file, host, none = (env.config(b, shape) for b in ("ours", "file", "host", "none"))
+    assert ours.route == "simm" and ours.extra_config["manager_address"] == "local://t-ours"
+    assert file.route == "file" and file.extra_config == {"file_storage_path": str(tmp_path / "f")}
+    assert host.route is None and host.hierarchical_cache
+    assert not none.hierarchical_cache
+    for c in (ours, file, host, none):
+        assert (c.max_total_tokens, c.sleep_on_idle, c.enable_metrics) == (1024, True, True)
+    if not env.mooncake.available:
+        with pytest.raises(RuntimeError, match="Mooncake is not available"):
+            env.config("mooncake", shape)
+    with pytest.raises(ValueError, match="unknown backend 'x'; known: ours, file"):
+        env.config("x", shape)
+
+
+def test_mooncake_missing_names_the_install_line():
+    status = mooncake_status(sys.executable)
+    if status.available:
+        pytest.skip("Mooncake imports here")
+    assert not status.available and MOONCAKE_INSTALL in status.why and "mooncake.store" in status.why
+
+
+def test_plan_errors_name_the_flag():
+    with pytest.raises(ValueError, match="--backends takes a comma list of ours, file"):
+        plan_from_args(argparse.Namespace(backends="ours,redis"))
+    with pytest.raises(ValueError, match="--repeat must be >= 1"):
+        plan_from_args(argparse.Namespace(repeat=0))
+    with pytest.raises(ValueError, match="--preset must be one of"):
+        plan_from_args(argparse.Namespace(preset="gpt-5"))
+    quick = plan_from_args(argparse.Namespace(quick=True))
+    assert quick.backends == ["ours", "file"] and quick.repeat == 1 and quick.preset == "llama-tiny"
+
+
+# -- workloads --------------------------------------------------------------------------
+
+
+def test_conversations_grow_by_a_turn_and_are_the_same_for_every_backend():
+    w = Workload(clients=3, rounds=3, turn_tokens=10, answer_tokens=4)
+    rounds = conversation_prompts(w, seed=7, vocab=100)
+    assert rounds == conversation_prompts(w, seed=7, vocab=100)
+    assert rounds != conversation_prompts(w, seed=8, vocab=100)
+    for c in range(3):
+        assert [len(r[c]) for r in rounds] == [10, 24, 38]
+        assert rounds[2][c][: len(rounds[1][c])] == rounds[1][c]  # a history only grows
+    assert all(3 <= t < 100 for r in rounds for p in r for t in p)
+
+
+def test_order_rotates_every_repetition():
+    names = ["ours", "file", "mooncake"]
+    assert [rotated(names, r)[0] for r in range(4)] == ["ours", "file", "mooncake", "ours"]
+
+
+def test_matchable_prefix_is_whole_pages_short_of_the_last_token():
+    assert matchable(3056, 16) == 3040 and matchable(3057, 16) == 3056 and matchable(16, 16) == 0
+
+
+def test_turn_answers_are_compared_round_by_round():
+    rep = lambda *ids: {"rounds": [{"output_ids": [list(i) for i in ids]}]}  # noqa: E731
+    got = compare_turns({"none": [rep([1], [2])], "ours": [rep([1], [3])]}, "none")
+    assert got == {"none": {"same": 2, "of": 2}, "ours": {"same": 1, "of": 2}}
+
+
+def _long(name, storage, expected, ok=True):
+    reqs = [{"label": "scratch", "ok": True, "cached": {"storage": 0}},
+            {"label": "after traffic", "ok": ok, "cached": {"storage": 0}},
+            {"label": "after flush", "ok": True, "cached": {"storage": storage}}]
+    return {name: [{"requests": reqs, "expected_prefix": expected}]}
+
+
+def test_checks_fail_on_a_missed_l3_read_or_a_different_answer():
+    base = {"multi_turn_answers": {}, "restart": {}, "answers_vs": "none"}
+    assert checks({**base, "long_prompt": _long("ours", 496, 496)})["ok"]
+    assert checks({**base, "long_prompt": _long("host", 0, 496)})["ok"]  # no L3: recomputed
+    bad = checks({**base, "long_prompt": _long("file", 480, 496)})
+    assert not bad["ok"] and "480 tokens from L3, expected 496" in bad["failures"][0]
+    assert not checks({**base, "long_prompt": _long("ours", 496, 496, ok=False)})["ok"]
+    down = checks({**base, "long_prompt": {}, "failed": {"mooncake": "mooncake exited with status 1\nlog"}})
+    assert down["failures"] == ["mooncake did not start: mooncake exited with status 1"]
+
+
+def test_goal_is_ours_over_mooncake_per_batch_size():
+    per_op = {"ours": {"get": {"1-8": {"median": 4.0}}, "set": {"9-32": {"median": 1.0}}},
+              "mooncake": {"get": {"1-8": {"median": 1.0}}, "set": {"9-32": {"median": 1.0}}}}
+    rows = {(g["op"], g["pages"]): g for g in goals(per_op)}
+    assert rows[("get", "1-8")]["ratio"] == 4.0 and rows[("get", "1-8")]["met"]
+    assert not rows[("set", "9-32")]["met"]
+
+
+# -- /metrics histograms ------------------------------------------------------------------
+
+METRICS = """\
+# HELP sglang:backup_bandwidth Histogram
+# TYPE sglang:backup_bandwidth histogram
+sglang:backup_bandwidth_bucket{le="0.1",model_name="m",tp_rank="0"} 0.0
+sglang:backup_bandwidth_bucket{le="0.5",model_name="m",tp_rank="0"} 2.0
+sglang:backup_bandwidth_bucket{le="1.0",model_name="m",tp_rank="0"} 6.0
+sglang:backup_bandwidth_bucket{le="5.0",model_name="m",tp_rank="0"} 10.0
+sglang:backup_bandwidth_bucket{le="+Inf",model_name="m",tp_rank="0"} 10.0
+sglang:backup_bandwidth_count{model_name="m",tp_rank="0"} 10.0
+sglang:backup_bandwidth_sum{model_name="m",tp_rank="0"} 12.0
+sglang:prefetch_bandwidth_bucket{le="+Inf",model_name="m",tp_rank="0"} 0.0
+"""
+
+
+def test_histogram_quantiles_interpolate_inside_the_bucket():
+    cum = server_metrics.buckets(METRICS, "sglang:backup_bandwidth")
+    assert cum[0] == (0.1, 0.0) and cum[-1][1] == 10.0
+    assert server_metrics.quantile(0.5, cum) == pytest.approx(0.5 + 0.5 * (5 - 2) / 4)
+    assert server_metrics.quantile(0.1, cum) == pytest.approx(0.1 + 0.4 * 1 / 2)
+    assert server_metrics.quantile(0.9, cum) == pytest.approx(1.0 + 4.0 * 3 / 4)
+    s = server_metrics.summary(METRICS)
+    assert s["sglang:backup_bandwidth"]["n"] == 10 and s["sglang:prefetch_bandwidth"] is None
+
+
+def test_histograms_sum_over_ranks():
+    two = METRICS + METRICS.replace('tp_rank="0"', 'tp_rank="1"')
+    assert server_metrics.buckets(two, "sglang:backup_bandwidth")[-1][1] == 20.0
+
+
+# -- docs --------------------------------------------------------------------------------
+
+
+def test_docs_replace_their_own_section_and_keep_the_others(tmp_path):
+    path = str(tmp_path / "benchmarks.md")
+    update_docs(path, "run-1", "first")
+    update_docs(path, "run-2", "second")
+    update_docs(path, "run-1", "first again")
+    text = open(path).read()
+    assert text.startswith("# Benchmarks") and "first again" in text and "second" in text
+    assert "first\n" not in text.replace("first again", "")
+    assert text.index("first again") < text.index("second")
+    with pytest.raises(ValueError, match="--label takes letters"):
+        update_docs(path, "a b", "x")
+
+
+# -- the tap, on SGLang's real factory and file backend ----------------------------------
+
+
+class _Operation:
+    request_id = "bench-tap"
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def tapped_controller(monkeypatch):
+    """SGLang's HiCacheController class with the tap's timing installed (undone after)."""
+    pytest.importorskip("sglang")
+    from sglang.srt.managers import cache_controller
+
+    cls = cache_controller.HiCacheController
+    for name, _, _ in server_tap.BATCH_FUNCTIONS:
+        monkeypatch.setattr(cls, name, cls.__dict__[name])
+    monkeypatch.setattr(cls, "_sglang_simm_tapped", False, raising=False)
+    server_tap.install()  # the module is imported already: patches at once
+    return cls
+
+
+@pytest.mark.parametrize("route", ["file", "simm"])
+def test_tap_times_every_batch_of_a_real_backend_through_the_controllers_own_code(
+        route, tapped_controller, tmp_path, monkeypatch):
+    """The controller's own batch functions (generic for ``file``, zero-copy
+    for ours) run on a real host pool and backend; each batch gives one line
+    with its pages, the pages that succeeded and the pool's page bytes."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from sglang_simm.plugin import register
+    from sglang_simm.tools.bench.pages import fill_pool, host_indices, page_keys
+    from sglang_simm.tools.pools import PRESETS, build_host_pool, storage_config
+
+    monkeypatch.setenv(server_tap.TAP_ENV, str(tmp_path / "tap"))
+    geom = PRESETS["tiny"]
+    pool = build_host_pool(geom, tokens=8 * geom.page_size)
+    fill_pool(pool)
+    extra = ({"file_storage_path": str(tmp_path / "files")} if route == "file"
+             else {"manager_address": f"local://tap-{os.getpid()}"})
+    if route == "simm":
+        assert register()
+    backend = StorageBackendFactory.create_backend(route, storage_config(extra_config=extra), pool)
+    backend.register_mem_pool_host(pool)
+    zero_copy = route == "simm"
+    get = tapped_controller._page_get_zero_copy if zero_copy else tapped_controller._generic_page_get
+    put = tapped_controller._page_set_zero_copy if zero_copy else tapped_controller._generic_page_set
+    controller = SimpleNamespace(storage_backend=backend, storage_host_pool=pool, mem_pool_host=pool,
+                                 page_size=geom.page_size)
+    keys = page_keys(4, f"tap-{route}")
+    try:
+        assert put(controller, keys, host_indices(range(4), geom.page_size))
+        wanted = keys[:2] + page_keys(1, "missing")
+        assert get(controller, _Operation(), wanted, host_indices(range(4, 7), geom.page_size)) == 2
+    finally:
+        backend.close() if hasattr(backend, "close") else None
+    ops = server_tap.read_ops(tmp_path / "tap")
+    assert [(o.op, o.pages, o.ok) for o in ops] == [("set", 4, 4), ("get", 3, 2)]
+    pool_bytes = pool.get_size_per_token() * pool.page_size
+    assert pool_bytes == geom.page_bytes() and all(o.page_bytes == pool_bytes and o.seconds > 0 for o in ops)
+    assert ops[1].gib_per_s == pytest.approx(2 * pool_bytes / 2**30 / ops[1].seconds)
+    dist = server_tap.by_size(ops)
+    assert dist["get"]["1-8"]["n"] == 1 and dist["set"]["1-8"]["n"] == 1
+
+
+def test_patches_apply_to_modules_imported_after_install(monkeypatch):
+    seen = []
+    name = "_sglang_simm_test_late_module"
+    monkeypatch.setattr(server_tap, "_PATCHES", {name: seen.append})
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    server_tap.install()
+    assert not seen
+    import importlib
+    import tempfile
+
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, f"{name}.py"), "w") as f:
+        f.write("VALUE = 1\n")
+    monkeypatch.syspath_prepend(folder)
+    module = importlib.import_module(name)
+    try:
+        assert seen == [module] and module.VALUE == 1
+        assert not any(type(f).__name__ == "_Finder" for f in sys.meta_path)  # gone once done
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_host_memory_reserve_is_lowered_only_when_asked(monkeypatch):
+    pytest.importorskip("sglang")
+    from sglang.srt.mem_cache.pool_host import base
+
+    monkeypatch.setattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 10 << 30)
+    monkeypatch.delenv(server_tap.RESERVE_ENV, raising=False)
+    server_tap._patch_host_reserve(base)
+    assert base.HICACHE_HOST_MEMORY_RESERVE_BYTES == 10 << 30
+    monkeypatch.setenv(server_tap.RESERVE_ENV, str(1 << 30))
+    before = base.host_memory_budget_bytes()
+    server_tap._patch_host_reserve(base)
+    assert base.HICACHE_HOST_MEMORY_RESERVE_BYTES == 1 << 30
+    assert base.host_memory_budget_bytes() > before  # what SGLang sizes the pool against
+
+
+def test_tap_sitecustomize_loads_the_tap_from_its_file(tmp_path):
+    folder = server_tap.write_tap(tmp_path / "site")
+    text = open(os.path.join(folder, "sitecustomize.py")).read()
+    assert os.path.abspath(server_tap.__file__) in text and server_tap.TAP_ENV in text
+    compile(text, "sitecustomize.py", "exec")
+
+
+def test_a_torn_line_is_skipped(tmp_path):
+    line = {"op": "get", "pages": 3, "ok": 3, "seconds": 0.5, "page_bytes": 1 << 20, "t": 1.0}
+    (tmp_path / "1.jsonl").write_text(json.dumps(line) + "\n" + '{"op": "se')
+    ops = server_tap.read_ops(tmp_path)
+    assert len(ops) == 1 and ops[0].gib_per_s == pytest.approx(3 / 1024 / 0.5)
+    assert server_tap.size_class(8) == "1-8" and server_tap.size_class(9) == "9-32"
+    assert server_tap.size_class(200) == ">128"
+
+
+# -- the whole harness, tiny ----------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_quick_bench_on_file_and_ours(tmp_path):
+    """Two real servers (the tiny model), one repetition, every workload and
+    a restart: the answers check out, both L3 backends serve the flushed
+    prompt and the restarted server from L3, and both have timed reads and
+    writes; SGLang's histograms have ours and nothing of ``file``."""
+    from sglang_simm.tools.bench.server import run
+    from sglang_simm.tools.bench.server_render import markdown, tables
+
+    plan = plan_from_args(argparse.Namespace(quick=True))
+    plan.workdir = str(tmp_path / "work")
+    plan.model_dir = str(tmp_path / "model")
+    result = run(plan)
+    assert result["checks"]["ok"], result["checks"]["failures"]
+    for name in ("ours", "file"):
+        flushed = result["long_prompt"][name][0]["requests"][-1]
+        assert flushed["cached"]["storage"] == result["long_prompt"][name][0]["expected_prefix"] > 0
+        assert result["restart"][name]["l3_hits"] == result["restart"][name]["prompts"] == 2
+        assert set(result["per_op"][name]) == {"get", "set"}
+        rounds = result["multi_turn"][name][0]["rounds"]
+        assert rounds[0]["hit_rate"] == 0 and rounds[1]["hit_rate"] > 0
+    assert result["histograms"]["ours"]["sglang:backup_bandwidth"]["n"] > 0
+    assert result["histograms"]["file"]["sglang:backup_bandwidth"] is None
+    assert [t[0] for t in tables(result)][:2] and "| backend |" in markdown(result, "bench --server --quick")
+    json.dumps(result, default=str)
