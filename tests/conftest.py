@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -67,6 +68,27 @@ def host_store_dir():
         else:
             os.environ["SGLANG_SIMM_STORE_DIR"] = previous
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _embedded_flags_restored():
+    """The embedded client's flags are process-global, as SiMM's are: a flag
+    one test sets (``embedded_scope`` by any ``local://`` backend, a fault
+    flag) would otherwise hold for every later test, and a test would pass
+    or fail by what ran before it. Each test leaves the flags as it found
+    them."""
+    loaded = sys.modules.get("sglang_simm.embedded._client")
+    before = {name: loaded.get_flag(name) for name in loaded._FLAG_SPECS} if loaded else None
+    yield
+    client = sys.modules.get("sglang_simm.embedded._client")
+    if client is None:
+        return
+    if before is None:  # first imported by this test: the defaults held before it
+        before = {name: default for name, (_parse, default) in client._FLAG_SPECS.items()}
+    # the server name first: fault flags apply to the server it names
+    for name in sorted(before, key=lambda n: n != "cm_primary_node_ip"):
+        if client.get_flag(name) != before[name]:
+            client.set_flag(name, before[name])
 
 
 @pytest.fixture
