@@ -38,6 +38,26 @@ def _stop_store_processes(root: str) -> None:
             time.sleep(0.02)
 
 
+#: Markers given to every test of a file or folder (relative to tests/), so
+#: the tiers of scripts/test.sh hold for files whose tests carry no marker of
+#: their own: the store's process tests, the launcher's, the compat probes.
+TIERS = {
+    "e2e/": "e2e",
+    "store/": "host",
+    "test_server_launch.py": "server",
+    "test_compat.py": "slow",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        where = os.path.relpath(str(item.fspath), tests)
+        for prefix, marker in TIERS.items():
+            if where == prefix or (prefix.endswith("/") and where.startswith(prefix)):
+                item.add_marker(marker)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
