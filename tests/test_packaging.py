@@ -162,3 +162,15 @@ def test_readme_install_shows_what_works_before_the_package_is_published():
         for group in re.findall(r"\[([a-z,]+)\]", c):
             assert set(group.split(",")) <= extras, c
     assert "https://download.pytorch.org/whl/cpu" in section
+
+
+def test_the_cli_extra_brings_what_the_config_file_forms_need():
+    # --extra-config @cfg.yaml needs PyYAML; the cli extra once left it out
+    import tomllib
+
+    from sglang_simm.tools.cli import FILE_FORMATS
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {req.split(">")[0].split("=")[0].split(";")[0].strip().lower() for req in extras["cli"]}
+    assert ".yaml" in FILE_FORMATS and "pyyaml" in names
+    assert "tomli" in names  # .toml on Python 3.10
