@@ -80,6 +80,8 @@ ensure_torch_layer() {
 }
 
 # ensure_venv DIR SGLANG_VERSION PIP_TARGET SGL_KERNEL_STUB [REQUIREMENTS]
+# PIP_TARGET: what of this repo to install (".", ".[test]", editable; or the
+# wheel from ensure_wheel, for venvs that only ever run the built wheel).
 # REQUIREMENTS: requirements/sglang-cpu-<version>.txt by default; "derive":
 # the nearest older file with SGLang's own pins (scripts/_compat_reqs.py),
 # for releases that have no file of their own.
@@ -126,7 +128,12 @@ PYEOF
     fi
     pip_q "$py" install -r "$req"
     log "$venv: installing this repo ($target)"
-    pip_q "$py" install -e "$target"
+    if [ "${target%.whl}" != "$target" ]; then
+        pip_q "$py" install --no-deps "$target"  # a built wheel: no build step per venv
+        printf '%s\n' "$(cat dist/.tree-hash)" >"$venv/.wheel-hash"
+    else
+        pip_q "$py" install -e "$target"
+    fi
     torch_after="$("$py" -W ignore -c 'import torch; print(torch.__version__)')"
     if [ "$torch_before" != "$torch_after" ]; then
         log "$venv: torch changed from $torch_before to $torch_after during install" >&2

@@ -61,7 +61,7 @@ for v in "${releases[@]}"; do
     [ "$v" = "$MAIN_SGLANG" ] && stub=False
     t0=$SECONDS
     status=passed
-    if ! ensure_venv "$venv" "$v" "." "$stub" "$req" >"$logf" 2>&1 || ! install_wheel "$venv" >>"$logf" 2>&1; then
+    if ! ensure_venv "$venv" "$v" "$ROOT/$WHEEL" "$stub" "$req" >"$logf" 2>&1 || ! install_wheel "$venv" >>"$logf" 2>&1; then
         status="venv build failed"
     else
         store_dir="$(mktemp -d /tmp/sglang-simm-compat-XXXXXX)"

@@ -141,6 +141,9 @@ def probe() -> dict[str, Any]:
             v2 = v2_case(route, geom)
             if v2 is not None:
                 result[f"{route}-{pool}-v2"] = v2
+    from sglang_simm.embedded import reset_servers
+
+    reset_servers()  # stops the host stores this probe started
     return result
 
 
