@@ -113,6 +113,13 @@ def _embedded_flags_restored():
 
 @pytest.fixture
 def store_name() -> str:
+    """A fresh name for a host store (``local://NAME``). The embedded
+    client's scope is set to the host store for the test, so
+    ``get_server(store_name)`` before any backend attaches is that store,
+    not a store inside this process of the same name."""
+    from sglang_simm.embedded import set_flag
+
+    set_flag("embedded_scope", "host")
     return f"t-{uuid.uuid4().hex[:12]}"
 
 

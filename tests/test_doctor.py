@@ -62,9 +62,8 @@ def test_bad_json_is_an_error_not_a_traceback(capsys):
 
 
 def test_down_store_is_reported(capsys, store_name):
-    from sglang_simm.embedded import get_server, reset_servers, set_flag
+    from sglang_simm.embedded import get_server, reset_servers
 
-    set_flag("embedded_scope", "host")  # the store local:// names (tests/conftest.py restores the flag)
     get_server(store_name).faults.configure(down=True)
     try:
         code, out = doctor(capsys, "--manager", f"local://{store_name}")
