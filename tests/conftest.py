@@ -49,6 +49,20 @@ TIERS = {
 }
 
 
+def pytest_collection_finish(session):
+    # the compat probes run in other venvs for minutes: start them now, beside the suite
+    if any(os.path.basename(str(item.fspath)) == "test_compat.py" for item in session.items):
+        import test_compat
+
+        test_compat.start_probes()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    compat = sys.modules.get("test_compat")
+    if compat is not None:
+        compat.stop_probes()
+
+
 def pytest_collection_modifyitems(config, items):
     tests = os.path.dirname(os.path.abspath(__file__))
     for item in items:
