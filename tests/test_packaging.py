@@ -174,3 +174,18 @@ def test_the_cli_extra_brings_what_the_config_file_forms_need():
     names = {req.split(">")[0].split("=")[0].split(";")[0].strip().lower() for req in extras["cli"]}
     assert ".yaml" in FILE_FORMATS and "pyyaml" in names
     assert "tomli" in names  # .toml on Python 3.10
+
+
+def test_the_fast_tier_leaves_out_every_marker_that_starts_processes_of_its_own():
+    import re
+    import tomllib
+
+    from conftest import TIERS
+
+    declared = {m.split(":")[0] for m in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                ["tool"]["pytest"]["ini_options"]["markers"]}
+    fast = re.search(r'^FAST_MARKERS="(.*)"$', (ROOT / "scripts" / "test.sh").read_text(), re.M).group(1)
+    left_out = set(re.findall(r"not (\w+)", fast))
+    assert set(TIERS.values()) <= declared  # every marker given by file is declared
+    assert {"e2e", "host", "server", "slow", "real"} == left_out <= declared
+    assert "embedded" not in left_out  # the in-process contract tests stay in
