@@ -46,16 +46,15 @@ if [ "$fast" = 1 ]; then
     PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" exec "$ROOT/$MAIN_VENV/bin/python" -m pytest -m "$FAST_MARKERS" "$@"
 fi
 
+# Every venv runs this repo as an operator gets it: the built wheel (over the
+# main venv's editable install; the compat venvs only ever hold the wheel).
+ensure_wheel "$ROOT/$MAIN_VENV/bin/python"
 compat_pythons=()
 for v in "${COMPAT_SGLANGS[@]}"; do
-    ensure_venv ".venv-sglang-$v" "$v" "." True
+    ensure_venv ".venv-sglang-$v" "$v" "$ROOT/$WHEEL" True
     compat_pythons+=("$ROOT/.venv-sglang-$v/bin/python")
 done
 export SGLANG_SIMM_COMPAT_PYTHONS="${compat_pythons[*]}"
-
-# Every venv runs this repo as an operator gets it: the built wheel, over the
-# editable install.
-ensure_wheel "$ROOT/$MAIN_VENV/bin/python"
 for venv in "$MAIN_VENV" "${COMPAT_SGLANGS[@]/#/.venv-sglang-}"; do
     install_wheel "$venv"
 done
