@@ -2,7 +2,9 @@
 table in docs/compatibility.md made from them.
 
     python scripts/_compat_table.py record RELEASE STATUS PROBE_OUTPUT LOG REQUIREMENTS > RELEASE.json
-    python scripts/_compat_table.py render RESULTS_DIR docs/compatibility.md
+    python scripts/_compat_table.py render RESULTS_DIR docs/compatibility.md [RELEASE...]
+
+RELEASEs named for render that have no result yet get a "not run" row.
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ def _key(release: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", release))
 
 
-def render(results: str, target: str) -> None:
-    recs = sorted(
-        (json.loads(p.read_text()) for p in Path(results).glob("*.json") if p.stat().st_size),
-        key=lambda r: _key(r["release"]),
-    )
+def render(results: str, target: str, expected: list[str] | None = None) -> None:
+    recs = [json.loads(p.read_text()) for p in Path(results).glob("*.json") if p.stat().st_size]
+    done = {r["release"] for r in recs}
+    recs += [{"release": v, "routes": [], "pools": [], "v2": False, "result": "not run", "date": "-",
+              "problems": []} for v in expected or [] if v not in done]
+    recs.sort(key=lambda r: _key(r["release"]))
     lines = [
         "# Compatibility: every SGLang release, checked",
         "",
@@ -85,9 +88,11 @@ def render(results: str, target: str) -> None:
         lines += [f"- {rel}: `{p[:300]}`" for rel, p in problems]
     lines += [
         "",
-        "Run it: `scripts/compat.sh` (every release from 0.5.8 to the newest on the index, about",
-        "2-4 minutes a release once its venv is built), `scripts/compat.sh --ci` (the oldest, the first",
-        "with plugins and the newest, what CI runs), or `scripts/compat.sh 0.5.19 0.5.20`.",
+        "Run it: `scripts/compat.sh` (every release from 0.5.8 to the newest on the index; building a",
+        "release's venv took 5-11 minutes on 2 cores shared with other work, its probe 1-3; built venvs",
+        "are reused), `scripts/compat.sh --ci` (the oldest, the first with plugins and the newest), or",
+        "`scripts/compat.sh 0.5.19 0.5.20`. CI (`scripts/test.sh`) checks 0.5.8 and 0.5.11 in",
+        "`tests/test_compat.py` and runs the whole suite on 0.5.23.",
         "",
     ]
     Path(target).write_text("\n".join(lines))
@@ -97,6 +102,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "record":
         print(json.dumps(record(*sys.argv[2:7])))
     elif sys.argv[1] == "render":
-        render(sys.argv[2], sys.argv[3])
+        render(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:
         raise SystemExit(__doc__)

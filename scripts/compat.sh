@@ -79,6 +79,6 @@ for v in "${releases[@]}"; do
     log "sglang $v: $verdict ($((SECONDS - t0))s, log $logf)"
     [ "$verdict" = pass ] || failed=1
 done
-"$PYTHON" scripts/_compat_table.py render "$COMPAT_DIR/results" docs/compatibility.md
+"$PYTHON" scripts/_compat_table.py render "$COMPAT_DIR/results" docs/compatibility.md "${releases[@]}"
 log "wrote docs/compatibility.md"
 exit "$failed"
