@@ -47,11 +47,33 @@ def base_file(release: str, folder: Path) -> Path:
     return older[-1]
 
 
+def cpu_safe_names(folder: Path) -> set[str]:
+    """Every package some requirements file lists: known to install on a CPU."""
+    names = set()
+    for path in folder.glob("sglang-cpu-*.txt"):
+        for raw in path.read_text().splitlines():
+            line = raw.split("#", 1)[0].strip()
+            if line:
+                names.add(canon(Requirement(line).name))
+    return names
+
+
+def sglang_needs() -> dict[str, str]:
+    """This release's own requirements (no extras), canonical name -> the name."""
+    out = {}
+    for line in requires("sglang") or []:
+        req = Requirement(line)
+        if req.marker is None or "extra" not in str(req.marker):
+            out[canon(req.name)] = req.name
+    return out
+
+
 def main(folder: str) -> None:
     release = version("sglang")
     base = base_file(release, Path(folder))
     pins = sglang_pins()
     print(f"# derived for sglang=={release} from {base.name}: SGLang's own == pins, other versions left to pip")
+    seen: set[str] = set()
     for raw in base.read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -61,6 +83,12 @@ def main(folder: str) -> None:
             print(line)  # torch's own family stays at the venv's torch
         else:
             print(pins.get(name, Requirement(line).name))
+        seen.add(name)
+    # what this release requires beyond the older file, among the packages
+    # known to install on a CPU (einops: 0.5.12 imports it on the HiCache path)
+    for name, spelled in sorted(sglang_needs().items()):
+        if name not in seen and name in cpu_safe_names(Path(folder)):
+            print(pins.get(name, spelled))
 
 
 if __name__ == "__main__":

@@ -47,14 +47,15 @@ def test_derived_requirements_take_sglangs_pins_and_keep_torchs_family(monkeypat
     reqs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(reqs)
     (tmp_path / "sglang-cpu-0.5.8.txt").write_text("transformers==4.57.1  # pin\ntorchvision==0.28.0\nhuggingface_hub==0.36.2\n")
-    (tmp_path / "sglang-cpu-0.5.11.txt").write_text("transformers==5.6.0\n")
+    (tmp_path / "sglang-cpu-0.5.11.txt").write_text("transformers==5.6.0\neinops==0.8.2\n")
     monkeypatch.setattr(reqs, "version", lambda name: "0.5.10")
     monkeypatch.setattr(reqs, "requires", lambda name: ["transformers==4.57.9", "torchvision==0.1", "aiohttp>=3",
-                                                      "pytest==8; extra == 'test'"])
+                                                      "einops", "flashinfer==1", "pytest==8; extra == 'test'"])
     assert reqs.base_file("0.5.10", tmp_path).name == "sglang-cpu-0.5.8.txt"
     reqs.main(str(tmp_path))
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("# derived for sglang==0.5.10 from sglang-cpu-0.5.8.txt")
     # SGLang's own pin wins; torch's family stays at the venv's torch; an
-    # older file's transitive pin is left to pip
-    assert lines[1:] == ["transformers==4.57.9", "torchvision==0.28.0", "huggingface_hub"]
+    # older file's transitive pin is left to pip; what the release needs that
+    # some file knows installs on a CPU is added (einops), GPU-only wheels not
+    assert lines[1:] == ["transformers==4.57.9", "torchvision==0.28.0", "huggingface_hub", "einops"]
