@@ -66,11 +66,33 @@ stamp_of() {
     } | sha256sum | cut -d' ' -f1
 }
 
-# ensure_venv DIR SGLANG_VERSION PIP_TARGET SGL_KERNEL_STUB
+# torch installed once into DIR (pip --target) and shared by every venv built
+# while TORCH_LAYER=DIR is set, through a .pth file: scripts/compat.sh builds
+# a venv per SGLang release, and a copy of torch each would cost ~1 GB and a
+# minute apiece. pip sees torch there as installed.
+ensure_torch_layer() {
+    local layer="$1"
+    [ -f "$layer/.done" ] && return 0
+    log "installing $TORCH_SPEC once into $layer (shared by the compat venvs)"
+    rm -rf "$layer"
+    pip_q "$PYTHON" install --target "$layer" "$TORCH_SPEC"
+    touch "$layer/.done"
+}
+
+# ensure_venv DIR SGLANG_VERSION PIP_TARGET SGL_KERNEL_STUB [REQUIREMENTS]
+# PIP_TARGET: what of this repo to install (".", ".[test]", editable; or the
+# wheel from ensure_wheel, for venvs that only ever run the built wheel).
+# REQUIREMENTS: requirements/sglang-cpu-<version>.txt by default; "derive":
+# the nearest older file with SGLang's own pins (scripts/_compat_reqs.py),
+# for releases that have no file of their own.
 ensure_venv() {
     local venv="$1" sglang="$2" target="$3" sgl_kernel_stub="$4"
-    local req="requirements/sglang-cpu-$sglang.txt" stamp py torch_before torch_after
-    [ -f "$req" ] || { log "missing $req" >&2; return 1; }
+    local req="${5:-requirements/sglang-cpu-$sglang.txt}" stamp py torch_before torch_after
+    if [ "$req" = derive ]; then
+        req="scripts/_compat_reqs.py"  # the stamp then covers the rule that derives them
+    else
+        [ -f "$req" ] || { log "missing $req" >&2; return 1; }
+    fi
     stamp="$(stamp_of "$sglang" "$req")"
     py="$ROOT/$venv/bin/python"
     if [ -x "$py" ] && [ "$(cat "$venv/.stamp" 2>/dev/null || true)" = "$stamp" ] \
@@ -83,7 +105,10 @@ ensure_venv() {
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
     local torch_source=()
-    if "$PYTHON" - "$TORCH_INDEX" <<'PYEOF' 2>/dev/null; then
+    if [ -n "${TORCH_LAYER:-}" ]; then
+        ensure_torch_layer "$TORCH_LAYER"
+        "$py" -c 'import sysconfig, sys; open(sysconfig.get_paths()["purelib"] + "/_shared_torch.pth", "w").write(sys.argv[1] + "\n")' "$TORCH_LAYER"
+    elif "$PYTHON" - "$TORCH_INDEX" <<'PYEOF' 2>/dev/null; then
 import sys, urllib.request
 urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10).close()
 PYEOF
@@ -92,13 +117,23 @@ PYEOF
     else
         log "$venv: $TORCH_INDEX does not answer; installing $TORCH_SPEC from the configured indexes"
     fi
-    pip_q "$py" install "${torch_source[@]}" "$TORCH_SPEC"
+    [ -n "${TORCH_LAYER:-}" ] || pip_q "$py" install "${torch_source[@]}" "$TORCH_SPEC"
     torch_before="$("$py" -W ignore -c 'import torch; print(torch.__version__)')"
     log "$venv: installing sglang==$sglang --no-deps and $req"
     pip_q "$py" install --no-deps "sglang==$sglang"
+    if [ "$req" = scripts/_compat_reqs.py ]; then
+        pip_q "$py" install packaging
+        "$py" scripts/_compat_reqs.py requirements >"$venv/requirements-derived.txt"
+        req="$venv/requirements-derived.txt"
+    fi
     pip_q "$py" install -r "$req"
     log "$venv: installing this repo ($target)"
-    pip_q "$py" install -e "$target"
+    if [ "${target%.whl}" != "$target" ]; then
+        pip_q "$py" install --no-deps "$target"  # a built wheel: no build step per venv
+        printf '%s\n' "$(cat dist/.tree-hash)" >"$venv/.wheel-hash"
+    else
+        pip_q "$py" install -e "$target"
+    fi
     torch_after="$("$py" -W ignore -c 'import torch; print(torch.__version__)')"
     if [ "$torch_before" != "$torch_after" ]; then
         log "$venv: torch changed from $torch_before to $torch_after during install" >&2
@@ -133,3 +168,35 @@ PYEOF
     log "$venv: ready (torch $torch_after, $((SECONDS - t0))s)"
 }
 
+
+# The wheel of this tree, built once per tree content: dist/ keeps it with the
+# hash of what goes into it, and a venv gets it (over its editable install)
+# only when it does not hold that build yet. Sets WHEEL.
+tree_hash() {
+    find src pyproject.toml README.md LICENSE -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
+        | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1
+}
+
+ensure_wheel() {
+    local py="$1" hash
+    hash="$(tree_hash)"
+    WHEEL="$(ls dist/sglang_simm-*.whl 2>/dev/null | head -1 || true)"
+    if [ -z "$WHEEL" ] || [ "$(cat dist/.tree-hash 2>/dev/null || true)" != "$hash" ]; then
+        log "building the wheel"
+        rm -rf dist
+        pip_q "$py" wheel --no-deps -w dist .
+        printf '%s\n' "$hash" >dist/.tree-hash
+        WHEEL="$(ls dist/sglang_simm-*.whl | head -1)"
+    else
+        log "the wheel is up to date ($WHEEL)"
+    fi
+}
+
+# install_wheel VENV: the wheel from ensure_wheel, unless VENV has it already.
+install_wheel() {
+    local venv="$1" hash
+    hash="$(cat dist/.tree-hash)"
+    [ "$(cat "$venv/.wheel-hash" 2>/dev/null || true)" = "$hash" ] && return 0
+    pip_q "$ROOT/$venv/bin/python" install --no-deps --force-reinstall "$ROOT/$WHEEL"
+    printf '%s\n' "$hash" >"$venv/.wheel-hash"
+}

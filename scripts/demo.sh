@@ -32,6 +32,7 @@ ensure_venv "$MAIN_VENV" "$MAIN_SGLANG" ".[test]" False
 py="$ROOT/$MAIN_VENV/bin/python"
 # this checkout, as it is now (scripts/test.sh may have left a built wheel there)
 pip_q "$py" install --no-deps -e .
+rm -f "$MAIN_VENV/.wheel-hash"  # it no longer holds the built wheel: scripts/test.sh reinstalls it
 [ "$#" -gt 0 ] || set -- --server
 log "sglang-simm demo $*"
 exec "$ROOT/$MAIN_VENV/bin/sglang-simm" demo "$@"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -35,6 +36,40 @@ def _stop_store_processes(root: str) -> None:
         deadline = time.monotonic() + 5
         while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+#: Markers given to every test of a file or folder (relative to tests/), so
+#: the tiers of scripts/test.sh hold for files whose tests carry no marker of
+#: their own: the store's process tests, the launcher's, the compat probes.
+TIERS = {
+    "e2e/": "e2e",
+    "store/": "host",
+    "test_server_launch.py": "server",
+    "test_compat.py": "slow",
+}
+
+
+def pytest_collection_finish(session):
+    # the compat probes run in other venvs for minutes: start them now, beside the suite
+    if any(os.path.basename(str(item.fspath)) == "test_compat.py" for item in session.items):
+        import test_compat
+
+        test_compat.start_probes()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    compat = sys.modules.get("test_compat")
+    if compat is not None:
+        compat.stop_probes()
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        where = os.path.relpath(str(item.fspath), tests)
+        for prefix, marker in TIERS.items():
+            if where == prefix or (prefix.endswith("/") and where.startswith(prefix)):
+                item.add_marker(marker)
 
 
 def _interrupt(signum, frame):
@@ -69,8 +104,36 @@ def host_store_dir():
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _embedded_flags_restored():
+    """The embedded client's flags are process-global, as SiMM's are: a flag
+    one test sets (``embedded_scope`` by any ``local://`` backend, a fault
+    flag) would otherwise hold for every later test, and a test would pass
+    or fail by what ran before it. Each test leaves the flags as it found
+    them."""
+    loaded = sys.modules.get("sglang_simm.embedded._client")
+    before = {name: loaded.get_flag(name) for name in loaded._FLAG_SPECS} if loaded else None
+    yield
+    client = sys.modules.get("sglang_simm.embedded._client")
+    if client is None:
+        return
+    if before is None:  # first imported by this test: the defaults held before it
+        before = {name: default for name, (_parse, default) in client._FLAG_SPECS.items()}
+    # the server name first: fault flags apply to the server it names
+    for name in sorted(before, key=lambda n: n != "cm_primary_node_ip"):
+        if client.get_flag(name) != before[name]:
+            client.set_flag(name, before[name])
+
+
 @pytest.fixture
 def store_name() -> str:
+    """A fresh name for a host store (``local://NAME``). The embedded
+    client's scope is set to the host store for the test, so
+    ``get_server(store_name)`` before any backend attaches is that store,
+    not a store inside this process of the same name."""
+    from sglang_simm.embedded import set_flag
+
+    set_flag("embedded_scope", "host")
     return f"t-{uuid.uuid4().hex[:12]}"
 
 

@@ -93,7 +93,25 @@ def test_toml_falls_back_to_tomli(tmp_path, python_310, monkeypatch):
     assert cli.parse_extra_config(f"@{path}") == {"manager_address": "local"}
 
 
-def test_without_rich_the_command_names_the_extra(capsys, monkeypatch):
+def test_without_rich_the_command_names_an_install_that_works(capsys, monkeypatch):
+    # no index has sglang-simm yet: the hint names rich itself and the clone's extra
     monkeypatch.setitem(sys.modules, "rich.console", None)
     code, out = run(capsys, "doctor", "--manager", "local")
-    assert code == 2 and "pip install 'sglang-simm[cli]'" in out
+    assert code == 2 and "pip install 'rich>=13'" in out and "pip install '.[cli]'" in out
+    assert "sglang-simm[" not in out
+
+
+def test_server_demo_without_sglang_is_one_line_that_says_how_to_get_it(capsys, monkeypatch):
+    # it was a 27-line traceback naming a log in a folder already removed
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang now fails, as where it is missing
+    assert cli.main(["demo", "--server"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert "SGLang is not installed here" in err and "pip install 'sglang>=0.5.8,<0.6'" in err
+
+
+@pytest.mark.parametrize("flag", [["--model", "llama3-8b"], ["--pages", "8"], ["--direct"]])
+def test_server_demo_refuses_the_kv_demos_options_instead_of_ignoring_them(capsys, flag):
+    assert cli.main(["demo", "--server", *flag]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{flag[0]} belong to the KV demo" in out and "--preset (" in out and "llama-tiny" in out

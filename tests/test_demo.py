@@ -304,3 +304,40 @@ def test_waiting_on_a_controller_queue_yields_what_comes_and_fails_by_name_past_
     with pytest.raises(DemoFailure, match="the backup thread did not answer"):
         next(items)
     assert idle  # polled while waiting (the demo's progress line moves)
+
+
+def _row(tier, ttft, fresh, cached=512, prompt=576):
+    from sglang_simm.tools.server_demo import Row
+
+    return Row("r", tier, prompt, cached, ttft, 0, True, fresh)
+
+
+def test_server_demo_speedup_is_each_rows_own_fresh_run_over_its_ttft():
+    # it divided by the mean of every fresh run, none of them printed
+    # (5926 / 2390 = 2.48x shown as 2.9x)
+    from sglang_simm.tools.server_demo import speedup
+
+    assert speedup(_row("L3 hit (SiMM)", 2.390, 5.926)) == "2.5x"
+    assert speedup(_row("computed from scratch", 5.0, 5.0, cached=0)) == "1.0x"
+
+
+def test_server_demo_names_the_suffix_floor_and_a_slower_device_row():
+    from sglang_simm.tools.server_demo import notes
+
+    rows = [_row("computed from scratch", 6.0, 6.0, cached=0), _row("device hit (L1)", 2.7, 6.1),
+            _row("host-tier hit (L2)", 2.2, 6.0), _row("L3 hit (SiMM)", 2.4, 6.0)]
+    text = " ".join(notes(rows))
+    assert "64+ tokens" in text and "about 2200 ms" in text and "floor" in text
+    assert "device hit came out 500 ms slower than the host hit" in text
+    assert "slower" not in " ".join(notes(rows[:2] + [_row("host-tier hit (L2)", 2.9, 6.0)]))
+
+
+def test_server_demo_l3_row_reads_the_backends_writes_not_l2_backups():
+    # sglang:hicache_backup_bytes_total counts device-to-host (L2) backups:
+    # a server with no L3 at all reported 4.24 GB of it as "L3 written"
+    from sglang_simm.tools.server_demo import l3_written
+
+    assert l3_written({"sglang:hicache_backup_bytes_total": 4.24e9}, 1024).startswith("not reported")
+    got = l3_written({"sglang:hicache_backup_bytes_total": 4.24e9, "sglang:backup_pgs_sum": 10.0,
+                      "sglang:backuped_tokens_total": 160.0}, 1024)
+    assert got.startswith("10 pages, 10.0 KiB") and "160 tokens" in got

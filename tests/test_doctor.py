@@ -130,3 +130,18 @@ def test_local_store_with_another_bad_field_names_that_field(capsys):
     assert "clnt_threadpool_size=0 (from extra_config) is out of range" in out
     assert "set manager_address to 'local'" not in out and "simm.kv" not in out
     assert "host store 'default'" in out
+
+
+def test_without_sglang_the_hint_is_a_command_that_works_and_shows_whole(capsys, monkeypatch, store_name):
+    # rich read "[sglang]" in the old hint as markup and printed
+    # pip install 'sglang-simm', naming a package no index has
+    from sglang_simm.tools import doctor as doctor_module
+
+    monkeypatch.setattr(doctor_module, "sglang_status", lambda: {
+        "version": None, "entry_point": None, "plugin_route": False, "dynamic_route": False,
+        "other_simm_entry_points": ["[weird] plugin"],
+    })
+    code, out = doctor(capsys, "--manager", f"local://{store_name}")
+    assert "SGLang is not installed here: pip install 'sglang>=0.5.8,<0.6'" in out, out
+    assert "sglang-simm'" not in out
+    assert "[weird] plugin" in out  # values are shown as they are, brackets included

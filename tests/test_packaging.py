@@ -162,3 +162,35 @@ def test_readme_install_shows_what_works_before_the_package_is_published():
         for group in re.findall(r"\[([a-z,]+)\]", c):
             assert set(group.split(",")) <= extras, c
     assert "https://download.pytorch.org/whl/cpu" in section
+
+
+def test_the_cli_extra_brings_what_the_config_file_forms_need():
+    # --extra-config @cfg.yaml needs PyYAML; the cli extra once left it out
+    import tomllib
+
+    from sglang_simm.tools.cli import FILE_FORMATS
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {req.split(">")[0].split("=")[0].split(";")[0].strip().lower() for req in extras["cli"]}
+    assert ".yaml" in FILE_FORMATS and "pyyaml" in names
+    assert "tomli" in names  # .toml on Python 3.10
+
+
+def test_the_fast_tier_leaves_out_every_marker_that_starts_processes_of_its_own():
+    import ast
+    import re
+    import tomllib
+
+    # tests/conftest.py's TIERS, read as a literal (importing "conftest" by
+    # name may give tests/e2e/conftest.py)
+    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    TIERS = next(ast.literal_eval(node.value) for node in tree.body
+                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TIERS")
+
+    declared = {m.split(":")[0] for m in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                ["tool"]["pytest"]["ini_options"]["markers"]}
+    fast = re.search(r'^FAST_MARKERS="(.*)"$', (ROOT / "scripts" / "test.sh").read_text(), re.M).group(1)
+    left_out = set(re.findall(r"not (\w+)", fast))
+    assert set(TIERS.values()) <= declared  # every marker given by file is declared
+    assert {"e2e", "host", "server", "slow", "real"} == left_out <= declared
+    assert "embedded" not in left_out  # the in-process contract tests stay in

@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run HiCache's write-back and restore on the embedded store")
     _add_config_args(demo)
-    demo.add_argument("--model", default="llama3-8b", help="page geometry preset (see --list-models)")
+    demo.add_argument("--model", default=None,
+                      help="page geometry preset (see --list-models); not with --server, which takes --preset")
     demo.add_argument("--list-models", action="store_true", help="list the geometry presets and exit")
     demo.add_argument("--pages", type=int, default=None, help="pages in the first request's prefix (default: 192)")
     demo.add_argument("--page-size", type=int, default=None, help="tokens per page (default: the preset's)")
@@ -194,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: KV-demo options that mean nothing to --server (it runs a real model: --preset)
+_NOT_WITH_SERVER = {"model": "--model", "pages": "--pages", "direct": "--direct"}
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -208,8 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         console = _console()
     except ImportError as exc:
-        print(f"error: the sglang-simm command needs rich ({exc}): pip install 'sglang-simm[cli]'",
-              file=sys.stderr)
+        print(f"error: the sglang-simm command needs rich ({exc}): pip install 'rich>=13' "
+              "(or, from a clone of this repo, pip install '.[cli]')", file=sys.stderr)
         return 2
     try:
         if args.command == "doctor":
@@ -218,6 +223,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_doctor(console, _extra_from_args(args), sysfs_root=args.sysfs_root)
         if args.command == "demo" and args.server:
             from sglang_simm.tools.server_demo import run as run_server_demo
+
+            from sglang_simm.tools.tiny_model import PRESETS as SERVER_PRESETS
+
+            given = [flag for name, flag in _NOT_WITH_SERVER.items() if getattr(args, name) not in (None, False)]
+            if given:
+                console.print(f"[red]error:[/red] {', '.join(given)} belong to the KV demo (without --server); "
+                              f"the server demo runs a model of --preset ({', '.join(sorted(SERVER_PRESETS))})")
+                return 2
 
             return run_server_demo(args)
         if args.command == "demo":
@@ -233,7 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_bench(console, args)
     except (ValueError, OSError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        from rich.markup import escape
+
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     return 1
 

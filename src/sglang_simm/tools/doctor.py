@@ -12,6 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+#: Where SGLang comes from: PyPI has it (this package is not on an index yet).
+SGLANG_INSTALL = "pip install 'sglang>=0.5.8,<0.6'"
+
 PLUGIN_SINCE = (0, 5, 11)
 
 
@@ -127,6 +130,14 @@ def _quiet_config_log() -> Any:
     return quiet()
 
 
+def _text(value: Any) -> str:
+    """A value shown as it is: rich would read ``[sglang]`` or ``[0]`` in it
+    as markup and drop it."""
+    from rich.markup import escape
+
+    return escape(str(value))
+
+
 def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys") -> int:
     from sglang_simm import __version__
     from sglang_simm.config import find_unknown_keys, load_config
@@ -150,7 +161,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
         table.add_column("value")
         table.add_column("source", style="dim")
         for name, value, source in resolved.describe():
-            table.add_row(name, str(value), source)
+            table.add_row(_text(name), _text(value), _text(source))
         console.print(table)
     except ValueError as exc:
         config_problems.append(f"configuration: {exc}")
@@ -168,14 +179,14 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     table.add_column("check")
     table.add_column("result")
     if target is not None and target.is_embedded:
-        table.add_row("client", _store_description(target))
+        table.add_row("client", _text(_store_description(target)))
     else:
         from sglang_simm.client import import_real_client
         from sglang_simm.errors import ClientNotInstalledError
 
         try:
             kv = import_real_client()
-            table.add_row("simm.kv", f"SiMM client at {getattr(kv, '__file__', '?')}")
+            table.add_row("simm.kv", _text(f"SiMM client at {getattr(kv, '__file__', '?')}"))
         except ClientNotInstalledError as exc:
             table.add_row("simm.kv", "[red]not usable[/red]")
             if target is not None:
@@ -193,14 +204,14 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     table.add_column("active")
     for dev in devices:
         ports = ", ".join(f"{n}: {s}" for n, s in sorted(dev.port_states.items())) or "-"
-        table.add_row(dev.name, str(dev.numa_node), ports, "yes" if dev.active else "[yellow]no[/yellow]")
+        table.add_row(_text(dev.name), str(dev.numa_node), _text(ports), "yes" if dev.active else "[yellow]no[/yellow]")
     if not devices:
         table.add_row("(none)", "-", "-", "-")
     console.print(table)
     if config is not None and not config.is_embedded:
         choice = select_nics(config, sysfs_root=sysfs_root)
         if choice.devices:
-            console.print(f"NICs this process would use: [bold]{','.join(choice.devices)}[/bold] ({choice.reason})")
+            console.print(f"NICs this process would use: [bold]{_text(','.join(choice.devices))}[/bold] ({_text(choice.reason)})")
         else:
             report.problems.append(
                 f"no usable RDMA device ({choice.reason}). SiMM's client moves data over RDMA: "
@@ -213,15 +224,16 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     table = _grid("SGLang")
     table.add_column("check")
     table.add_column("result")
-    table.add_row("installed", status["version"] or "[red]no[/red]")
-    table.add_row("entry point 'simm'", status["entry_point"] or "[yellow]not registered[/yellow]")
+    table.add_row("installed", _text(status["version"]) if status["version"] else "[red]no[/red]")
+    table.add_row("entry point 'simm'",
+                  _text(status["entry_point"]) if status["entry_point"] else "[yellow]not registered[/yellow]")
     table.add_row("--hicache-storage-backend simm", "yes" if status["plugin_route"] else "no (needs 0.5.11+)")
     table.add_row("--hicache-storage-backend dynamic", "yes" if status["dynamic_route"] else "no")
     for other in status["other_simm_entry_points"]:
-        table.add_row("[yellow]another 'simm' plugin[/yellow]", other)
+        table.add_row("[yellow]another 'simm' plugin[/yellow]", _text(other))
     console.print(table)
     if not status["version"]:
-        report.notes.append("SGLang is not installed here: pip install 'sglang-simm[sglang]'")
+        report.notes.append(f"SGLang is not installed here: {SGLANG_INSTALL} (on a CPU machine, see the README's Install)")
 
     if config_problems or resolved is None:
         console.print("[bold]Launch lines[/bold]: [yellow]none until the configuration problems below are fixed[/yellow]")
@@ -233,9 +245,9 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
         _round_trip(console, config, report)
 
     for note in report.notes:
-        console.print(f"[yellow]note:[/yellow] {note}")
+        console.print(f"[yellow]note:[/yellow] {_text(note)}")
     for problem in report.problems:
-        console.print(f"[red]problem:[/red] {problem}")
+        console.print(f"[red]problem:[/red] {_text(problem)}")
     if report.problems:
         console.print(f"[red]{len(report.problems)} problem(s) block a start.[/red]")
         return 1
@@ -250,7 +262,7 @@ def _print_launch_lines(console: Any, extra: dict[str, Any], resolved: Any) -> N
     console.print("[bold]Launch lines[/bold]")
     for route, line in launch_lines(extra).items():
         console.print(f"[dim]# {route}[/dim]")
-        console.print(line, soft_wrap=True)
+        console.print(line, soft_wrap=True, markup=False)
     elsewhere = sorted({s for n, s in resolved.sources.items() if s not in ("extra_config", "default")})
     if elsewhere:
         fields = [n for n, s in resolved.sources.items() if s not in ("extra_config", "default")]

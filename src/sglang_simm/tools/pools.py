@@ -99,15 +99,26 @@ def build_host_pool(
             )
         host_cls, host_input, host_kwargs = assembler._mha_host_inputs(device_pool)
         return host_cls(host_input, **host_kwargs, **common)
-    try:
-        from sglang.srt.mem_cache import memory_pool_host as mph
-    except ImportError:  # 0.5.2x moved the classes
-        from sglang.srt.mem_cache.pool_host import mha as mph_mha, mla as mph_mla
+    return _call(_host_pool_class(geom.is_mla), device_pool=device_pool, **common)
 
-        cls = mph_mla.MLATokenToKVPoolHost if geom.is_mla else mph_mha.MHATokenToKVPoolHost
-    else:
-        cls = mph.MLATokenToKVPoolHost if geom.is_mla else mph.MHATokenToKVPoolHost
-    return _call(cls, device_pool=device_pool, **common)
+
+def _host_pool_class(is_mla: bool) -> Any:
+    """SGLang's MHA or MLA host pool class, wherever the release keeps it:
+    ``memory_pool_host`` up to 0.5.1x, ``pool_host.mha`` / ``pool_host.mla``
+    after (0.5.22 still has a ``memory_pool_host`` module, without them)."""
+    import importlib
+
+    name = "MLATokenToKVPoolHost" if is_mla else "MHATokenToKVPoolHost"
+    places = ("sglang.srt.mem_cache.pool_host." + ("mla" if is_mla else "mha"),
+              "sglang.srt.mem_cache.memory_pool_host")
+    for place in places:
+        try:
+            cls = getattr(importlib.import_module(place), name, None)
+        except ImportError:
+            continue
+        if cls is not None:
+            return cls
+    raise ImportError(f"this SGLang has no {name} in {' or '.join(places)}")
 
 
 def storage_config(**fields: Any) -> Any:

@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from sglang_simm.tools import cpu_standins
 
@@ -313,24 +313,30 @@ class SGLangServer:
             )
         return self
 
-    def wait_ready(self) -> SGLangServer:
+    def wait_ready(self, progress: Callable[[float], None] | None = None, every_s: float = 15.0) -> SGLangServer:
         """Wait until /health answers 200; on a timeout or an exit, stop it
-        and raise with the log's tail."""
+        and raise with the log's tail. ``progress(seconds_since_launch)`` is
+        called every ``every_s`` seconds while it starts."""
         if self.started_in_s is not None:
             return self
         if self.proc is None:
             raise ServerError(f"{self.name} was not launched")
         try:
-            self._wait_healthy(self._launched_at)
+            self._wait_healthy(self._launched_at, progress, every_s)
         except BaseException:
             self.stop()
             raise
         self.started_in_s = time.monotonic() - self._launched_at
         return self
 
-    def _wait_healthy(self, started: float) -> None:
+    def _wait_healthy(self, started: float, progress: Callable[[float], None] | None = None,
+                      every_s: float = 15.0) -> None:
         deadline = started + self.config.startup_timeout_s
+        next_report = started + every_s
         while True:
+            if progress is not None and time.monotonic() >= next_report:
+                progress(time.monotonic() - started)
+                next_report += every_s
             code = self.proc.poll()
             if code is not None:
                 raise ServerError(

@@ -1,5 +1,5 @@
-"""The CPU stand-ins: their semantics, and that they stay out of processes
-that do not ask for them."""
+"""The CPU stand-ins the e2e servers run with: their semantics, and that they
+stay out of processes that do not ask for them. Unit tests: no server."""
 
 from __future__ import annotations
 
@@ -8,12 +8,9 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
 from sglang_simm.tools import cpu_standins
-
-pytestmark = pytest.mark.e2e
 
 
 def test_this_process_has_no_server_standins():
