@@ -31,7 +31,7 @@ def test_a_failure_after_registration_deregisters_the_pools_memory(attach, monke
 
 
 def test_a_failed_attach_closes_the_client_it_opened(attach, monkeypatch):
-    from sglang_simm import backend as backend_module
+    from sglang_simm import lifecycle as backend_module
     from sglang_simm.errors import UnsupportedPoolError
 
     opened = []
