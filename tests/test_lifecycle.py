@@ -310,3 +310,79 @@ def test_the_backend_keeps_no_python_object_per_page(attach):
         assert all(backend.batch_get_v1(keys[lo:lo + n], slots(host, lo, n)))
     gc.collect()
     assert len(gc.get_objects()) - before < 200, f"{pages} pages touched"
+
+
+def _store_clients(store_name):
+    """Process ids with a connection to the host store, asked over a
+    connection of its own (which the store leaves out)."""
+    from sglang_simm.embedded._host import HostServer
+
+    probe = HostServer(store_name, root=os.environ["SGLANG_SIMM_STORE_DIR"], capacity=1 << 20, spawn=False)
+    probe.open()
+    try:
+        return probe.status()["clients"]
+    finally:
+        probe.close()
+
+
+def test_sglang_runtime_detach_closes_cleanly_and_a_reattach_finds_the_pages(store_name, caplog):
+    """SGLang 0.5.23's own controller, its backup, prefetch and prefetch-IO
+    threads running: pages backed up, the backend detached as
+    ``DELETE /hicache/storage-backend`` does (``detach_storage_backend``),
+    then attached again: the new backend finds and loads the same bytes.
+    After the detach this process holds no connection to the store."""
+    import logging
+
+    from sglang_simm.embedded import reset_servers
+    from sglang_simm.tools.demo.common import PageHasher
+    from sglang_simm.tools.demo.drivers import ControllerDriver
+
+    geom = tiny()
+    ps = geom.page_size
+    extra = {"manager_address": f"local://{store_name}"}
+    hasher = PageHasher()
+    driver = ControllerDriver(geom, "page_first", 64, extra, hasher, timeout_s=60.0)
+    try:
+        tokens = list(range(1000, 1000 + 6 * ps))
+        keys = hasher(tokens, ps)
+        indices = driver.alloc(len(tokens))
+        fill_random(driver.host, 91)
+        first = indices[::ps].tolist()
+        want = [page(driver.host, s // ps) for s in first]
+        stored, _ = driver.write(keys, tokens, indices, lambda n: None)
+        assert stored == 6
+        backend = driver.backend
+        bindings = [backend._kv]
+        assert os.getpid() in _store_clients(store_name)
+        with caplog.at_level(logging.WARNING):
+            driver.cc.detach_storage_backend()
+        assert backend._closed and backend.client.closed and bindings[0].mrs == []
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        assert os.getpid() not in _store_clients(store_name)
+
+        driver.cc.attach_storage_backend("simm", prefetch_threshold=ps, model_name=geom.name,
+                                         storage_backend_extra_config=dict(extra))
+        driver.backend = driver.cc.storage_backend
+        assert driver.backend is not backend
+        fill_random(driver.host, 92)
+        hits, loaded, got, _, _ = driver.fetch("after-reattach", tokens, keys, None, lambda n: None)
+        assert hits == loaded == 6
+        assert all(torch.equal(page(driver.host, s // ps), want[i])
+                   for i, s in enumerate(got[::ps].tolist()))
+    finally:
+        driver.close()
+        reset_servers(store_name)
+
+
+def test_after_the_last_backend_closes_the_process_holds_no_connection(attach, store_name):
+    one, _ = attach(tiny())
+    two, _ = attach(tiny())
+    assert os.getpid() in _store_clients(store_name)
+    one.close()
+    assert os.getpid() in _store_clients(store_name)  # the other backend still uses it
+    assert two.batch_exists(hashes(1)) == 0 and two.stats()["errors"] == {}
+    two.close()
+    assert os.getpid() not in _store_clients(store_name)
+    three, host = attach(tiny())  # a later backend connects again
+    fill_random(host, 93)
+    assert three.batch_set_v1(hashes(1), slots(host, 0, 1)) == [True]
