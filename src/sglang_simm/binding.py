@@ -301,10 +301,7 @@ class PoolBinding:
         indices = _as_numpy(host_indices)
         if indices is None:
             return None
-        starts = page_starts(indices, self.page_size, n)
-        if starts is None or (n and (int(starts.min()) < 0 or int(starts.max()) >= self.slots)):
-            return None
-        return starts
+        return page_starts(indices, self.page_size, n, self.slots)
 
     def views(self, starts: np.ndarray) -> list[Any]:
         """The ``BlockView`` of every object of the pages at ``starts``,

@@ -247,10 +247,13 @@ def _split(base: np.ndarray, sizes: np.ndarray, chunks: int) -> tuple[np.ndarray
     return np.asarray(new_base, dtype=np.int64), np.asarray(new_sizes, dtype=np.int64)
 
 
-def page_starts(host_indices: np.ndarray, page_size: int, num_keys: int) -> np.ndarray | None:
+def page_starts(
+    host_indices: np.ndarray, page_size: int, num_keys: int, slots: int | None = None
+) -> np.ndarray | None:
     """First slot of each page, or None when ``host_indices`` is not
     ``num_keys`` distinct whole pages: ``page_size`` consecutive integer
-    slots each, from a page-aligned first slot.
+    slots each, from a page-aligned first slot (below ``slots``, the pool's
+    size, when given).
 
     The one check of a batch's indices, for every path: a malformed batch is
     a controller bug we refuse to act on rather than read or write the wrong
@@ -274,11 +277,15 @@ def page_starts(host_indices: np.ndarray, page_size: int, num_keys: int) -> np.n
         first = starts.tolist()
         if any(slot % page_size for slot in first) or len(set(first)) != num_keys:
             return None
+        if slots is not None and first and (min(first) < 0 or max(first) >= slots):
+            return None
     else:
         if (starts % page_size).any():
             return None
         ordered = np.sort(starts)
         if (ordered[1:] == ordered[:-1]).any():
+            return None
+        if slots is not None and (ordered[0] < 0 or ordered[-1] >= slots):
             return None
     if page_size > 1:
         steps = host_indices[1:] - host_indices[:-1]  # a new array: contiguous, ours to change
