@@ -218,7 +218,7 @@ _HANDLE_LOCK = threading.Lock()
 def _share_handle(handle: Any) -> Any:
     """Count a client in on a host store handle (an in-process store, which
     holds no connection, is not counted); the handle, or None."""
-    if handle is None or not hasattr(handle, "paths"):
+    if handle is None or not hasattr(handle, "disconnect"):
         return None
     with _HANDLE_LOCK:
         _HANDLE_USERS[id(handle)] = _HANDLE_USERS.get(id(handle), 0) + 1
@@ -226,19 +226,16 @@ def _share_handle(handle: Any) -> Any:
 
 
 def _release_handle(handle: Any) -> None:
-    """Count a client out; the last one closes the handle's connection and
-    drops it from this process's handles (a later client reconnects)."""
+    """Count a client out; the last one drops the handle's connection. The
+    handle stays usable (a later client, or any other user of it in this
+    process, connects again on its next request)."""
     with _HANDLE_LOCK:
         left = _HANDLE_USERS.get(id(handle), 1) - 1
         if left > 0:
             _HANDLE_USERS[id(handle)] = left
             return
         _HANDLE_USERS.pop(id(handle), None)
-    from sglang_simm.embedded import _host
-
-    if _host.existing(handle.name, handle.root) is handle:
-        _host.forget(handle.name, root=handle.root, stop=False)
-    handle.close()
+    handle.disconnect()
 
 
 def _bytes_tensor(data: bytes) -> Any:
