@@ -10,10 +10,11 @@ A binding is built at attach, in steps that each stand alone here:
 
 plus a ``KeyCache``: a lookup's object keys, kept for the read that
 follows. Per call, ``starts`` checks a batch's host indices and ``views``
-makes the batch's ``BlockView``s from the geometry's pointer arithmetic
-(numpy), so no Python object per page outlives a call: a kept view per
-object (two million for a million-page pool) was two million objects for
-every full garbage collection of the scheduler to walk.
+gives the batch's ``BlockView``s: kept ones for pages made recently
+(``ViewCache``, bounded), the rest made from the geometry's pointer
+arithmetic (numpy). A view per object kept for the pool's life (two
+million for a million-page pool) was two million objects for every full
+garbage collection of the scheduler to walk.
 
 A binding also counts the data-path calls using it (``enter``/``leave``),
 so a replaced or closed pool's memory is deregistered once *its* calls
@@ -27,6 +28,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import replace
+from itertools import chain
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -36,6 +38,12 @@ from sglang_simm import keys as keyspace
 from sglang_simm.client import KVClient
 from sglang_simm.errors import UnsupportedPoolError
 from sglang_simm.geometry import PageGeometry, derive_geometry, derive_region_geometry, page_starts
+
+#: Views a pool keeps, at most (``ViewCache``): the garbage collector tracks
+#: each, so this bounds what a full collection walks for us (16,384 views,
+#: about 3% of a collection over the ~550,000 objects SGLang's import alone
+#: leaves, ``benchmarks/gc_pause.py``).
+VIEW_CACHE_LIMIT = 1 << 14
 
 #: Object keys a pool keeps from its lookups for the reads that follow
 #: (``KeyCache``; about 150 bytes each, so a few MiB at most; strings,
@@ -197,6 +205,62 @@ class KeyCache:
         return pages, keyspace.object_keys(self.prefix, usable, self.suffixes)
 
 
+class ViewCache:
+    """The views of the pages made last, up to ``VIEW_CACHE_LIMIT`` objects
+    per pool, the first made dropped first.
+
+    A view is a Python object the garbage collector tracks, and a full
+    collection walks every one: keeping a view per object of a pool (two
+    million for a million-page pool) made each full collection of the
+    scheduler seconds longer. The bound keeps that cost a few percent of a
+    collection, while a batch whose host pages were used recently (a small
+    pool, slots reused soon) still costs one dictionary lookup per page
+    instead of a view per object made by the client's constructor.
+    """
+
+    def __init__(self, make: Callable[[np.ndarray], list[Any]], parts: int):
+        self._make = make
+        self._parts = parts
+        self._max_pages = max(0, VIEW_CACHE_LIMIT // parts)
+        #: first slot of a page -> its views
+        self._by_start: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Pages whose views are kept."""
+        return len(self._by_start)
+
+    def of_pages(self, starts: np.ndarray) -> list[Any]:
+        by_start = self._by_start
+        wanted = starts.tolist()
+        try:
+            return list(chain.from_iterable(map(by_start.__getitem__, wanted)))
+        except KeyError:  # a page not kept (or dropped by another thread meanwhile)
+            pass
+        new = [s for s in dict.fromkeys(wanted) if s not in by_start]
+        parts = self._parts
+        made = self._make(np.asarray(new, dtype=np.int64))
+        fresh = {s: tuple(made[i * parts:(i + 1) * parts]) for i, s in enumerate(new)}
+        if self._max_pages:
+            # Threads may add the same page at once: either's views are right.
+            by_start.update(fresh)
+            try:
+                while len(by_start) > self._max_pages:
+                    by_start.popitem(last=False)
+            except KeyError:  # emptied by another thread
+                pass
+        get = by_start.get
+        out = []
+        for s in wanted:
+            views = fresh.get(s) or get(s)
+            if views is None:  # dropped since: make it again
+                views = tuple(self._make(np.asarray([s], dtype=np.int64)))
+            out.extend(views)
+        return out
+
+    def clear(self) -> None:
+        self._by_start.clear()
+
+
 # ---------------------------------------------------------------- binding
 
 
@@ -264,6 +328,7 @@ class PoolBinding:
         #: the memory region of each part, in part order
         self.part_mrs = [self.mrs[r] for r in part_region.tolist()]
         self._view = client.view
+        self._views = ViewCache(self.make_views, self.parts)
 
     # ------------------------------------------------------------ in flight
 
@@ -305,7 +370,11 @@ class PoolBinding:
 
     def views(self, starts: np.ndarray) -> list[Any]:
         """The ``BlockView`` of every object of the pages at ``starts``,
-        page-major, made now from the pointer formula."""
+        page-major: from ``ViewCache`` where it holds the page, else made
+        now from the pointer formula."""
+        return self._views.of_pages(starts)
+
+    def make_views(self, starts: np.ndarray) -> list[Any]:
         n = len(starts)
         return list(map(self._view, self.geometry.pointers(starts).tolist(),
                         self.sizes_list * n, self.part_mrs * n))
@@ -358,6 +427,7 @@ class PoolBinding:
         """Deregister the pool's memory (once)."""
         mrs, self.mrs = self.mrs, []
         self.part_mrs = [None] * len(self.part_mrs)
+        self._views.clear()
         for mr in mrs:
             if mr is not None:
                 self.client.deregister(mr)
