@@ -916,6 +916,7 @@ def test_data_path_faults_are_misses_of_the_right_length(hybrid_attach):
 
     backend.client.mget = boom
     backend.client.mexists = boom
+    backend.client.mput = boom
     assert backend.batch_get_v2(t) == {PoolName.SWA: [False] * 3, PoolName.MAMBA: [False] * 2}
     assert backend.batch_set_v2(t) == {PoolName.SWA: [False] * 3, PoolName.MAMBA: [False] * 2}
     assert result(s.query(swa_query(1))) == (0, {}, [])
