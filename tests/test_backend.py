@@ -125,15 +125,32 @@ def test_mla_pages_are_shared_across_tp_ranks(attach):
     assert all(torch.equal(page(rhost, 4 + i), want[i]) for i in range(3))
 
 
-def test_set_skips_pages_already_stored(attach, store_name):
-    backend, host = attach(tiny())
+@pytest.mark.parametrize("release", ["head", "v0.1.0.post1"])
+def test_a_write_is_one_put_and_pages_already_stored_keep_their_bytes(attach, store_name, release):
+    """No lookup before a zero-copy write: serving's backups are new pages.
+    A page stored before is put again; HEAD's mput overwrites it with the
+    same bytes, the tag's keeps it (DataServerDataAlreadyExists, counted as
+    stored before); either way every page reads back right."""
+    backend, host = attach(tiny(), extra={"client_flags": {"embedded_simm_release": release}})
     fill_random(host, 7)
     keys = hashes(4)
+    want = [page(host, p) for p in range(4)]
     assert all(backend.batch_set_v1(keys[:2], slots(host, 0, 2)))
-    puts_before = get_server(store_name).stats()["puts"]
-    assert all(backend.batch_set_v1(keys, slots(host, 0, 4)))
-    assert get_server(store_name).stats()["puts"] - puts_before == 2 * 2  # K and V of 2 new pages
-    assert backend.stats()["pages_skipped_existing"] == 2
+    server = get_server(store_name)
+    before = server.stats()
+    looked_up = []
+    backend.client.mexists = lambda obj_keys: looked_up.append(obj_keys) or [False] * len(obj_keys)
+    assert backend.batch_set_v1(keys, slots(host, 0, 4)) == [True] * 4
+    after = server.stats()
+    # one mput of every object: HEAD stores all 8 again, the tag the 4 new
+    assert after["puts"] - before["puts"] == (8 if release == "head" else 4)
+    assert looked_up == []  # and no mexists before it
+    stats = backend.stats()
+    assert stats["pages_written"] + stats["pages_skipped_existing"] == 6 and stats["errors"] == {}
+    assert stats["pages_skipped_existing"] == (2 if release != "head" else 0)
+    fill_random(host, 8)
+    assert backend.batch_get_v1(keys, slots(host, 8, 4)) == [True] * 4
+    assert all(torch.equal(page(host, 8 + p), want[p]) for p in range(4))
 
 
 def test_exists_counts_only_the_leading_complete_pages(attach, store_name):
@@ -255,6 +272,7 @@ def test_client_exceptions_are_caught_counted_and_answered_as_misses(attach):
 
     backend.client.mget = boom
     backend.client.mexists = boom
+    backend.client.mput = boom
     keys = hashes(3)
     assert backend.batch_get_v1(keys, slots(host, 0, 3)) == [False] * 3
     assert backend.batch_exists(keys) == 0
@@ -291,6 +309,26 @@ def test_bad_inputs_never_raise_and_never_touch_the_pool(attach, keys, indices, 
         assert torch.equal(raw(host), before)
     assert len(backend.batch_set_v1(keys, indices)) == len(keys)
     assert backend.batch_exists(keys) == stored_leading
+
+
+@pytest.mark.parametrize("pages", [2, 80], ids=["small", "large"])
+def test_a_batch_naming_one_host_page_twice_is_refused_and_counted(attach, pages):
+    """Two page keys on the same host slots: a read would load both pages
+    into one place and answer True for both, a write would store one
+    page's bytes under the other's key. Both miss, counted, pool untouched."""
+    backend, host = attach(tiny(), tokens=96 * tiny().page_size)
+    fill_random(host, 21)
+    keys = hashes(pages)
+    assert all(backend.batch_set_v1(keys, slots(host, 0, pages)))
+    before = raw(host)
+    twice = slots(host, 100, pages)
+    twice[-host.page_size:] = slots(host, 100, 1)  # the last page on the first page's slots
+    assert backend.batch_get_v1(keys, twice) == [False] * pages
+    assert torch.equal(raw(host), before)
+    other = hashes(pages, salt="twice")
+    assert backend.batch_set_v1(other, twice) == [False] * pages
+    assert backend.batch_exists(other) == 0  # nothing was stored under the new keys
+    assert backend.stats()["errors"]["bad_indices"] == 2
 
 
 def test_concurrent_prefetch_and_backup_threads_keep_every_page_intact(attach):
@@ -529,8 +567,8 @@ def test_a_read_takes_the_object_keys_its_lookup_built_and_nothing_else(attach, 
     want = [page(host, p) for p in range(6)]
     assert backend.batch_set_v1(keys, slots(host, 0, 6)) == [True] * 6
     built: list[int] = []
-    real = keyspace.object_keys
-    monkeypatch.setattr(keyspace, "object_keys", lambda prefix, pages, sfx: built.append(len(pages)) or real(prefix, pages, sfx))
+    real = keyspace.batch_object_keys
+    monkeypatch.setattr(keyspace, "batch_object_keys", lambda prefix, pages, sfx, budget: built.append(len(pages)) or real(prefix, pages, sfx, budget))
 
     def read(batch, first_slot_page):
         fill_random(host, 4)

@@ -144,3 +144,18 @@ def test_page_starts_small_batch_after_a_large_one():
     assert page_starts(big, PAGE, 5000).tolist() == list(range(0, 5000 * PAGE, PAGE))
     assert page_starts(np.array([4, 5, 6, 7, 0, 1, 3, 2]), PAGE, 2) is None
     assert page_starts(np.array([4, 5, 6, 7, 0, 1, 2, 3]), PAGE, 2).tolist() == [4, 0]
+
+
+@pytest.mark.parametrize("pages", [2, 64, 65, 128], ids=["two", "python-check", "numpy-check", "a-full-batch"])
+@pytest.mark.parametrize("where", ["first-last", "neighbours"])
+def test_page_starts_refuses_a_page_named_twice(pages, where):
+    """Two keys on the same host slots would both answer True while one page
+    holds the other's bytes: the index check refuses the batch."""
+    order = np.random.default_rng(pages).permutation(4 * pages)[:pages]
+    i, j = (0, pages - 1) if where == "first-last" else (pages // 2 - 1, pages // 2)
+    order[j] = order[i]
+    indices = (order[:, None] * PAGE + np.arange(PAGE)[None, :]).ravel()
+    assert page_starts(indices, PAGE, pages) is None
+    order[j] = 4 * pages  # a page of its own again
+    indices = (order[:, None] * PAGE + np.arange(PAGE)[None, :]).ravel()
+    assert page_starts(indices, PAGE, pages).tolist() == (order * PAGE).tolist()

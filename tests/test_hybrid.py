@@ -392,21 +392,37 @@ def test_a_conv_only_mamba_pool_has_no_temporal_object(hybrid_attach):
     assert torch.equal(page(pool, 5), want)
 
 
-def test_set_skips_objects_already_stored(hybrid_attach):
+def test_a_v2_write_is_one_mput_of_every_pool_and_no_lookup(hybrid_attach):
+    """As on v1: serving's backups are new pages, so v2 puts every object
+    of every pool in one mput, without asking mexists first; pages stored
+    before are put again (the same bytes) and read back right."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    backend, pools = hybrid_attach(side=("swa",))
+    backend, pools = hybrid_attach(side=("swa", "draft"))
     keys = hashes(3)
-    t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 0, 3))
-    assert backend.batch_set_v2([t]) == {PoolName.SWA: [True] * 3}
-    puts = []
-    real_mput = backend.client.mput
+    swa, draft = pools["swa"], pools["draft"]
+    randomize(swa, 11)
+    randomize(draft, 12)
+    want = {"swa": [page(swa, p) for p in range(4)], "draft": [page(draft, p) for p in range(4)]}
+
+    def both(n, first):
+        return [transfer(PoolName.SWA, keys=hashes(n), host_indices=slots(swa, first, n)),
+                transfer(PoolName.DRAFT, keys=hashes(n), host_indices=slots(draft, first, n))]
+
+    assert backend.batch_set_v2(both(3, 0)) == {PoolName.SWA: [True] * 3, PoolName.DRAFT: [True] * 3}
+    puts, lookups = [], []
+    real_mput, real_mexists = backend.client.mput, backend.client.mexists
     backend.client.mput = lambda k, v: puts.append(list(k)) or real_mput(k, v)
-    more = transfer(PoolName.SWA, keys=hashes(4), host_indices=slots(pools["swa"], 0, 4))
-    assert backend.batch_set_v2([more]) == {PoolName.SWA: [True] * 4}
-    assert len(puts) == 1 and len(puts[0]) == 2  # only page 3's K and V
-    stats = backend.stats()
-    assert stats["pages_written"] == 4 and stats["pages_skipped_existing"] == 3
+    backend.client.mexists = lambda k: lookups.append(list(k)) or [False] * len(k)
+    assert backend.batch_set_v2(both(4, 0)) == {PoolName.SWA: [True] * 4, PoolName.DRAFT: [True] * 4}
+    assert lookups == [] and len(puts) == 1
+    assert len(puts[0]) == 4 * (backend._side["swa"].parts + backend._side["draft"].parts)
+    randomize(swa, 13)
+    randomize(draft, 14)
+    backend.client.mexists = real_mexists
+    assert backend.batch_get_v2(both(4, 4)) == {PoolName.SWA: [True] * 4, PoolName.DRAFT: [True] * 4}
+    assert all(torch.equal(page(swa, 4 + p), want["swa"][p]) for p in range(4))
+    assert all(torch.equal(page(draft, 4 + p), want["draft"][p]) for p in range(4))
 
 
 def test_only_a_lookup_keeps_keys_and_its_read_takes_them_on_v1_and_v2_alike(hybrid_attach):
@@ -431,7 +447,7 @@ def test_only_a_lookup_keeps_keys_and_its_read_takes_them_on_v1_and_v2_alike(hyb
     assert all(backend.batch_get_v1(keys, slots(pools["kv"], 4, 3)))
     assert len(kv.keys) == 0
     t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 4, 3))
-    assert backend.batch_exists_v2(keys, [t]) is not None
+    assert result(backend.batch_exists_v2(keys, [t])) == (3, {"kv": 3, "swa": 3}, [1, 2, 3])
     assert len(kv.keys) == 3 * kv.parts and len(swa.keys) == 0
 
 
@@ -900,6 +916,7 @@ def test_data_path_faults_are_misses_of_the_right_length(hybrid_attach):
 
     backend.client.mget = boom
     backend.client.mexists = boom
+    backend.client.mput = boom
     assert backend.batch_get_v2(t) == {PoolName.SWA: [False] * 3, PoolName.MAMBA: [False] * 2}
     assert backend.batch_set_v2(t) == {PoolName.SWA: [False] * 3, PoolName.MAMBA: [False] * 2}
     assert result(s.query(swa_query(1))) == (0, {}, [])

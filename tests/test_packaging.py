@@ -138,30 +138,33 @@ def test_the_bench_extra_brings_what_pytest_benchmarks_needs():
     assert {"pytest-benchmark", "pytest", "rich", "matplotlib"} <= names
 
 
-def test_readme_install_shows_what_works_before_the_package_is_published():
+def test_the_readme_install_commands_can_work_before_the_package_is_published():
+    """Every install command the README shows (wherever it shows them) can
+    run today: from a clone or a built wheel of this version, naming only
+    extras that exist; never ``sglang-simm`` from the index, where it is not
+    published yet. What the prose around them says is the README's own."""
     import re
     import tomllib
 
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = set(project["optional-dependencies"])
-    commands = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = [line.split("#")[0].strip() for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", readme, re.S)
                 for line in block.splitlines()]
     installs = [c for c in commands if c.startswith("pip install")]
-    # from a clone or a built wheel; the index form only as "once published"
-    assert any(c.startswith("pip install '.[") for c in installs)
-    assert "pip wheel --no-deps -w dist ." in commands
-    assert not any("sglang-simm" in c and "dist/" not in c for c in installs)
-    assert "Once it is published" in section and "pip install 'sglang-simm[cli]'" in section
+    assert installs, "the README shows no install command"
     from sglang_simm import __version__
 
-    wheel = f"dist/sglang_simm-{__version__}-py3-none-any.whl"
-    assert f"pip install '{wheel}[cli]'" in commands
-    for c in installs:  # every extra named exists
-        for group in re.findall(r"\[([a-z,]+)\]", c):
+    for c in installs:
+        assert not re.search(r"(?<![\w./-])sglang-simm(\[|\s|$|')", c), f"not on the index yet: {c}"
+        for wheel in re.findall(r"dist/(sglang_simm-[^'\s\[]+\.whl)", c):
+            assert wheel == f"sglang_simm-{__version__}-py3-none-any.whl", c
+        for group in re.findall(r"\[([a-z,]+)\]", c):  # every extra named exists
             assert set(group.split(",")) <= extras, c
-    assert "https://download.pytorch.org/whl/cpu" in section
+    # CPU torch first: installed after, plain torch is a multi-GB CUDA build
+    ours = next(i for i, c in enumerate(installs) if re.search(r"'(\.|dist/)", c))
+    torch = [i for i, c in enumerate(installs) if re.match(r"pip install torch\b", c)]
+    assert torch and torch[0] < ours and "download.pytorch.org/whl/cpu" in installs[torch[0]]
 
 
 def test_the_cli_extra_brings_what_the_config_file_forms_need():

@@ -57,17 +57,27 @@ def test_a_launched_process_ends_when_its_launcher_is_killed(tmp_path, how):
 
 
 def test_a_launched_process_lives_while_its_launcher_does(tmp_path):
-    """The death signal is no timer: the child runs as long as its launcher."""
+    """The death signal is armed in the child (it reads SIGTERM back from
+    the kernel) and is no timer: the child runs on while its launcher does."""
     from sglang_simm.tools.sglang_server import ends_with_launcher
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                             start_new_session=True, preexec_fn=ends_with_launcher())
+    probe = textwrap.dedent("""
+        import ctypes, sys, time
+        sig = ctypes.c_int(-1)
+        ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+        print(sig.value, flush=True)
+        time.sleep(600)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", probe], start_new_session=True,
+                             preexec_fn=ends_with_launcher(), stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.0)
+        assert int(child.stdout.readline()) == signal.SIGTERM
+        time.sleep(0.5)
         assert child.poll() is None
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
 
 
 def test_a_test_run_ended_by_sigterm_still_stops_its_store_processes():

@@ -7,21 +7,27 @@ A binding is built at attach, in steps that each stand alone here:
 3. ``keys.key_layout`` and ``check_parts``: the key prefix and the suffix of
    every object, one per object the pool reports;
 4. ``register_regions``: the tensors registered with the client, once;
-5. ``ViewTable``: a ``BlockView`` per object, made on first use and kept
-   for the pool's life (up to ``VIEW_TABLE_LIMIT``);
 
 plus a ``KeyCache``: a lookup's object keys, kept for the read that
-follows. Per call, ``plan`` resolves a batch (page keys and host indices)
-to the objects to move, or None. Every step may raise at attach
-(``UnsupportedPoolError``); ``plan`` never raises on bad input, it answers
-None or leaves the bad pages out.
+follows. Per call, ``starts`` checks a batch's host indices and ``views``
+gives the batch's ``BlockView``s: kept ones for pages made recently
+(``ViewCache``, bounded), the rest made from the geometry's pointer
+arithmetic (numpy). A view per object kept for the pool's life (two
+million for a million-page pool) was two million objects for every full
+garbage collection of the scheduler to walk.
+
+A binding also counts the data-path calls using it (``enter``/``leave``),
+so a replaced or closed pool's memory is deregistered once *its* calls
+are over (``retire``, ``drained``), whatever other pools are doing.
+Every attach step may raise (``UnsupportedPoolError``); the per-call
+methods never raise on bad input, they answer None.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import chain
 from typing import Any, Callable, Sequence
 
@@ -32,40 +38,19 @@ from sglang_simm import keys as keyspace
 from sglang_simm.client import KVClient
 from sglang_simm.errors import UnsupportedPoolError
 from sglang_simm.geometry import PageGeometry, derive_geometry, derive_region_geometry, page_starts
-from sglang_simm.metrics import RateLimitedLog
 
-#: Views kept per pool, at most (``ViewTable``). Past it, views of further
-#: pages are made per call (a few us of CPU per view instead of a lookup):
-#: memory over speed. Two million views take about 330 MiB with the embedded
-#: client (measured) and an estimated 650 MiB with SiMM's, under 1% of any
-#: host pool with objects of 64 KiB or more (README, "Views").
-VIEW_TABLE_LIMIT = 1 << 21
+#: Views a pool keeps, at most (``ViewCache``): the garbage collector tracks
+#: each, so this bounds what a full collection walks for us (16,384 views,
+#: about 3% of a collection over the ~550,000 objects SGLang's import alone
+#: leaves, ``benchmarks/gc_pause.py``).
+VIEW_CACHE_LIMIT = 1 << 14
 
 #: Object keys a pool keeps from its lookups for the reads that follow
-#: (``KeyCache``; about 150 bytes each, so a few MiB at most).
+#: (``KeyCache``; about 150 bytes each, so a few MiB at most; strings,
+#: which the garbage collector does not track).
 KEY_CACHE_LIMIT = 1 << 15
 
 Meta = Callable[[Any], tuple[list[int], list[int]]]
-
-
-@dataclass
-class Plan:
-    """One batch resolved to SiMM objects."""
-
-    #: indices (into the caller's keys) of the pages the objects belong to;
-    #: None: every page, in order
-    pages: np.ndarray | None
-    keys: list[str]
-    #: one view per key (a list, or a sequence that makes them on demand)
-    views: Sequence[Any]
-    #: first host slot of every caller page; None where the batch names no
-    #: host slots (the copying path's client-owned blocks)
-    starts: np.ndarray | None = None
-
-    @property
-    def rows(self) -> Any:
-        """Index of the planned pages among the caller's keys."""
-        return slice(None) if self.pages is None else self.pages
 
 
 # ------------------------------------------------------------------ steps
@@ -136,81 +121,18 @@ def register_regions(client: KVClient, regions: Sequence[torch.Tensor]) -> list[
     return mrs
 
 
-class ViewTable:
-    """``BlockView``s of the pool's objects, each page's under its first slot.
-
-    Made on first use, for the pages a batch names and the table does not
-    hold yet, and kept for the pool's lifetime, up to ``VIEW_TABLE_LIMIT``
-    objects; past that, views of pages not kept are made per call. Attach
-    therefore costs nothing per page (a million-page pool made two million
-    views at attach before: seconds and hundreds of MiB, README), and a
-    batch of pages already seen costs one dictionary lookup per page.
-    """
-
-    def __init__(self, geometry: PageGeometry, view: Callable[[int, int, Any], Any], part_mrs: list[Any]):
-        self._geometry = geometry
-        self._view = view
-        #: the memory region of each part, in part order
-        self._part_mrs = part_mrs
-        self._sizes = geometry.sizes.tolist()
-        self._by_start: dict[int, tuple[Any, ...]] | None = {}
-        self._max_pages = max(0, VIEW_TABLE_LIMIT // geometry.parts)
-        self._slots = geometry.num_pages * geometry.page_size
-
-    def __len__(self) -> int:
-        """Pages whose views are kept."""
-        return len(self._by_start or ())
-
-    def _make(self, starts: np.ndarray) -> list[Any]:
-        n = len(starts)
-        ptrs = self._geometry.pointers(starts).tolist()
-        view = self._view
-        return [view(p, s, m) for p, s, m in zip(ptrs, self._sizes * n, self._part_mrs * n)]
-
-    def of_pages(self, starts: np.ndarray) -> list[Any] | None:
-        """Every view of the pages whose page-aligned first slots are
-        ``starts``, page-major; None when one of them is outside the pool
-        (or the table is closed)."""
-        by_start = self._by_start
-        if by_start is None:
-            return None
-        try:
-            return list(chain.from_iterable(map(by_start.__getitem__, starts.tolist())))
-        except KeyError:  # a page not seen yet, or outside the pool
-            return self._add(by_start, starts)
-
-    def _add(self, by_start: dict[int, tuple[Any, ...]], starts: np.ndarray) -> list[Any] | None:
-        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) >= self._slots):
-            return None
-        wanted = starts.tolist()
-        new = [s for s in dict.fromkeys(wanted) if s not in by_start]
-        parts = self._geometry.parts
-        made = self._make(np.asarray(new, dtype=np.int64))
-        fresh = {s: tuple(made[i * parts:(i + 1) * parts]) for i, s in enumerate(new)}
-        if len(by_start) + len(fresh) <= self._max_pages:
-            # Threads may add the same page at once: either's views are right.
-            by_start.update(fresh)
-        get = by_start.get
-        return list(chain.from_iterable(fresh[s] if s in fresh else get(s) for s in wanted))
-
-    def close(self) -> None:
-        self._by_start = None
-        self._part_mrs = [None] * len(self._part_mrs)
-
-
 class KeyCache:
     """The object keys of one pool's pages: ``prefix + page key + suffix``.
 
     Serving's page keys are new on every lookup, so a cache of keys per page
-    never hits on its first use and costs more to fill than it saves (an
-    earlier version: 113 against 40 us for an exists of 128 new pages, and
-    milliseconds of GIL to empty it when full). What does repeat is a batch:
-    SGLang's prefetch thread looks a batch up (``batch_exists``), then its
-    I/O thread reads the same batch, or its first pages after the hit
-    all-reduce, both cut at ``STORAGE_BATCH_SIZE`` from the same first page.
-    So a lookup keeps its batch's object keys (``remember``), under the
-    batch's first page key, for the one call that reads it next; at most
-    ``KEY_CACHE_LIMIT`` object keys are kept, the oldest batch dropped first.
+    would never hit on first use and would cost more to fill than it saves.
+    What repeats is a batch: SGLang's prefetch thread looks a batch up
+    (``batch_exists``), then its I/O thread reads the same batch, or its
+    first pages after the hit all-reduce, both cut at ``STORAGE_BATCH_SIZE``
+    from the same first page. So a lookup keeps its batch's object keys
+    (``remember``), under the batch's first page key, for the one call that
+    reads it next; at most ``KEY_CACHE_LIMIT`` object keys are kept, the
+    oldest batch dropped first.
     """
 
     def __init__(self, prefix: str, suffixes: tuple[str, ...]):
@@ -233,10 +155,10 @@ class KeyCache:
         (or the first of them), which takes them."""
         out = self._take(page_keys) if self._batches else None
         if out is None:
-            if not keyspace.keys_fit(page_keys, self.budget):
+            out = keyspace.batch_object_keys(self.prefix, page_keys, self.suffixes, self.budget)
+            if out is None:
                 return None
-            out = keyspace.object_keys(self.prefix, page_keys, self.suffixes)
-        if remember and page_keys:
+        if remember:
             # kept again when taken: another request's lookup of the same
             # batch (a shared prefix) leaves it for the reads to come
             self._keep(list(page_keys), out)
@@ -283,11 +205,68 @@ class KeyCache:
         return pages, keyspace.object_keys(self.prefix, usable, self.suffixes)
 
 
+class ViewCache:
+    """The views of the pages made last, up to ``VIEW_CACHE_LIMIT`` objects
+    per pool, the first made dropped first.
+
+    A view is a Python object the garbage collector tracks, and a full
+    collection walks every one: keeping a view per object of a pool (two
+    million for a million-page pool) made each full collection of the
+    scheduler seconds longer. The bound keeps that cost a few percent of a
+    collection, while a batch whose host pages were used recently (a small
+    pool, slots reused soon) still costs one dictionary lookup per page
+    instead of a view per object made by the client's constructor.
+    """
+
+    def __init__(self, make: Callable[[np.ndarray], list[Any]], parts: int):
+        self._make = make
+        self._parts = parts
+        self._max_pages = max(0, VIEW_CACHE_LIMIT // parts)
+        #: first slot of a page -> its views
+        self._by_start: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Pages whose views are kept."""
+        return len(self._by_start)
+
+    def of_pages(self, starts: np.ndarray) -> list[Any]:
+        by_start = self._by_start
+        wanted = starts.tolist()
+        try:
+            return list(chain.from_iterable(map(by_start.__getitem__, wanted)))
+        except KeyError:  # a page not kept (or dropped by another thread meanwhile)
+            pass
+        new = [s for s in dict.fromkeys(wanted) if s not in by_start]
+        parts = self._parts
+        made = self._make(np.asarray(new, dtype=np.int64))
+        fresh = {s: tuple(made[i * parts:(i + 1) * parts]) for i, s in enumerate(new)}
+        if self._max_pages:
+            # Threads may add the same page at once: either's views are right.
+            by_start.update(fresh)
+            try:
+                while len(by_start) > self._max_pages:
+                    by_start.popitem(last=False)
+            except KeyError:  # emptied by another thread
+                pass
+        get = by_start.get
+        out = []
+        for s in wanted:
+            views = fresh.get(s) or get(s)
+            if views is None:  # dropped since: make it again
+                views = tuple(self._make(np.asarray([s], dtype=np.int64)))
+            out.extend(views)
+        return out
+
+    def clear(self) -> None:
+        self._by_start.clear()
+
+
 # ---------------------------------------------------------------- binding
 
 
 class PoolBinding:
-    """One host pool bound to SiMM: its memory regions, geometry and keys.
+    """One host pool bound to SiMM: its memory regions, geometry and keys,
+    and the data-path calls using it.
 
     Everything per pool that does not change per call is computed here once.
     A pool is one region (its ``kv_buffer``) unless ``regions`` names several
@@ -324,6 +303,7 @@ class PoolBinding:
         self.sizes = g.sizes
         self.sizes_list = g.sizes.tolist()
         self.page_bytes = g.page_bytes
+        self.slots = g.num_pages * g.page_size
         #: where each part starts in SGLang's flat page (``get_data_page``
         #: flattens a slice of the pool's buffer: its parts in address
         #: order; K of every head group, then V, under ``page_head``)
@@ -337,49 +317,70 @@ class PoolBinding:
             [tensors[r].data_ptr() + tensors[r].numel() * tensors[r].element_size() for r in part_region.tolist()],
             dtype=np.int64,
         )
+        #: data-path calls using this binding now (list append/pop are
+        #: atomic: cheaper than a lock on every call)
+        self.calls: list[None] = []
+        #: set once replaced or closed: no call may start on it any more
+        self.retired = False
+        #: set once retired and no call is using it: its memory may go
+        self.drained = threading.Event()
         self.mrs = register_regions(client, tensors)
-        try:
-            self.views = ViewTable(g, client.view, [self.mrs[r] for r in part_region.tolist()])
-        except BaseException:
-            self._deregister()
-            raise
+        #: the memory region of each part, in part order
+        self.part_mrs = [self.mrs[r] for r in part_region.tolist()]
+        self._view = client.view
+        self._views = ViewCache(self.make_views, self.parts)
 
-    def plan(
-        self, page_keys: Sequence[str], host_indices: Any, log: RateLimitedLog
-    ) -> Plan | None:
-        """Resolve a batch; None (all misses) when the indices are unusable.
+    # ------------------------------------------------------------ in flight
 
-        ``pages`` is None when every page key is usable (the common case,
-        its keys from the cache); otherwise it lists the usable pages.
-        """
-        n = len(page_keys)
-        ps = self.page_size
+    def enter(self) -> bool:
+        """Count a call in; False (and nothing counted) once retired. The
+        flag is read after the count: a ``retire`` that saw no call sets it
+        first, so the call sees it and backs off."""
+        calls = self.calls
+        calls.append(None)
+        if self.retired:
+            self.leave()
+            return False
+        return True
+
+    def leave(self) -> None:
+        calls = self.calls
+        calls.pop()
+        if self.retired and not calls:
+            self.drained.set()
+
+    def retire(self) -> bool:
+        """No call starts on this binding from now on; True when none is
+        using it (``drained`` is set), else ``drained`` is set by the last
+        call to leave."""
+        self.retired = True
+        if not self.calls:
+            self.drained.set()
+        return self.drained.is_set()
+
+    # ---------------------------------------------------------------- per call
+
+    def starts(self, host_indices: Any, n: int) -> np.ndarray | None:
+        """First slot of every page of a batch of ``n``, or None when the
+        indices are not ``n`` distinct whole pages inside this pool."""
         indices = _as_numpy(host_indices)
-        starts = page_starts(indices, ps, n) if indices is not None else None
-        if starts is None:
-            log(
-                "bad_indices",
-                "SiMM: host_indices do not hold %d whole, page-aligned pages of %d slots "
-                "(got %s); treating the batch as misses",
-                n, ps, None if indices is None else indices.shape,
-            )
+        if indices is None:
             return None
-        views = self.views.of_pages(starts)
-        if views is None:
-            log("bad_indices", "SiMM: host_indices outside the host pool; treating the batch as misses")
-            return None
-        obj_keys = self.keys.of_all(page_keys)
-        if obj_keys is not None:
-            return Plan(pages=None, keys=obj_keys, views=views, starts=starts)
-        pages, obj_keys = self.keys.of_usable(page_keys)
-        if len(pages) != n:
-            log("bad_key", "SiMM: %d page keys are not strings within %d bytes; those pages miss",
-                n - len(pages), self.keys.budget)
-        ids = self.geometry.object_ids(pages).tolist()
-        return Plan(pages=pages, keys=obj_keys, views=[views[i] for i in ids], starts=starts)
+        return page_starts(indices, self.page_size, n, self.slots)
 
-    def overrun_pages(self, plan: Plan, got: np.ndarray) -> np.ndarray:
-        """Planned pages (rows of ``got``, one per planned page) whose bytes
+    def views(self, starts: np.ndarray) -> list[Any]:
+        """The ``BlockView`` of every object of the pages at ``starts``,
+        page-major: from ``ViewCache`` where it holds the page, else made
+        now from the pointer formula."""
+        return self._views.of_pages(starts)
+
+    def make_views(self, starts: np.ndarray) -> list[Any]:
+        n = len(starts)
+        return list(map(self._view, self.geometry.pointers(starts).tolist(),
+                        self.sizes_list * n, self.part_mrs * n))
+
+    def overrun_pages(self, starts: np.ndarray | None, got: np.ndarray) -> np.ndarray:
+        """Pages (rows of ``got``, one per page at ``starts``) whose bytes
         an object read back longer than its view may have overwritten.
 
         SiMM's client bounds a get by the view's whole registered region,
@@ -390,10 +391,12 @@ class PoolBinding:
         and page_first_direct: a K object runs into the next pages' K, the
         last into the first V; page_head: into the next head group's K, then
         the next page's; MLA and Mamba: into the next slots), so comparing
-        byte ranges finds every planned page that range touches, in any
+        byte ranges finds every page of the batch that range touches, in any
         layout, whatever order the client wrote the objects in. Pages
         outside this batch (other batches in flight, pages loaded earlier)
         may have been reached too; they are not ours to recall.
+        ``starts`` None: client-owned blocks (the copying path), whose place
+        is the client's business, so every page of the batch misses.
         """
         parts = self.parts
         rows = got.reshape(-1, parts)
@@ -401,12 +404,9 @@ class PoolBinding:
         hit = np.zeros(rows.shape[0], dtype=bool)
         if not over.size:
             return hit
-        if plan.starts is None:
-            # client-owned blocks (the copying path): where they lie, and
-            # so which of them an overrun reached, is the client's business
+        if starts is None:
             hit[:] = True
             return hit
-        starts = plan.starts[plan.rows]
         ptrs = self.geometry.pointers(np.asarray(starts, dtype=np.int64))
         sizes = np.tile(self.sizes, rows.shape[0])
         ends = np.tile(self.part_region_end, rows.shape[0])
@@ -424,11 +424,10 @@ class PoolBinding:
         return self.keys.of_usable(page_keys)
 
     def close(self) -> None:
-        self.views.close()
-        self._deregister()
-
-    def _deregister(self) -> None:
+        """Deregister the pool's memory (once)."""
         mrs, self.mrs = self.mrs, []
+        self.part_mrs = [None] * len(self.part_mrs)
+        self._views.clear()
         for mr in mrs:
             if mr is not None:
                 self.client.deregister(mr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
 import time
 import uuid
 from types import ModuleType
@@ -119,6 +120,8 @@ class KVClient:
         self.delete = store.delete
         self.allocate = store.allocate
         self.view = kv.BlockView.from_buffer
+        #: the host store handle this client shares with others of this process
+        self._handle = _share_handle(getattr(store, "server", None)) if embedded else None
 
     def register(self, tensor: Any) -> Any:
         mr = self.kv.register_mr(tensor)
@@ -184,8 +187,12 @@ class KVClient:
     def close(self) -> None:
         """Close the store where it can be closed, and drop it either way:
         SiMM's ``Store`` has no ``close``; its connections and threads go
-        with the last reference. Idempotent; calls after it raise (the
-        backend's data path counts them as faults)."""
+        with the last reference. A host store's connection is this process's
+        one handle, shared by every client of that store here: the last
+        client to close closes it, so a process whose backends are all
+        closed holds no connection to the store (it can stop, or go idle).
+        Idempotent; calls after it raise (the backend closes its client
+        only once no call of its own is in flight)."""
         store, self.store = self.store, None
         if store is None:
             return
@@ -194,10 +201,41 @@ class KVClient:
         close = getattr(store, "close", None)
         if callable(close):
             close()
+        if self._handle is not None:
+            _release_handle(self._handle)
+            self._handle = None
 
 
 def _closed(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("the SiMM client is closed")
+
+
+#: Open clients per host store handle (``id`` of the handle -> count).
+_HANDLE_USERS: dict[int, int] = {}
+_HANDLE_LOCK = threading.Lock()
+
+
+def _share_handle(handle: Any) -> Any:
+    """Count a client in on a host store handle (an in-process store, which
+    holds no connection, is not counted); the handle, or None."""
+    if handle is None or not hasattr(handle, "disconnect"):
+        return None
+    with _HANDLE_LOCK:
+        _HANDLE_USERS[id(handle)] = _HANDLE_USERS.get(id(handle), 0) + 1
+    return handle
+
+
+def _release_handle(handle: Any) -> None:
+    """Count a client out; the last one drops the handle's connection. The
+    handle stays usable (a later client, or any other user of it in this
+    process, connects again on its next request)."""
+    with _HANDLE_LOCK:
+        left = _HANDLE_USERS.get(id(handle), 1) - 1
+        if left > 0:
+            _HANDLE_USERS[id(handle)] = left
+            return
+        _HANDLE_USERS.pop(id(handle), None)
+    handle.disconnect()
 
 
 def _bytes_tensor(data: bytes) -> Any:

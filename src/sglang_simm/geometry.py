@@ -247,21 +247,25 @@ def _split(base: np.ndarray, sizes: np.ndarray, chunks: int) -> tuple[np.ndarray
     return np.asarray(new_base, dtype=np.int64), np.asarray(new_sizes, dtype=np.int64)
 
 
-def page_starts(host_indices: np.ndarray, page_size: int, num_keys: int) -> np.ndarray | None:
+def page_starts(
+    host_indices: np.ndarray, page_size: int, num_keys: int, slots: int | None = None
+) -> np.ndarray | None:
     """First slot of each page, or None when ``host_indices`` is not
-    ``num_keys`` whole pages: ``page_size`` consecutive integer slots each,
-    from a page-aligned first slot.
+    ``num_keys`` distinct whole pages: ``page_size`` consecutive integer
+    slots each, from a page-aligned first slot (below ``slots``, the pool's
+    size, when given).
 
     The one check of a batch's indices, for every path: a malformed batch is
     a controller bug we refuse to act on rather than read or write the wrong
     slots. Every slot is checked: a page named by its first slot but
-    reordered inside would put its tokens in the wrong slots.
+    reordered inside would put its tokens in the wrong slots; two pages on
+    the same slots would leave one page holding the other's bytes while both
+    answer True.
 
-    How, cheaply: every page start is aligned, and every step from one slot
-    to the next is +1 except across a page boundary (where the next page's
-    aligned start takes over). The steps are one flat subtraction, compared
-    in one ``memcmp`` with a row of ones: no per-page numpy loop, and a
-    third of the work of building the expected slots and comparing them.
+    How, cheaply: every page start is aligned and distinct, and every step
+    from one slot to the next is +1 except across a page boundary (where the
+    next page's aligned start takes over). The steps are one flat
+    subtraction, compared in one ``memcmp`` with a row of ones.
     """
     if host_indices.ndim != 1 or host_indices.dtype.kind not in "iu":
         return None
@@ -270,10 +274,19 @@ def page_starts(host_indices: np.ndarray, page_size: int, num_keys: int) -> np.n
     starts = host_indices[::page_size]
     # numpy's fixed cost per call outweighs a short Python loop
     if num_keys <= 64:
-        if any(slot % page_size for slot in starts.tolist()):
+        first = starts.tolist()
+        if any(slot % page_size for slot in first) or len(set(first)) != num_keys:
             return None
-    elif (starts % page_size).any():
-        return None
+        if slots is not None and first and (min(first) < 0 or max(first) >= slots):
+            return None
+    else:
+        if (starts % page_size).any():
+            return None
+        ordered = np.sort(starts)
+        if (ordered[1:] == ordered[:-1]).any():
+            return None
+        if slots is not None and (ordered[0] < 0 or ordered[-1] >= slots):
+            return None
     if page_size > 1:
         steps = host_indices[1:] - host_indices[:-1]  # a new array: contiguous, ours to change
         steps[page_size - 1 :: page_size] = 1  # across pages: the start check above covers it

@@ -210,11 +210,11 @@ def _chunked(parts: Sequence[str], chunks: int) -> tuple[str, ...]:
 def object_keys(prefix: str, page_keys: Sequence[str], suffixes: Sequence[str]) -> list[str]:
     """Flat, page-major list: every suffix of page 0, then page 1, ...
 
-    Built for every lookup and write (serving's page keys are new each
-    time; only a read right after its lookup reuses keys, through
-    ``binding.KeyCache``): the common shapes, one object per page (MLA) and
-    two (K, V), run without the inner loop over suffixes, which cost about a
-    fifth of the build (``sglang-simm bench``)."""
+    The common shapes, one object per page (MLA) and two (K, V), run
+    without the inner loop over suffixes. Making the strings (one per
+    object) is the cost, and an f-string per object is the cheapest way
+    measured to make them: a ``join`` and ``split`` per suffix copies each
+    key twice and cost a third more."""
     if len(suffixes) == 1:
         (s0,) = suffixes
         return [f"{prefix}{k}{s0}" for k in page_keys]
@@ -227,6 +227,16 @@ def object_keys(prefix: str, page_keys: Sequence[str], suffixes: Sequence[str]) 
             add(f"{prefix}{k}{s1}")
         return out
     return [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
+
+
+def batch_object_keys(
+    prefix: str, page_keys: Sequence[object], suffixes: Sequence[str], budget: int
+) -> list[str] | None:
+    """``object_keys`` of a whole batch, or None when any page key is
+    unusable (``keys_fit``; then take the usable ones apart)."""
+    if not page_keys or not keys_fit(page_keys, budget):
+        return None
+    return object_keys(prefix, page_keys, suffixes)  # type: ignore[arg-type]
 
 
 def max_page_key_bytes(prefix: str, suffixes: Sequence[str]) -> int:

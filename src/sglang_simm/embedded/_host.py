@@ -617,6 +617,16 @@ class HostServer:
         self.close()
         return wait_gone(self.paths, pid, wait_s)
 
+    def disconnect(self) -> None:
+        """Drop the connection but keep the handle usable: the next request
+        connects again at once (a deliberate disconnect is no failure to
+        back off from). For a process whose last client of the store closed."""
+        with self._conn_lock:
+            conn, self._conn = self._conn, None
+            self._retry_at = 0.0
+        if conn is not None:
+            conn.break_off()
+
     def close(self) -> None:
         """Drop this handle's connection (the store keeps running)."""
         self.closed = True
