@@ -48,8 +48,9 @@ ROUTES = ("simm", "dynamic")
 #: settings), for comparisons with this plugin.
 INTREE_BACKENDS = ("file", "mooncake")
 
-#: What the backend logs per write batch with ``enable_profile`` (backend.py).
-_SET_LINE = re.compile(r"SiMM batch_set_v1: (\d+) pages, (\d+) already stored, (\d+) written")
+#: What the backend logs per batch with ``enable_profile`` (v1.py): pages
+#: asked for, then pages stored (a write) or hits (a read).
+_SET_LINE = re.compile(r"SiMM batch_set_v1: (\d+) pages, (\d+) stored")
 _GET_LINE = re.compile(r"SiMM batch_get_v1: (\d+) pages, (\d+) hits")
 
 
@@ -400,7 +401,7 @@ class SGLangServer:
     def l3_pages_stored(self) -> int:
         """Pages the backend confirmed stored (written or already there),
         summed over its ``enable_profile`` log lines."""
-        return sum(int(m.group(2)) + int(m.group(3)) for m in _SET_LINE.finditer(self.log_text()))
+        return sum(int(m.group(2)) for m in _SET_LINE.finditer(self.log_text()))
 
     def l3_pages_read(self) -> int:
         """Pages the backend read back (its ``enable_profile`` log lines)."""
