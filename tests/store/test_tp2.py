@@ -45,7 +45,10 @@ def run_ranks(tmp_path, runs: list[dict]) -> list[list[dict]]:
     per_rank = []
     try:
         for proc in procs:
-            stdout, stderr = proc.communicate(timeout=300)
+            # an upper bound on a hung rank, not a speed check: each rank imports
+            # SGLang and runs three controllers, beside the suite's idle e2e
+            # servers on two cores (seen past 300 s on a loaded machine)
+            stdout, stderr = proc.communicate(timeout=1200)
             lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
             assert proc.returncode == 0 and len(lines) == len(runs), (
                 f"rank failed ({proc.returncode}): {stdout[-2000:]} {stderr[-4000:]}")
