@@ -314,6 +314,9 @@ def test_a_torn_line_is_skipped(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.skipif(os.environ.get("SGLANG_SIMM_TEST_BENCH_SERVER") != "1",
+                    reason="opt-in (SGLANG_SIMM_TEST_BENCH_SERVER=1) until it has passed on a quiet machine: "
+                           "its restart step has not yet been run to the end on real servers")
 def test_quick_bench_on_file_and_ours(tmp_path):
     """Two real servers (the tiny model), one repetition, every workload and
     a restart: the answers check out, both L3 backends serve the flushed
