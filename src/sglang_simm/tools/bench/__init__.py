@@ -68,6 +68,7 @@ from sglang_simm.tools.bench.overhead import (
 from sglang_simm.tools.bench.pages import KeyRing, fill_pool, host_indices, page_keys
 from sglang_simm.tools.bench.plot import plot
 from sglang_simm.tools.bench.render import render
+from sglang_simm.tools.bench.report import check_plot_extra, run_and_report
 from sglang_simm.tools.bench.timing import median, time_samples
 from sglang_simm.tools.pools import build_host_pool
 
@@ -279,21 +280,8 @@ def run_bench(console: Any, args: Any) -> int:
 
         return run_server_bench(console, args)
     plan = plan_from_args(args)
-    if getattr(args, "plot", None):
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as exc:
-            raise OSError(f"--plot needs matplotlib ({exc}): pip install 'sglang-simm[bench]'") from exc
-    with console.status("bench") as status:
-        result = run(plan, progress=lambda text: status.update(f"bench: {text}"))
-    render(console, result)
-    if getattr(args, "json", None):
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2, default=str)
-        console.print(f"wrote {args.json}")
-    if getattr(args, "plot", None):
-        plot(result, args.plot)
-        console.print(f"wrote {args.plot}")
+    check_plot_extra(args)
+    result = run_and_report(console, args, "bench", lambda progress: run(plan, progress=progress), render, plot)
     return 0 if result["checks"]["ok"] else 1
 
 

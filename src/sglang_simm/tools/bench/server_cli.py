@@ -3,13 +3,13 @@ run's section of the results file (``--docs``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 import sys
 from typing import Any
 
+from sglang_simm.tools.bench.report import check_plot_extra, run_and_report
 from sglang_simm.tools.bench.server import plan_from_args, run
 from sglang_simm.tools.bench.server_render import markdown, plot, render
 
@@ -89,23 +89,11 @@ def update_docs(path: str, label: str, body: str) -> None:
 def run_server_bench(console: Any, args: Any) -> int:
     """0 when every answer checked out, 1 if not (goals are reported, not enforced)."""
     plan = plan_from_args(args)
-    if getattr(args, "plot", None):
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as exc:
-            raise OSError(f"--plot needs matplotlib ({exc}): pip install 'sglang-simm[bench]'") from exc
+    check_plot_extra(args)
     if "mooncake" in plan.backends:
         console.print("Mooncake is used when the servers' Python imports it")
-    with console.status("bench --server") as status:
-        result = run(plan, progress=lambda text: status.update(f"bench --server: {text}"))
-    render(console, result)
-    if getattr(args, "json", None):
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2, default=str)
-        console.print(f"wrote {args.json}")
-    if getattr(args, "plot", None):
-        plot(result, args.plot)
-        console.print(f"wrote {args.plot}")
+    result = run_and_report(console, args, "bench --server", lambda progress: run(plan, progress=progress),
+                            render, plot)
     if getattr(args, "docs", None):
         command = "sglang-simm " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "bench --server"
         update_docs(args.docs, getattr(args, "label", "latest") or "latest", markdown(result, command))
