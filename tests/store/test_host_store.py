@@ -435,3 +435,35 @@ def test_a_writer_stalled_mid_batch_blocks_nobody(store):
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         kill(proc)
+
+
+def _launcher(tmp_path, body: str) -> str:
+    """An executable standing in for the Python a client starts its store
+    process with: it records each start, then does ``body``."""
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\necho started >> {tmp_path / 'starts'}\n{body}\n")
+    script.chmod(0o700)
+    return str(script)
+
+
+def test_a_store_process_slow_to_start_is_waited_for(host_store_dir, tmp_path, monkeypatch):
+    # On a host whose cores are all busy a Python process can take seconds
+    # to start: the client waits for the one it started, past its own limit.
+    monkeypatch.setattr(_host.sys, "executable", _launcher(tmp_path, f'sleep 2; exec {sys.executable} "$@"'))
+    server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20)
+    try:
+        server.open(wait_s=0.5)
+        assert put(server, "k", Buf(4096, fill=3)) == OK
+        assert get(server, "k", 4096) == (4096, b"\x03" * 4096)
+        assert (tmp_path / "starts").read_text().count("started") == 1
+    finally:
+        server.stop()
+
+
+def test_a_store_process_that_dies_starting_is_started_again_then_reported(host_store_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(_host.sys, "executable", _launcher(tmp_path, "exit 1"))
+    server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20)
+    with pytest.raises(StoreUnreachable, match=r"started a store process 3 time\(s\).*it is not running") as exc:
+        server.open(wait_s=3.5)
+    assert exc.value.code == BUILD_CONNECTION_FAILED
+    assert (tmp_path / "starts").read_text().count("started") == _host.MAX_SPAWNS

@@ -628,9 +628,10 @@ def _lock_name(paths: StorePaths) -> int | None:
     """Hold ``NAME.lock`` for this process's life: one store per name. None
     when another live store process holds it."""
     fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    # A client probing the lock (``_host.lock_held``) holds it for a moment:
-    # try a few times before concluding that a store process holds it.
-    for attempt in range(10):
+    # A client probing the lock (``_host.lock_held``) holds it for a moment,
+    # longer when its process is short of CPU: keep trying for two seconds
+    # before concluding that a store process holds it.
+    for attempt in range(100):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return fd

@@ -60,8 +60,16 @@ from sglang_simm.errors import (
 
 logger = logging.getLogger("sglang_simm.embedded")
 
-#: How long ``Store()`` waits for a store process it started.
+#: How long ``Store()`` waits for a store to answer.
 START_TIMEOUT_S = 15.0
+#: Beyond that, how much longer it waits while a store process it started
+#: is still starting (alive, not yet listening): on a host whose cores are
+#: all busy, a Python process can take that long to come up.
+START_GRACE_S = 45.0
+#: A store process that died before listening is started again, this many
+#: times at most, no sooner than ``RESPAWN_AFTER_S`` after the last.
+MAX_SPAWNS = 3
+RESPAWN_AFTER_S = 1.0
 #: Between reconnection attempts from the data path, at first and at most.
 RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 2.0
@@ -264,9 +272,11 @@ class HostServer:
     def open(self, wait_s: float = START_TIMEOUT_S) -> None:
         """Connect now, starting the store process if allowed; raise
         StoreUnreachable with the reason (and the store's log) if it cannot
-        be reached within ``wait_s``."""
-        deadline = time.monotonic() + wait_s
-        started = False
+        be reached within ``wait_s`` (plus ``START_GRACE_S`` while a store
+        process this handle started is still coming up)."""
+        start = time.monotonic()
+        deadline = start + wait_s
+        spawned_at: list[float] = []
         last = "not tried"
         while True:
             try:
@@ -276,17 +286,31 @@ class HostServer:
                 last = str(exc)
                 if exc.refused:  # reachable, but it refused us
                     raise
-                if exc.no_store and self.spawn_allowed and not started:
-                    started = self._spawn()
-            if time.monotonic() >= deadline:
+                if (exc.no_store and self.spawn_allowed and len(spawned_at) < MAX_SPAWNS
+                        and (not spawned_at or time.monotonic() - spawned_at[-1] >= RESPAWN_AFTER_S)
+                        and not self._starting()):
+                    if self._spawn():
+                        spawned_at.append(time.monotonic())
+            now = time.monotonic()
+            if now >= deadline and not (spawned_at and now < deadline + START_GRACE_S and self._starting()):
                 break
             time.sleep(0.02)
         tail = _log_tail(self.paths.log)
+        started = (f"; started a store process {len(spawned_at)} time(s), the last {now - spawned_at[-1]:.1f} s ago"
+                   f" ({'still starting' if self._starting() else 'it is not running'})" if spawned_at else "")
         raise StoreUnreachable(
             BUILD_CONNECTION_FAILED,
-            f"host store {self.name!r} at {self.paths.socket} did not answer within {wait_s:.0f} s "
-            f"({last})" + (f"; its log says: {tail}" if tail else ""),
+            f"host store {self.name!r} at {self.paths.socket} did not answer within {now - start:.0f} s "
+            f"({last}){started}" + (f"; its log says: {tail}" if tail else ""),
         )
+
+    def _starting(self) -> bool:
+        """Whether a store process is on its way: a launcher this handle
+        started is still running, or some process holds the name's lock."""
+        for proc in self._spawned:
+            if proc.poll() is None:
+                return True
+        return lock_held(self.paths)
 
     def _connect(self) -> _Connection:
         """A new connection with its handshake done, made current, within
