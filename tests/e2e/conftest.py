@@ -38,8 +38,11 @@ def _server(name: str, route: str, store: dict | None = None, **fields) -> Calla
     count pages); ``store`` adds extra-config fields."""
     extra = {"manager_address": f"local://e2e-{name}", "enable_profile": True,
              "request_timeout_ms": REQUEST_TIMEOUT_MS, **(store or {})}
+    # sleep_on_idle: an idle CPU scheduler otherwise spins at half a core,
+    # which the rest of the suite pays for; SGLang's idle scheduler still
+    # wakes every second, and backups run on the controller's own threads.
     return lambda model: ServerConfig(model_path=model, route=route, extra_config=dict(extra), page_size=PAGE,
-                                      max_total_tokens=DEVICE_TOKENS, **fields)
+                                      max_total_tokens=DEVICE_TOKENS, sleep_on_idle=True, **fields)
 
 
 #: name -> the server's config, given the model directory
@@ -89,17 +92,33 @@ class ServerPool:
         return server
 
     def stop_all(self) -> None:
-        for server in self._servers.values():
+        """Stop every server (a later ``get`` launches them again)."""
+        servers, self._servers = self._servers, {}
+        for server in servers.values():
             server.stop()
+
+
+#: the session's pool, so the last e2e test can stop its servers
+_POOL: list[ServerPool] = []
 
 
 @pytest.fixture(scope="session")
 def servers(tiny_llama, tmp_path_factory):
     pool = ServerPool(tiny_llama, tmp_path_factory.mktemp("servers"))
+    _POOL.append(pool)
     try:
         yield pool
     finally:
+        _POOL.remove(pool)
         pool.stop_all()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The servers go when the e2e tests are done, not at the session's end:
+    idle, they would hold memory (and CPU) through every later test."""
+    here = item.path.parent
+    if _POOL and (nextitem is None or here not in nextitem.path.parents):
+        _POOL[0].stop_all()
 
 
 def pytest_terminal_summary(terminalreporter):
