@@ -368,6 +368,47 @@ class StoreIndex:
         codes = [OK] * n
         offsets = [-1] * n
         stats = self.stats
+        if (n and overwrite and max(map(len, keys)) <= MAX_KEY_BYTES
+                and 0 <= min(sizes) and max(sizes) <= min(MAX_VALUE_BYTES, self.capacity)):
+            todo = list(range(n))  # a backup: every entry passes, checked in bulk
+        else:
+            todo = self._admissible(keys, sizes, overwrite, codes)
+        if not todo:
+            return 0, codes, offsets
+        if not self._lease_slots:
+            for i in todo:
+                codes[i] = DS_CACHE_POOL_ALLOC_FAILED
+            stats["refused_leases"] += 1
+            return 0, codes, offsets
+        if not self._make_slots(len(todo)):
+            todo_ok = len(self._slots)
+            for i in todo[todo_ok:]:
+                codes[i] = DS_CACHE_POOL_ALLOC_FAILED
+                stats["rejected"] += 1
+            todo = todo[:todo_ok]
+        items, end = self._place_run(todo, keys, sizes, offsets)
+        slots = self._slots
+        for i in todo[len(items):]:  # one at a time, each evicting what it needs
+            offset, code = self._place(sizes[i])
+            if code:
+                codes[i] = code
+                stats["out_of_memory" if code == OUT_OF_MEMORY else "rejected"] += 1
+                continue
+            self.reserved += sizes[i]
+            offsets[i] = offset
+            items.append((i, keys[i], _Object(offset, sizes[i], slots.pop())))
+            end = max(end, offset + sizes[i])
+        if not items:
+            return 0, codes, offsets
+        if end > self._high_water:  # recorded before the room is handed out
+            self._high_water = aligned(end, self.alloc.align)
+            self._table.raise_high_water(self._high_water)
+        return self._lease(_Lease(owner, items, overwrite, True)), codes, offsets
+
+    def _admissible(self, keys: Sequence[bytes], sizes: Sequence[int], overwrite: bool,
+                    codes: list[int]) -> list[int]:
+        """The entries a put may place, checked one by one; the others' codes set."""
+        stats = self.stats
         objects = self.objects
         todo = []
         for i, (key, size) in enumerate(zip(keys, sizes)):
@@ -382,72 +423,44 @@ class StoreIndex:
                 stats["rejected"] += 1
             else:
                 todo.append(i)
-        if not todo:
-            return 0, codes, offsets
-        if not self._lease_slots:
-            for i in todo:
-                codes[i] = DS_CACHE_POOL_ALLOC_FAILED
-            stats["refused_leases"] += 1
-            return 0, codes, offsets
-        if not self._make_slots(len(todo)):
-            todo_ok = len(self._slots)
-            for i in todo[todo_ok:]:
-                codes[i] = DS_CACHE_POOL_ALLOC_FAILED
-                stats["rejected"] += 1
-            todo = todo[:todo_ok]
-        items = self._place_run(todo, keys, sizes, offsets)
-        for i in todo[len(items):]:  # one at a time, each evicting what it needs
-            offset, code = self._place(sizes[i])
-            if code:
-                codes[i] = code
-                stats["out_of_memory" if code == OUT_OF_MEMORY else "rejected"] += 1
-                continue
-            self.reserved += sizes[i]
-            offsets[i] = offset
-            items.append((i, keys[i], _Object(offset, sizes[i])))
-        if not items:
-            return 0, codes, offsets
-        slots = self._slots
-        end = 0
-        for _, _, obj in items:
-            obj.slot = slots.pop()
-            end = max(end, obj.offset + obj.size)
-        if end > self._high_water:  # recorded before the room is handed out
-            self._high_water = aligned(end, self.alloc.align)
-            self._table.raise_high_water(self._high_water)
-        return self._lease(_Lease(owner, items, overwrite, True)), codes, offsets
+        return todo
 
     def _place_run(self, todo: list[int], keys: Sequence[bytes], sizes: Sequence[int],
-                   offsets: list[int]) -> list[tuple[int, bytes, _Object]]:
+                   offsets: list[int]) -> tuple[list[tuple[int, bytes, _Object]], int]:
         """The common backup, placed in one step: a batch of objects of one
         size, with room for all of it. Places a leading part of ``todo``
-        (possibly none); the rest goes through ``_place``."""
+        (possibly none; the rest goes through ``_place``), each with a table
+        slot: ``(items, end of the last extent)``."""
         if len(todo) < 2:
-            return []
+            return [], 0
         size = sizes[todo[0]]
-        if any(sizes[i] != size for i in todo):
-            return []
+        if sizes.count(size) != len(sizes) and any(sizes[i] != size for i in todo):
+            return [], 0
         total = size * len(todo)
         excess = self.used + self.reserved + total - self.capacity
         if excess > 0 and not self._evict_bytes(excess):
-            return []
+            return [], 0
         run = self.alloc.alloc_run(size, len(todo))
         while len(run) < len(todo) and self._evict_one():
             run += self.alloc.alloc_run(size, len(todo) - len(run))
-        if run:
-            end = max(run) + aligned(size)
-            if end > self._committed:
-                self._committed = max(self._committed, self._commit(end))
-            if end > self._committed:  # out of memory: let _place sort it out
-                for offset in run:
-                    self.alloc.free(offset, size)
-                return []
+        if not run:
+            return [], 0
+        end = max(run) + aligned(size)
+        if end > self._committed:
+            self._committed = max(self._committed, self._commit(end))
+        if end > self._committed:  # out of memory: let _place sort it out
+            for offset in run:
+                self.alloc.free(offset, size)
+            return [], 0
         self.reserved += size * len(run)
-        items = []
-        for i, offset in zip(todo, run):
+        slots = self._slots
+        taken = slots[len(slots) - len(run):]
+        del slots[len(slots) - len(run):]
+        taken.reverse()  # as one pop() at a time would hand them out
+        placed = todo[:len(run)]
+        for i, offset in zip(placed, run):
             offsets[i] = offset
-            items.append((i, keys[i], _Object(offset, size)))
-        return items
+        return [(i, keys[i], _Object(offset, size, slot)) for i, offset, slot in zip(placed, run, taken)], end
 
     def commit_put(self, lease_id: int, owner: int | None = None) -> list[tuple[int, int]]:
         """Publish a put lease: ``(entry index, code)`` for each reserved
@@ -455,14 +468,39 @@ class StoreIndex:
         without overwrite, was published first). ``owner``: the connection
         asking, refused (``LeaseError``) unless the lease is its own."""
         lease = self._end_lease(lease_id, is_put=True, owner=owner)
-        out = []
+        items = lease.items
         objects = self.objects
-        published = published_bytes = 0
-        slots, pkeys, poffsets, psizes = [], [], [], []
-        for i, key, obj in lease.items:
-            self.reserved -= obj.size
+        self.reserved -= sum([obj.size for _, _, obj in items])
+        keys = [key for _, key, _ in items]
+        if objects.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            out = [(i, OK) for i, _, _ in items]  # a backup of new pages: all publish
+            for _, key, obj in items:
+                objects[key] = obj
+            published, published_bytes = len(items), sum([obj.size for _, _, obj in items])
+        else:
+            out = self._publish_one_by_one(items, lease.overwrite)
+            won = [obj for (_, _, obj), (_, code) in zip(items, out) if code == OK]
+            # (a key named twice: the later entry replaced the earlier, counted in and out as two puts)
+            published, published_bytes = len(won), sum([obj.size for obj in won])
+            items = [(i, key, obj) for i, key, obj in items if objects.get(key) is obj]
+            keys = [key for _, key, _ in items]
+        self._table.commit([obj.slot for _, _, obj in items], keys,
+                           [obj.offset for _, _, obj in items], [obj.size for _, _, obj in items], self._next_seq)
+        self._next_seq += len(items)
+        self.used += published_bytes
+        self.stats["puts"] += published
+        self.stats["bytes_in"] += published_bytes
+        return out
+
+    def _publish_one_by_one(self, items: list, overwrite: bool) -> list[tuple[int, int]]:
+        """A put lease whose keys were published meanwhile, or that names one
+        key twice: in order, an entry replaces the object of its key
+        (overwrite) or loses to it."""
+        objects = self.objects
+        out = []
+        for i, key, obj in items:
             if key in objects:
-                if not lease.overwrite:
+                if not overwrite:
                     self._release_slot(obj)
                     self.alloc.free(obj.offset, obj.size)
                     self.stats["already_exists"] += 1
@@ -470,18 +508,7 @@ class StoreIndex:
                     continue
                 self._unpublish(key)
             objects[key] = obj
-            slots.append(obj.slot)
-            pkeys.append(key)
-            poffsets.append(obj.offset)
-            psizes.append(obj.size)
-            published += 1
-            published_bytes += obj.size
             out.append((i, OK))
-        self._table.commit(slots, pkeys, poffsets, psizes, self._next_seq)
-        self._next_seq += published
-        self.used += published_bytes
-        self.stats["puts"] += published
-        self.stats["bytes_in"] += published_bytes
         return out
 
     # -- gets -----------------------------------------------------------------
