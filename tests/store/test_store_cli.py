@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import signal
 import uuid
 
 import pytest
@@ -50,8 +51,11 @@ def test_start_status_clear_stop(capsys, host_store_dir, name):
     assert (status["hits"], status["misses"]) == (1, 1)
     assert status["clients"] == [os.getpid()]  # the asking connection is not counted
 
-    code, out = store(capsys, "status", "--dir", host_store_dir)  # every store, as text
+    code, out = store(capsys, "status", name, "--dir", host_store_dir)  # one store in full, as text
     assert code == 0 and f"store {name!r}" in out and "2 objects" in out and "50% hit rate" in out
+    code, out = store(capsys, "status", "--dir", host_store_dir)  # every store, a line each
+    (line,) = [ln for ln in out.splitlines() if name in ln]
+    assert "64.0 MiB" in line and " 2 " in line and "50%" in line
 
     code, out = store(capsys, "start", name, "--capacity", "128MiB", "--dir", host_store_dir)
     assert code == 1 and "already running" in out and "store stop" in out
@@ -74,11 +78,31 @@ def test_stop_all(capsys, host_store_dir):
         s.open()
         pids.append(s.pid)
         s.close()
+    # without a terminal to ask on, --all wants --yes: it stops what other servers may be using
     code, out = store(capsys, "stop", "--all", "--dir", root)
+    assert code == 2 and "--yes" in out and "'one'" in out and "'two'" in out
+    assert all(pid_alive(p) for p in pids)
+    code, out = store(capsys, "stop", "--all", "--yes", "--dir", root)
     assert code == 0 and out.count("stopped") == 2
     assert not any(pid_alive(p) for p in pids)
 
 
-def test_stop_needs_a_name(capsys, host_store_dir):
-    code, out = store(capsys, "stop", "--dir", host_store_dir)
-    assert code == 2 and "--all" in out
+def test_status_lists_every_store_a_line_each(capsys, host_store_dir):
+    root = os.path.join(host_store_dir, f"many-{uuid.uuid4().hex[:6]}")
+    stores = [HostServer(n, root=root, capacity=1 << 20) for n in ("live1", "live2", "killed")]
+    for s in stores:
+        s.open()
+    try:
+        os.kill(stores[2].pid, signal.SIGKILL)  # its memory stays held: a dead store
+        stores[2].close()
+        code, out = store(capsys, "status", "--dir", root)
+        lines = {n: [ln for ln in out.splitlines() if n in ln] for n in ("live1", "live2", "killed")}
+        assert all(len(found) == 1 for found in lines.values()), out
+        assert "pid" in lines["live1"][0] and "1.0 MiB" in lines["live1"][0]
+        assert "dead, holds" in lines["killed"][0]
+        assert code == 1  # not every store runs
+        code, out = store(capsys, "stop", "killed", "--dir", root)
+        assert code == 0 and "freed" in out
+    finally:
+        for s in stores[:2]:
+            s.stop()

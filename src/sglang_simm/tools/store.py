@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
 from sglang_simm.embedded._host import HostServer, StoreUnreachable, lock_held, pid_alive, wait_gone
+from sglang_simm.errors import BUILD_CONNECTION_FAILED
 from sglang_simm.embedded._index import EVICTION_POLICIES
 from sglang_simm.embedded._paths import StorePaths, check_name, held_bytes, read_pid, store_dir, store_names
 
@@ -33,6 +35,8 @@ def add_arguments(sub: Any) -> None:
 
     status = actions.add_parser("status", help="capacity, bytes used, objects, hits and misses, clients")
     status.add_argument("name", nargs="?", help="one store (default: every store in the directory)")
+    status.add_argument("--all", action="store_true",
+                        help="list stopped stores too (by default: running stores and dead ones holding memory)")
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument("--prometheus", action="store_true",
                         help="print the counters in Prometheus text format (sglang_simm:store_*)")
@@ -53,12 +57,16 @@ def add_arguments(sub: Any) -> None:
     common(clear)
     stop = actions.add_parser("stop", help="stop a store (its objects are gone)")
     stop.add_argument("name", nargs="?")
-    stop.add_argument("--all", action="store_true", help="stop every store in the directory")
+    stop.add_argument("--all", action="store_true", help="stop every store in the directory (asks first)")
+    stop.add_argument("--yes", action="store_true", help="with --all: do not ask")
     common(stop)
 
 
 def _handle(root: str, name: str) -> HostServer:
     server = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5.0)
+    if not os.path.exists(server.paths.socket) and not lock_held(server.paths):
+        # nothing runs and nothing starts: say so now (status walks every name of the directory)
+        raise StoreUnreachable(BUILD_CONNECTION_FAILED, "no store process is running", no_store=True)
     server.open(wait_s=1.0)
     return server
 
@@ -96,14 +104,20 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
     if what == "status":
         names = [check_name(args.name)] if args.name else store_names(root)
         statuses = [_status_of(root, n) for n in names]
+        hidden = 0
+        if not args.name and not args.all:  # what an operator acts on; a stopped store holds nothing
+            shown = [st for st in statuses if st["running"] or st.get("dead") or st.get("pid")]
+            hidden, statuses = len(statuses) - len(shown), shown
         if args.prometheus:
             from sglang_simm.embedded._metrics import render
 
             print(render(statuses), end="")
         elif args.json:
             console.print_json(json.dumps(statuses))
-        else:
+        elif args.name:
             _print_status(console, root, statuses)
+        else:
+            _print_table(console, root, statuses, hidden)
         return 0 if all(s["running"] for s in statuses) else 1
     if what == "start":
         capacity = parse_byte_size(args.capacity)
@@ -145,11 +159,30 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
         if not args.all and not args.name:
             raise ValueError("name a store to stop, or pass --all")
         names = store_names(root) if args.all else [check_name(args.name)]
+        if args.all and names and not _confirmed(console, root, names, args.yes):
+            return 1
         code = 0
         for name in names:
             code |= _stop(console, root, name)
         return code
     raise ValueError(f"unknown store command {what!r}")
+
+
+def _confirmed(console: Any, root: str, names: list[str], yes: bool) -> bool:
+    """``stop --all`` stops what other servers of this user may be using:
+    say which, and ask (or, without a terminal, want ``--yes``)."""
+    running = [st for st in (_status_of(root, n) for n in names) if st["running"]]
+    if not running:
+        return True
+    listing = ", ".join(f"{st['name']!r} ({len(st['clients'])} clients)" for st in running)
+    console.print(f"this stops {len(running)} running stores in {root}: {listing}; their objects are lost, "
+                  "and SGLang servers using them read misses")
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise ValueError("stop --all stops every store of this user in the directory: pass --yes to confirm, "
+                         "or name one store")
+    return input("stop them? [y/N] ").strip().lower() in ("y", "yes")
 
 
 def _stop(console: Any, root: str, name: str) -> int:
@@ -205,6 +238,31 @@ def _free_dead(console: Any, paths: StorePaths) -> int:
     else:
         console.print(f"store {paths.name!r} is not running")
     return 0
+
+
+def _print_table(console: Any, root: str, statuses: list[dict[str, Any]], hidden: int) -> None:
+    """Every store of the directory, a line each."""
+    from rich.table import Table
+
+    if not statuses:
+        console.print(f"no running host store in {root}" + (f" ({hidden} stopped: --all lists them)" if hidden else ""))
+        return
+    table = Table(title=f"host stores in {root}", title_justify="left")
+    for column in ("store", "state", "used", "objects", "hit rate", "clients"):
+        table.add_column(column, justify="left" if column in ("store", "state") else "right", no_wrap=True)
+    for st in statuses:
+        if not st["running"]:
+            state = (f"dead, holds {_human(st.get('held_bytes', 0))}" if st.get("dead")
+                     else f"pid {st['pid']} does not answer" if st.get("pid") else "stopped")
+            table.add_row(st["name"], state, "", "", "", "")
+            continue
+        total = st["hits"] + st["misses"]
+        table.add_row(st["name"], f"pid {st['pid']}", f"{_human(st['used_bytes'])}/{_human(st['capacity_bytes'])}", str(st["objects"]),
+                      f"{st['hits'] / total:.0%}" if total else "-", str(len(st["clients"])))
+    console.print(table)
+    if hidden:
+        console.print(f"{hidden} stopped stores not shown (--all lists them); 'sglang-simm store status NAME' "
+                      "shows one in full")
 
 
 def _print_status(console: Any, root: str, statuses: list[dict[str, Any]]) -> None:
