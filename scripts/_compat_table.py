@@ -50,8 +50,30 @@ def _key(release: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", release))
 
 
+_ROW = re.compile(r"^\| (\d[\w.]*) \| ([^|]*) \| ([^|]*) \| (yes|no) \| ([^|]*) \| ([^|]*) \|$")
+
+
+def earlier_rows(target: str) -> list[dict]:
+    """The table's rows as the last render wrote them: a release checked
+    before keeps its row until it is checked again (venvs and results are
+    local; the table is committed)."""
+    if not Path(target).exists():
+        return []
+    recs = []
+    for line in Path(target).read_text().splitlines():
+        m = _ROW.match(line.strip())
+        if m and m.group(5).strip() != "not run":
+            release, routes, pools, v2, result, date = (g.strip() for g in m.groups())
+            recs.append({"release": release, "routes": [] if routes == "-" else routes.split(", "),
+                         "pools": [] if pools == "-" else pools.split(", "), "v2": v2 == "yes",
+                         "result": result, "date": date, "problems": []})
+    return recs
+
+
 def render(results: str, target: str, expected: list[str] | None = None) -> None:
     recs = [json.loads(p.read_text()) for p in Path(results).glob("*.json") if p.stat().st_size]
+    done = {r["release"] for r in recs}
+    recs += [r for r in earlier_rows(target) if r["release"] not in done]
     done = {r["release"] for r in recs}
     recs += [{"release": v, "routes": [], "pools": [], "v2": False, "result": "not run", "date": "-",
               "problems": []} for v in expected or [] if v not in done]
