@@ -383,3 +383,32 @@ def test_quick_bench_on_file_and_ours(tmp_path):
     assert result["histograms"]["file"]["sglang:backup_bandwidth"] is None
     assert [t[0] for t in tables(result)][:2] and "| backend |" in markdown(result, "bench --server --quick")
     json.dumps(result, default=str)
+
+
+# -- a small backup, layer by layer --------------------------------------------------------
+
+
+def test_self_times_take_each_inner_layer_out_of_its_caller():
+    from sglang_simm.tools.bench.server_backup import self_times
+
+    got = self_times({"batch": 100_000, "mput": 80_000, "put_from": 70_000, "put": 20_000, "copy": 30_000,
+                      "commit": 10_000})
+    assert got == {"backend": 20.0, "client": 10.0, "handle": 10.0, "put": 20.0, "populate": 0.0, "copy": 30.0,
+                   "commit": 10.0, "total": 100.0}
+
+
+def test_backup_breakdown_reaches_every_layer_of_a_real_backup():
+    """Our backend on a host store (its own process) and a real host pool:
+    every layer's timer saw the call, both round trips and the copy took
+    time (``measure`` raises unless every backup stored all its pages)."""
+    pytest.importorskip("sglang")
+    from sglang_simm.tools.bench.server_backup import LAYERS, measure, render
+
+    result = measure([1, 4], repeat=3, warmup=1)
+    for n in ("1", "4"):
+        layers = result["sizes"][n]["layers"]
+        assert set(layers) == {*LAYERS, "total"}
+        assert all(layers[k]["median"] > 0 for k in ("backend", "client", "handle", "put", "copy", "commit"))
+        assert result["sizes"][n]["cpu"]["total"]["median"] <= layers["total"]["median"] * 1.05 + 50
+    assert result["ping_us"]["median"] > 0
+    assert "| commit |" in render(result)
