@@ -389,12 +389,16 @@ def test_quick_bench_on_file_and_ours(tmp_path):
 
 
 def test_self_times_take_each_inner_layer_out_of_its_caller():
-    from sglang_simm.tools.bench.server_backup import self_times
+    from sglang_simm.tools.bench.server_backup import Overhead, self_times
 
-    got = self_times({"batch": 100_000, "mput": 80_000, "put_from": 70_000, "put": 20_000, "copy": 30_000,
-                      "commit": 10_000})
+    totals = {"batch": 100_000, "mput": 80_000, "put_from": 70_000, "put": 20_000, "copy": 30_000, "commit": 10_000}
+    got = self_times(totals)
     assert got == {"backend": 20.0, "client": 10.0, "handle": 10.0, "put": 20.0, "populate": 0.0, "copy": 30.0,
                    "commit": 10.0, "total": 100.0}
+    # each timer costs 1 µs inside its window and 2 µs in its caller's
+    got = self_times(totals, {k: 1 for k in totals}, Overhead(inside=1.0, outside=2.0))
+    assert got == {"backend": 17.0, "client": 7.0, "handle": 3.0, "put": 19.0, "populate": 0.0, "copy": 29.0,
+                   "commit": 9.0, "total": 84.0}
 
 
 def test_backup_breakdown_reaches_every_layer_of_a_real_backup():
