@@ -162,6 +162,11 @@ def _backend(pages_in_pool: int, name: str) -> Iterator[tuple[Any, Any]]:
     from sglang_simm.tools.bench.pages import fill_pool
     from sglang_simm.tools.pools import ModelGeometry, build_host_pool, storage_config
 
+    from sglang.srt.mem_cache.pool_host import base
+
+    # a pool of megabytes on a shared machine: SGLang's 10 GiB free-RAM
+    # reserve would refuse it (as in the bench's servers, server_tap)
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = min(base.HICACHE_HOST_MEMORY_RESERVE_BYTES, 1 << 30)
     # llama-demo (tools/tiny_model.py) served in float32: 8 layers x 4 KV heads x 64
     geom = ModelGeometry("llama-demo", 8, 4, 64, 16, dtype=torch.float32)
     pool = build_host_pool(geom, tokens=pages_in_pool * geom.page_size, ratio=1.0)
