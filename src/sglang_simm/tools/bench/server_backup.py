@@ -183,8 +183,36 @@ def _backend(pages_in_pool: int, name: str) -> Iterator[tuple[Any, Any]]:
         embedded.reset_servers(name)
 
 
-def measure(sizes: list[int], repeat: int, warmup: int = 20) -> dict[str, Any]:
-    """Per size, each layer's own microseconds (p10 / median / p90)."""
+@contextmanager
+def _busy_thread(on: bool) -> Iterator[None]:
+    """A thread running pure Python for the block (``on``), as a server's
+    scheduler does beside its backup thread: every time a backup releases
+    the GIL (a socket call), getting it back can take up to
+    ``sys.getswitchinterval()`` (5 ms)."""
+    if not on:
+        yield
+        return
+    import threading
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    t = threading.Thread(target=spin, name="busy-python", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
+def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = False) -> dict[str, Any]:
+    """Per size, each layer's own microseconds (p10 / median / p90);
+    ``busy``: beside a thread running Python (``_busy_thread``)."""
     from sglang_simm.embedded import _arena, _host
     from sglang_simm.embedded._protocol import Op
     from sglang_simm.tools.bench.pages import host_indices, page_keys
@@ -209,23 +237,24 @@ def measure(sizes: list[int], repeat: int, warmup: int = 20) -> dict[str, Any]:
         gc.disable()
         try:
             call = 0
-            for r in range(warmup + repeat):
-                for n in sizes[r % len(sizes):] + sizes[: r % len(sizes)]:
-                    keys = page_keys(n, f"{name}-{call}")
-                    first = (call * n) % (pool_pages - n + 1)
-                    indices = host_indices(range(first, first + n), geom.page_size)
-                    call += 1
-                    clock.reset()
-                    row = clock.call(lambda: backend.batch_set_v1(keys, indices))
-                    if not all(row):
-                        raise RuntimeError(f"a backup of {n} pages stored {sum(row)}: the figures would mean nothing")
+            with _busy_thread(busy):
+                for r in range(warmup + repeat):
+                    for n in sizes[r % len(sizes):] + sizes[: r % len(sizes)]:
+                        keys = page_keys(n, f"{name}-{call}")
+                        first = (call * n) % (pool_pages - n + 1)
+                        indices = host_indices(range(first, first + n), geom.page_size)
+                        call += 1
+                        clock.reset()
+                        row = clock.call(lambda: backend.batch_set_v1(keys, indices))
+                        if not all(row):
+                            raise RuntimeError(f"a backup of {n} pages stored {sum(row)}: the figures would mean nothing")
+                        if r >= warmup:
+                            samples[n].append(self_times(clock.ns, clock.calls, cost["ns"]))
+                            cpu_samples[n].append(self_times(clock.cpu, clock.calls, cost["cpu"]))
+                    t0 = time.perf_counter_ns()
+                    server.lookup([f"{name}-absent-{r}"])
                     if r >= warmup:
-                        samples[n].append(self_times(clock.ns, clock.calls, cost["ns"]))
-                        cpu_samples[n].append(self_times(clock.cpu, clock.calls, cost["cpu"]))
-                t0 = time.perf_counter_ns()
-                server.lookup([f"{name}-absent-{r}"])
-                if r >= warmup:
-                    pings.append((time.perf_counter_ns() - t0) / 1000)
+                        pings.append((time.perf_counter_ns() - t0) / 1000)
         finally:
             if gc_was:
                 gc.enable()
@@ -235,7 +264,7 @@ def measure(sizes: list[int], repeat: int, warmup: int = 20) -> dict[str, Any]:
     page_bytes = geom.page_bytes()
     out: dict[str, Any] = {"page_bytes": page_bytes, "repeat": repeat, "ping_us": _quantiles(pings),
                            "timer_cost_us": {k: asdict(v) for k, v in cost.items()},
-                           "load": os.getloadavg(), "sizes": {}}
+                           "busy_thread": busy, "load": os.getloadavg(), "sizes": {}}
     for n, rows in samples.items():
         layers = {k: _quantiles([row[k] for row in rows]) for k in (*LAYERS, "total")}
         cpu = {k: _quantiles([row[k] for row in cpu_samples[n]]) for k in (*LAYERS, "total")}
@@ -266,7 +295,7 @@ def render(result: dict[str, Any]) -> str:
     lines.append(f"Medians of {result['repeat']} calls per size; wall: perf_counter, CPU: the calling thread's "
                  f"thread_time (wall less CPU: waiting on the store process or for a core). Round trip with no "
                  f"work (LOOKUP of one absent key), wall: {cell(ping)} µs (median, p10-p90); page "
-                 f"{result['page_bytes'] >> 10} KiB; each timer's own cost taken out (wall "
+                 f"{result['page_bytes'] >> 10} KiB; {'beside a busy Python thread; ' if result['busy_thread'] else ''}each timer's own cost taken out (wall "
                  f"{result['timer_cost_us']['ns']['inside']:.1f} + {result['timer_cost_us']['ns']['outside']:.1f} µs, CPU "
                  f"{result['timer_cost_us']['cpu']['inside']:.1f} + {result['timer_cost_us']['cpu']['outside']:.1f} µs); load average {'/'.join(f'{x:.1f}' for x in result['load'])}.")
     return "\n".join(lines)
@@ -277,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", default="1,4,8", help="batch sizes, pages per backup (default 1,4,8)")
     parser.add_argument("--repeat", type=int, default=200, help="timed calls per size (default 200)")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--busy", action="store_true",
+                        help="beside a thread running Python, as the scheduler runs beside a server's backup thread")
     args = parser.parse_args(argv)
     try:
         sizes = [int(p) for p in args.pages.split(",") if p.strip()]
@@ -284,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--pages takes a comma list of page counts, got {args.pages!r}")
     if not sizes or min(sizes) < 1 or args.repeat < 1:
         parser.error("--pages needs counts >= 1 and --repeat a count >= 1")
-    result = measure(sizes, args.repeat)
+    result = measure(sizes, args.repeat, busy=args.busy)
     print(render(result))
     if args.json:
         with open(args.json, "w") as f:
