@@ -1,6 +1,6 @@
 """Where a small backup's time goes on the host store, layer by layer.
 
-``python -m sglang_simm.tools.bench.server_backup [--pages 1,4,8] [--json PATH]``
+``python -m sglang_simm.tools.bench.server_backup [--pages 1,4,8] [--busy] [--json PATH]``
 
 A backup in a server is one ``batch_set_v1`` of new pages from SGLang's
 backup thread. Here the same call runs on a real SGLang host pool of the
@@ -26,7 +26,9 @@ Every layer's own time is its total less the layers inside it. Sizes are
 interleaved call by call, every call writes new keys, gc is off; medians and
 p10/p90 over ``--repeat`` calls per size. Wall time: on a shared machine
 every figure includes the time this process or the store process waited
-for a core (the load average is printed with the table).
+for a core (the load average is printed with the table). ``--busy`` runs
+the same calls beside a thread running Python, as a server's scheduler runs
+beside its backup thread: then every blocking call waits for the GIL.
 """
 
 from __future__ import annotations
