@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -131,6 +132,44 @@ def test_checks_fail_on_a_missed_l3_read_or_a_different_answer():
     assert not checks({**base, "long_prompt": _long("ours", 496, 496, ok=False)})["ok"]
     down = checks({**base, "long_prompt": {}, "failed": {"mooncake": "mooncake exited with status 1\nlog"}})
     assert down["failures"] == ["mooncake did not start: mooncake exited with status 1"]
+
+
+def test_checks_fail_on_backups_that_never_landed_and_on_restart_misses():
+    base = {"multi_turn_answers": {}, "answers_vs": "none", "long_prompt": {}}
+    late = _long("ours", 496, 496)
+    late["ours"][0]["backed_up"] = False
+    got = checks({**base, "long_prompt": late, "restart": {}})
+    assert not got["ok"] and "did not all reach L3 within 60 s" in got["failures"][0]
+    restart = {"ours": {"prompts": 2, "l3_hits": 1, "same_answers": 2, "backed_up": True},
+               "file": {"prompts": 2, "l3_hits": 2, "same_answers": 2, "backed_up": False},
+               # Mooncake's segment lives in the server: a restart loses it, by design
+               "mooncake": {"prompts": 2, "l3_hits": 0, "same_answers": 2, "backed_up": True}}
+    got = checks({**base, "restart": restart})
+    assert got["failures"] == ["ours: 1 of 2 prompts were not served from L3 after the restart",
+                               "file: the restart's prompts did not all reach L3 within 60 s before the stop"]
+
+
+def test_the_bench_holds_ours_store_so_no_idle_exit_empties_it_between_runs(tmp_path):
+    """Between the first servers' stop and the restarted servers' start ours'
+    store has no server as a client; a store with no client exits after its
+    idle time with its objects. The bench's own connection keeps it."""
+    from sglang_simm.embedded._host import HostServer, StoreUnreachable, wait_gone
+
+    env = Environment.create(sys.executable, want_mooncake=False, workdir=str(tmp_path))
+    try:
+        env.hold_store(Shape(model_path="m", l3_bytes=16 << 20), idle_exit_s=0.3)
+        held = env.held[env.ours_store]
+        probe = HostServer(env.ours_store, capacity=1, spawn=False)
+        time.sleep(1.5)  # five idle times with no other client
+        assert probe.status()["pid"] == held.pid  # still there, the same process
+        probe.close()
+        pid = held.pid
+        held.close()  # the bench gone: the idle exit frees the store
+        assert wait_gone(held.paths, pid, 30.0)
+        with pytest.raises(StoreUnreachable):
+            HostServer(env.ours_store, capacity=1, spawn=False).status()
+    finally:
+        env.close()
 
 
 def test_goal_is_ours_over_mooncake_per_batch_size():
@@ -314,9 +353,6 @@ def test_a_torn_line_is_skipped(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(os.environ.get("SGLANG_SIMM_TEST_BENCH_SERVER") != "1",
-                    reason="opt-in (SGLANG_SIMM_TEST_BENCH_SERVER=1) until it has passed on a quiet machine: "
-                           "its restart step has not yet been run to the end on real servers")
 def test_quick_bench_on_file_and_ours(tmp_path):
     """Two real servers (the tiny model), one repetition, every workload and
     a restart: the answers check out, both L3 backends serve the flushed
@@ -331,9 +367,15 @@ def test_quick_bench_on_file_and_ours(tmp_path):
     result = run(plan)
     assert result["checks"]["ok"], result["checks"]["failures"]
     for name in ("ours", "file"):
-        flushed = result["long_prompt"][name][0]["requests"][-1]
-        assert flushed["cached"]["storage"] == result["long_prompt"][name][0]["expected_prefix"] > 0
+        long = result["long_prompt"][name][0]
+        flushed = long["requests"][-1]
+        assert flushed["cached"]["storage"] == long["expected_prefix"] > 0
+        # backups went on while the scheduler slept (--sleep-on-idle): the
+        # bench waited for them with no request in flight
+        assert long["backed_up"] and long["backup_s"] is not None
+        assert result["restart"][name]["backed_up"]
         assert result["restart"][name]["l3_hits"] == result["restart"][name]["prompts"] == 2
+        assert result["restart"][name]["same_answers"] == 2
         assert set(result["per_op"][name]) == {"get", "set"}
         rounds = result["multi_turn"][name][0]["rounds"]
         assert rounds[0]["hit_rate"] == 0 and rounds[1]["hit_rate"] > 0
@@ -341,3 +383,36 @@ def test_quick_bench_on_file_and_ours(tmp_path):
     assert result["histograms"]["file"]["sglang:backup_bandwidth"] is None
     assert [t[0] for t in tables(result)][:2] and "| backend |" in markdown(result, "bench --server --quick")
     json.dumps(result, default=str)
+
+
+# -- a small backup, layer by layer --------------------------------------------------------
+
+
+def test_self_times_take_each_inner_layer_out_of_its_caller():
+    from sglang_simm.tools.bench.server_backup import Overhead, self_times
+
+    totals = {"batch": 100_000, "mput": 80_000, "put_from": 70_000, "put": 20_000, "copy": 30_000, "commit": 10_000}
+    got = self_times(totals)
+    assert got == {"backend": 20.0, "client": 10.0, "handle": 10.0, "put": 20.0, "populate": 0.0, "copy": 30.0,
+                   "commit": 10.0, "total": 100.0}
+    # each timer costs 1 µs inside its window and 2 µs in its caller's
+    got = self_times(totals, {k: 1 for k in totals}, Overhead(inside=1.0, outside=2.0))
+    assert got == {"backend": 17.0, "client": 7.0, "handle": 3.0, "put": 19.0, "populate": 0.0, "copy": 29.0,
+                   "commit": 9.0, "total": 84.0}
+
+
+def test_backup_breakdown_reaches_every_layer_of_a_real_backup():
+    """Our backend on a host store (its own process) and a real host pool:
+    every layer's timer saw the call, both round trips and the copy took
+    time (``measure`` raises unless every backup stored all its pages)."""
+    pytest.importorskip("sglang")
+    from sglang_simm.tools.bench.server_backup import LAYERS, measure, render
+
+    result = measure([1, 4], repeat=3, warmup=1)
+    for n in ("1", "4"):
+        layers = result["sizes"][n]["layers"]
+        assert set(layers) == {*LAYERS, "total"}
+        assert all(layers[k]["median"] > 0 for k in ("backend", "client", "handle", "put", "copy", "commit"))
+        assert result["sizes"][n]["cpu"]["total"]["median"] <= layers["total"]["median"] * 1.05 + 50
+    assert result["ping_us"]["median"] > 0
+    assert "| commit |" in render(result)

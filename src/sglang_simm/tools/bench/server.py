@@ -25,10 +25,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from sglang_simm.tools.bench.server_backends import BACKENDS, L3_BACKENDS, Environment, Shape
+from sglang_simm.tools.bench.server_backends import BACKENDS, L3_BACKENDS, RESTART_KEEPS_L3, Environment, Shape
 from sglang_simm.tools.bench.server_metrics import scrape, summary
 from sglang_simm.tools.bench.server_tap import RESERVE_ENV, TAP_ENV, by_size, read_ops, write_tap
 from sglang_simm.tools.bench.server_workloads import (
+    BACKUP_WAIT_S,
     Backups,
     Workload,
     after_restart,
@@ -228,6 +229,8 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
     }
     servers: dict[str, SGLangServer] = {}
     try:
+        if "ours" in names:
+            env.hold_store(shape)
         progress(f"starting {len(names)} servers side by side ({', '.join(names)})")
         servers = _launch(env, shape, names, os.path.join(workdir, "servers"), tap)
         for name, server in list(servers.items()):
@@ -308,6 +311,9 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
                 if r["ok"] is False:
                     failures.append(f"{name} rep {i + 1}: {r['label']} answer differs from scratch")
             if name in L3_BACKENDS:
+                if rep.get("backed_up") is False:
+                    failures.append(f"{name} rep {i + 1}: the long prompt's pages did not all reach L3 "
+                                    f"within {BACKUP_WAIT_S:.0f} s of its answer")
                 flushed = rep["requests"][-1]
                 if flushed["cached"]["storage"] != rep["expected_prefix"]:
                     failures.append(f"{name} rep {i + 1}: after flush {flushed['cached']['storage']} tokens from L3, "
@@ -317,6 +323,12 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
             failures.append(f"{name}: {d['of'] - d['same']} of {d['of']} multi-turn answers differ from "
                             f"{result['answers_vs']}'s")
     for name, d in result["restart"].items():
+        if d.get("backed_up") is False:
+            failures.append(f"{name}: the restart's prompts did not all reach L3 within {BACKUP_WAIT_S:.0f} s "
+                            "before the stop")
+        if name in RESTART_KEEPS_L3 and d["l3_hits"] != d["prompts"]:
+            failures.append(f"{name}: {d['prompts'] - d['l3_hits']} of {d['prompts']} prompts were not served "
+                            "from L3 after the restart")
         if d["same_answers"] != d["prompts"]:
             failures.append(f"{name}: {d['prompts'] - d['same_answers']} answers after the restart differ")
     return {"ok": not failures, "failures": failures}

@@ -31,6 +31,9 @@ from sglang_simm.tools.sglang_server import ServerConfig, free_port
 BACKENDS = ("ours", "file", "mooncake", "host", "none")
 #: the ones with an L3 tier (restarts, L3 reads)
 L3_BACKENDS = ("ours", "file", "mooncake")
+#: those whose L3 outlives the server, so a restart must find its pages
+#: again (Mooncake's segment lives inside the server here: a restart loses it)
+RESTART_KEEPS_L3 = ("ours", "file")
 
 #: what to run when Mooncake does not import (the Debian libraries are what
 #: its binaries link against)
@@ -149,6 +152,8 @@ class Environment:
     master: MooncakeMaster | None = None
     file_dir: str = ""
     stores: list[str] = field(default_factory=list)
+    #: the bench's own connection to each host store it started (by name)
+    held: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def create(cls, python: str, *, want_mooncake: bool, workdir: str) -> Environment:
@@ -164,10 +169,34 @@ class Environment:
                 env.mooncake = MooncakeStatus(False, why=str(exc))
         return env
 
+    @property
+    def ours_store(self) -> str:
+        return f"{self.tag}-ours"
+
+    def hold_store(self, shape: Shape, *, idle_exit_s: float | None = None) -> None:
+        """Start ours' host store here and keep a connection to it until
+        ``close()``. A store a server started exits ``embedded_idle_exit_s``
+        (600 s) after its last client left, and its objects with it: between
+        the stop of the first servers and the start of the restarted ones,
+        which took 751 s side by side in run 1, it would have emptied the
+        L3 the restart is meant to find again. The bench's connection keeps
+        it a client; if the bench dies, the idle exit still frees it."""
+        from sglang_simm.embedded._host import DEFAULT_IDLE_EXIT_S, HostServer
+
+        store = self.ours_store
+        if store in self.held:
+            return
+        handle = HostServer(store, capacity=shape.l3_bytes, timeout_s=REQUEST_TIMEOUT_MS / 1000,
+                            idle_exit_s=DEFAULT_IDLE_EXIT_S if idle_exit_s is None else idle_exit_s)
+        handle.open()
+        self.held[store] = handle
+        if store not in self.stores:
+            self.stores.append(store)
+
     def config(self, backend: str, shape: Shape) -> ServerConfig:
         """``backend``'s server (one of ``BACKENDS``)."""
         if backend == "ours":
-            store = f"{self.tag}-ours"
+            store = self.ours_store
             if store not in self.stores:
                 self.stores.append(store)
             return shape.config(route="simm", extra_config={
@@ -196,7 +225,7 @@ class Environment:
 
         for store in self.stores:
             try:
-                HostServer(store, capacity=1, spawn=False).stop()
+                (self.held.pop(store, None) or HostServer(store, capacity=1, spawn=False)).stop()
             except (StoreUnreachable, OSError):
                 pass
         shutil.rmtree(self.file_dir, ignore_errors=True)

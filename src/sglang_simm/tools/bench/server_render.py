@@ -82,10 +82,15 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                     [[g["op"], g["pages"], f"{g['ours']:.2f}", f"{g['mooncake']:.2f}",
                       f"{g['ratio']:.2f}x" + ("" if g["met"] else " (behind)")] for g in result["goals"]]))
     if result["restart"]:
-        out.append(("Restart on the same L3", ["backend", "L3 hits", "same answers"],
-                    [[TITLES.get(n, n), f"{d['l3_hits']}/{d['prompts']}", f"{d['same_answers']}/{d['prompts']}"]
-                     for n, d in result["restart"].items()]))
+        out.append(("Restart on the same L3 (backups waited for with the scheduler idle, before the stop)",
+                    ["backend", "L3 hits", "same answers", "pages in L3 after (s)"],
+                    [[TITLES.get(n, n), f"{d['l3_hits']}/{d['prompts']}", f"{d['same_answers']}/{d['prompts']}",
+                      _seconds(d.get("backup_s"))] for n, d in result["restart"].items()]))
     return out
+
+
+def _seconds(s: float | None) -> str:
+    return "not within the wait" if s is None else f"{s:.1f}"
 
 
 def notes(result: dict[str, Any]) -> list[str]:

@@ -72,6 +72,10 @@ def tiers(g: Generation) -> dict[str, int]:
     return {"device": g.device_tokens, "host": g.host_tokens, "storage": g.storage_tokens}
 
 
+#: how long the pages of an answered request may take to reach L3
+BACKUP_WAIT_S = 60.0
+
+
 class Backups:
     """Pages a server's L3 backend confirmed stored, from its tap folder."""
 
@@ -81,15 +85,18 @@ class Backups:
     def stored(self, since: float = 0.0) -> int:
         return sum(o.ok for o in read_ops(self.tap_dir, since) if o.op == "set")
 
-    def wait(self, at_least: int, since: float, timeout: float = 60.0) -> bool:
+    def wait(self, at_least: int, since: float, timeout: float = BACKUP_WAIT_S) -> float | None:
         """Until ``at_least`` pages were stored since ``since`` (backups run
-        after the answer); False on timeout."""
-        deadline = time.monotonic() + timeout
+        after the answer, while the scheduler is idle: with
+        ``--sleep-on-idle`` it polls once a second, and its loop is what
+        hands finished host writes to the backup thread). Seconds waited,
+        or None on timeout."""
+        start = time.monotonic()
         while self.stored(since) < at_least:
-            if time.monotonic() > deadline:
-                return False
+            if time.monotonic() - start > timeout:
+                return None
             time.sleep(0.1)
-        return True
+        return time.monotonic() - start
 
     def settle(self, quiet_s: float = 1.0, timeout: float = 120.0) -> None:
         """Until no call was recorded for ``quiet_s`` (the backup thread is
@@ -131,9 +138,9 @@ def long_prompt(server: SGLangServer, backups: Backups | None, w: Workload, seed
         backups.settle()
     t0 = time.time()
     scratch = server.generate(prompt, max_new_tokens=w.new_tokens, stream=True)
-    backed_up = True
+    backup_s = None
     if backups is not None:
-        backed_up = backups.wait((scratch.prompt_tokens + w.new_tokens - 1) // page, since=t0)
+        backup_s = backups.wait((scratch.prompt_tokens + w.new_tokens - 1) // page, since=t0)
     sent = 0
     while sent < w.filler_tokens:
         server.generate(tokens(rng, w.filler_chunk, vocab), max_new_tokens=1)
@@ -147,7 +154,9 @@ def long_prompt(server: SGLangServer, backups: Backups | None, w: Workload, seed
         backups.settle()
     return {
         "expected_prefix": matchable(w.long_tokens, page),
-        "backed_up": backed_up,
+        "backed_up": backups is None or backup_s is not None,
+        #: seconds from the answer until its pages were in L3 (idle scheduler)
+        "backup_s": backup_s,
         "requests": [asdict(_req("scratch", scratch, True)), asdict(_req("after traffic", host, same_answer(host, scratch))),
                      asdict(_req("after flush", l3, same_answer(l3, scratch)))],
     }
@@ -193,26 +202,35 @@ def restart_prompts(w: Workload, seed: int, vocab: int) -> list[list[int]]:
     return [tokens(rng, w.restart_tokens, vocab) for _ in range(w.restart_prompts)]
 
 
-def store_for_restart(server: SGLangServer, backups: Backups, prompts: Sequence[list[int]], w: Workload) -> list[Generation]:
+@dataclass
+class Stored:
+    """The restart's prompts as answered before the stop."""
+
+    answers: list[Generation]
+    #: seconds until their pages were in L3; None: not within ``BACKUP_WAIT_S``
+    backup_s: float | None
+
+
+def store_for_restart(server: SGLangServer, backups: Backups, prompts: Sequence[list[int]], w: Workload) -> Stored:
     """Send the prompts and wait until their pages are in L3."""
     t0 = time.time()
     page = server.config.page_size
     answers = [server.generate(p, max_new_tokens=w.new_tokens) for p in prompts]
-    backups.wait(sum((g.prompt_tokens + w.new_tokens - 1) // page for g in answers), since=t0)
+    waited = backups.wait(sum((g.prompt_tokens + w.new_tokens - 1) // page for g in answers), since=t0)
     backups.settle()
-    return answers
+    return Stored(answers, waited)
 
 
-def after_restart(server: SGLangServer, prompts: Sequence[list[int]], before: Sequence[Generation],
-                  w: Workload) -> dict[str, Any]:
+def after_restart(server: SGLangServer, prompts: Sequence[list[int]], before: Stored, w: Workload) -> dict[str, Any]:
     """The prompts again on the restarted server: full L3 hits, same answers."""
     page = server.config.page_size
     hits = same = 0
-    for p, want in zip(prompts, before):
+    for p, want in zip(prompts, before.answers):
         g = server.generate(p, max_new_tokens=w.new_tokens)
         hits += g.storage_tokens == matchable(len(p), page)
         same += same_answer(g, want)
-    return {"prompts": len(prompts), "l3_hits": hits, "same_answers": same}
+    return {"prompts": len(prompts), "l3_hits": hits, "same_answers": same,
+            "backed_up": before.backup_s is not None, "backup_s": before.backup_s}
 
 
 def rotated(names: Sequence[str], rep: int) -> list[str]:
