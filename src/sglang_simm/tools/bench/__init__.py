@@ -82,6 +82,8 @@ __all__ = [
     "OPS",
     "OP_MEANING",
     "OVERHEAD_GEOMETRY",
+    "NULL_GEOMETRY",
+    "FRESH_HOST_PAGES",
     "BandwidthRig",
     "Checks",
     "OverheadRig",
