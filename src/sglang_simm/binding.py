@@ -323,8 +323,6 @@ class PoolBinding:
         n = len(starts)
         return list(map(self._view, self.pointers(starts), self.sizes_list * n, self.part_mrs * n))
 
-    make_views = views
-
     def pointers(self, starts: Any) -> list[int]:
         """Object addresses of the pages at ``starts``, page-major, as Python
         ints: in Python for small batches, numpy above ``SMALL_BATCH``."""
