@@ -7,8 +7,9 @@ backups are new pages). This measures, on a host store of this run's own,
 with 64 KiB pages (2 objects) from a real SGLang host pool, median of
 ``--repeat`` calls each:
 
-* ``mexists``: the lookup a write would ask first;
+* ``mexists``: the lookup a write would ask first (of pages not stored);
 * ``mput new``: a put of pages not stored;
+* ``mexists stored``: the lookup of the same pages, now stored;
 * ``mput stored``: a put of pages already stored (SiMM HEAD deletes and
   re-puts them; the v0.1.0.post1 tag refuses them, -4005).
 
@@ -49,12 +50,12 @@ def main() -> None:
         idx = host_indices(list(range(args.pages)), geom.page_size)
         starts = b.starts(idx, args.pages)
         views = b.views(starts)
-        times: dict[str, list[float]] = {"mexists": [], "mput new": [], "mput stored": []}
+        times: dict[str, list[float]] = {"mexists": [], "mput new": [], "mexists stored": [], "mput stored": []}
         for r in range(args.repeat):
             keys = b.keys.of_all(page_keys(args.pages, f"r{r}"))
-            for what in ("mexists", "mput new", "mput stored"):
+            for what in times:
                 t0 = time.perf_counter()
-                codes = client.mexists(keys) if what == "mexists" else client.mput(keys, views)
+                codes = client.mexists(keys) if what.startswith("mexists") else client.mput(keys, views)
                 times[what].append(time.perf_counter() - t0)
                 if what == "mput new":
                     assert not any(codes), codes[:4]

@@ -223,3 +223,33 @@ def test_longest_hold_splits_a_call_at_the_client_calls():
     held, releases, result = bench.longest_hold(call, points)
     assert result == [3] and releases == 2
     assert 0.004 <= held < 0.5
+
+
+def test_null_rig_hands_new_host_pages_every_call_as_sglangs_fifo_allocator_does():
+    """No cache of views may answer a call from an earlier one: on the null
+    client, each set and get lands on host pages no earlier call of the
+    pool's turn used (a rig of fixed pages let a view cache hit every call)."""
+    from sglang_simm.tools.pools import build_host_pool
+
+    geom = bench.NULL_GEOMETRY
+    rig = bench.OverheadRig("null", 4, geom=geom, pool=build_host_pool(geom, tokens=32 * geom.page_size))
+    try:
+        client = rig.backends["ours"].client
+        seen: list[int] = []
+        for name in ("mget", "mput"):
+            original = getattr(client, name)
+
+            def spy(keys, views, *rest, _original=original):
+                seen.extend(v._ptr for v in views)
+                return _original(keys, views, *rest)
+
+            setattr(client, name, spy)
+        for op in ("set", "get-cold"):
+            rig.prepare(op)
+            t = rig.call("ours", op, 4)
+            seen.clear()
+            for _ in range(len(rig.src_pages) // 4):  # one turn of the pool's half
+                t.fn()
+            assert len(seen) == len(set(seen)) == 2 * len(rig.src_pages), op
+    finally:
+        rig.close()

@@ -10,11 +10,12 @@ A binding is built at attach, in steps that each stand alone here:
 
 plus a ``KeyCache``: a lookup's object keys, kept for the read that
 follows. Per call, ``starts`` checks a batch's host indices and ``views``
-gives the batch's ``BlockView``s: kept ones for pages made recently
-(``ViewCache``, bounded), the rest made from the geometry's pointer
-arithmetic (numpy). A view per object kept for the pool's life (two
-million for a million-page pool) was two million objects for every full
-garbage collection of the scheduler to walk.
+makes the batch's ``BlockView``s from the geometry's pointer arithmetic,
+and none is kept: a view per object kept for the pool's life (two million
+for a million-page pool) was two million objects for every full garbage
+collection of the scheduler to walk, and a bounded cache of them only
+hits when SGLang hands out a host page again soon, which its first-in
+first-out host allocator does only after the whole free list.
 
 A binding also counts the data-path calls using it (``enter``/``leave``),
 so a replaced or closed pool's memory is deregistered once *its* calls
@@ -28,7 +29,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import replace
-from itertools import chain
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -39,11 +39,10 @@ from sglang_simm.client import KVClient
 from sglang_simm.errors import UnsupportedPoolError
 from sglang_simm.geometry import PageGeometry, derive_geometry, derive_region_geometry, page_starts
 
-#: Views a pool keeps, at most (``ViewCache``): the garbage collector tracks
-#: each, so this bounds what a full collection walks for us (16,384 views,
-#: about 3% of a collection over the ~550,000 objects SGLang's import alone
-#: leaves, ``benchmarks/gc_pause.py``).
-VIEW_CACHE_LIMIT = 1 << 14
+#: Up to this many pages a batch's pointers are worked out in plain Python:
+#: below it numpy's fixed cost per call (about a microsecond per operation)
+#: is more than the arithmetic (docs/backend-core.md).
+SMALL_BATCH = 16
 
 #: Object keys a pool keeps from its lookups for the reads that follow
 #: (``KeyCache``; about 150 bytes each, so a few MiB at most; strings,
@@ -205,62 +204,6 @@ class KeyCache:
         return pages, keyspace.object_keys(self.prefix, usable, self.suffixes)
 
 
-class ViewCache:
-    """The views of the pages made last, up to ``VIEW_CACHE_LIMIT`` objects
-    per pool, the first made dropped first.
-
-    A view is a Python object the garbage collector tracks, and a full
-    collection walks every one: keeping a view per object of a pool (two
-    million for a million-page pool) made each full collection of the
-    scheduler seconds longer. The bound keeps that cost a few percent of a
-    collection, while a batch whose host pages were used recently (a small
-    pool, slots reused soon) still costs one dictionary lookup per page
-    instead of a view per object made by the client's constructor.
-    """
-
-    def __init__(self, make: Callable[[np.ndarray], list[Any]], parts: int):
-        self._make = make
-        self._parts = parts
-        self._max_pages = max(0, VIEW_CACHE_LIMIT // parts)
-        #: first slot of a page -> its views
-        self._by_start: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
-
-    def __len__(self) -> int:
-        """Pages whose views are kept."""
-        return len(self._by_start)
-
-    def of_pages(self, starts: np.ndarray) -> list[Any]:
-        by_start = self._by_start
-        wanted = starts.tolist()
-        try:
-            return list(chain.from_iterable(map(by_start.__getitem__, wanted)))
-        except KeyError:  # a page not kept (or dropped by another thread meanwhile)
-            pass
-        new = [s for s in dict.fromkeys(wanted) if s not in by_start]
-        parts = self._parts
-        made = self._make(np.asarray(new, dtype=np.int64))
-        fresh = {s: tuple(made[i * parts:(i + 1) * parts]) for i, s in enumerate(new)}
-        if self._max_pages:
-            # Threads may add the same page at once: either's views are right.
-            by_start.update(fresh)
-            try:
-                while len(by_start) > self._max_pages:
-                    by_start.popitem(last=False)
-            except KeyError:  # emptied by another thread
-                pass
-        get = by_start.get
-        out = []
-        for s in wanted:
-            views = fresh.get(s) or get(s)
-            if views is None:  # dropped since: make it again
-                views = tuple(self._make(np.asarray([s], dtype=np.int64)))
-            out.extend(views)
-        return out
-
-    def clear(self) -> None:
-        self._by_start.clear()
-
-
 # ---------------------------------------------------------------- binding
 
 
@@ -328,7 +271,13 @@ class PoolBinding:
         #: the memory region of each part, in part order
         self.part_mrs = [self.mrs[r] for r in part_region.tolist()]
         self._view = client.view
-        self._views = ViewCache(self.make_views, self.parts)
+        g = self.geometry
+        #: the pointer formula's terms as Python ints, for small batches
+        self._stride_list = (
+            [int(x) for x in g.token_stride] if isinstance(g.token_stride, np.ndarray)
+            else [int(g.token_stride)] * g.parts
+        )
+        self._base_list = g.base.tolist()
 
     # ------------------------------------------------------------ in flight
 
@@ -368,16 +317,27 @@ class PoolBinding:
             return None
         return page_starts(indices, self.page_size, n, self.slots)
 
-    def views(self, starts: np.ndarray) -> list[Any]:
-        """The ``BlockView`` of every object of the pages at ``starts``,
-        page-major: from ``ViewCache`` where it holds the page, else made
-        now from the pointer formula."""
-        return self._views.of_pages(starts)
-
-    def make_views(self, starts: np.ndarray) -> list[Any]:
+    def views(self, starts: Any) -> list[Any]:
+        """The ``BlockView`` of every object of the pages at ``starts`` (their
+        first slots, a list or an array), page-major, made now."""
         n = len(starts)
-        return list(map(self._view, self.geometry.pointers(starts).tolist(),
-                        self.sizes_list * n, self.part_mrs * n))
+        return list(map(self._view, self.pointers(starts), self.sizes_list * n, self.part_mrs * n))
+
+    def pointers(self, starts: Any) -> list[int]:
+        """Object addresses of the pages at ``starts``, page-major, as Python
+        ints: in Python for small batches, numpy above ``SMALL_BATCH``."""
+        if len(starts) > SMALL_BATCH:
+            return self.geometry.pointers(np.asarray(starts)).tolist()
+        if starts.__class__ is not list:
+            starts = starts.tolist()
+        if self.parts == 2:
+            (b0, b1), (t0, t1) = self._base_list, self._stride_list
+            out: list[int] = []
+            for s in starts:
+                out += (b0 + s * t0, b1 + s * t1)
+            return out
+        bases = list(zip(self._base_list, self._stride_list))
+        return [b + s * t for s in starts for b, t in bases]
 
     def overrun_pages(self, starts: np.ndarray | None, got: np.ndarray) -> np.ndarray:
         """Pages (rows of ``got``, one per page at ``starts``) whose bytes
@@ -427,7 +387,6 @@ class PoolBinding:
         """Deregister the pool's memory (once)."""
         mrs, self.mrs = self.mrs, []
         self.part_mrs = [None] * len(self.part_mrs)
-        self._views.clear()
         for mr in mrs:
             if mr is not None:
                 self.client.deregister(mr)

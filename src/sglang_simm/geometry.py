@@ -262,22 +262,25 @@ def page_starts(
     the same slots would leave one page holding the other's bytes while both
     answer True.
 
-    How, cheaply: every page start is aligned and distinct, and every step
-    from one slot to the next is +1 except across a page boundary (where the
-    next page's aligned start takes over). The steps are one flat
-    subtraction, compared in one ``memcmp`` with a row of ones.
+    How, cheaply: every page start is aligned, distinct and inside the pool
+    (in Python for up to 64 pages, where numpy's fixed cost per call is more
+    than the work; numpy above), and every slot minus its page's start is
+    its place in the page: one broadcast subtraction, compared in one
+    ``memcmp`` with a row of ``0 .. page_size - 1`` per page.
     """
     if host_indices.ndim != 1 or host_indices.dtype.kind not in "iu":
         return None
     if host_indices.shape[0] != num_keys * page_size:
         return None
     starts = host_indices[::page_size]
-    # numpy's fixed cost per call outweighs a short Python loop
     if num_keys <= 64:
         first = starts.tolist()
-        if any(slot % page_size for slot in first) or len(set(first)) != num_keys:
+        if num_keys == 1:
+            if first[0] % page_size or (slots is not None and not 0 <= first[0] < slots):
+                return None
+        elif any(slot % page_size for slot in first) or len(set(first)) != num_keys:
             return None
-        if slots is not None and first and (min(first) < 0 or max(first) >= slots):
+        elif slots is not None and first and (min(first) < 0 or max(first) >= slots):
             return None
     else:
         if (starts % page_size).any():
@@ -288,20 +291,24 @@ def page_starts(
         if slots is not None and (ordered[0] < 0 or ordered[-1] >= slots):
             return None
     if page_size > 1:
-        steps = host_indices[1:] - host_indices[:-1]  # a new array: contiguous, ours to change
-        steps[page_size - 1 :: page_size] = 1  # across pages: the start check above covers it
-        if not _ones(steps.dtype, steps.shape[0]).startswith(steps.data):
+        # new and contiguous; a scalar subtraction costs less than a broadcast
+        offsets = (host_indices - first[0] if num_keys == 1
+                   else host_indices.reshape(num_keys, page_size) - starts[:, None])
+        if not _ramps(offsets.dtype, page_size, num_keys).startswith(offsets.data):
             return None
     return starts
 
 
-_ONES: dict[np.dtype, bytes] = {}
+#: (dtype, page_size) -> ``0 .. page_size - 1`` repeated, as bytes (grown as needed)
+_RAMPS: dict[tuple[np.dtype, int], bytes] = {}
 
 
-def _ones(dtype: np.dtype, count: int) -> bytes:
-    """At least ``count`` ones of ``dtype``, as bytes (kept, grown as needed)."""
-    ones = _ONES.get(dtype)
-    if ones is None or len(ones) < count * dtype.itemsize:
-        ones = np.ones(max(count, 1 << 13), dtype=dtype).tobytes()
-        _ONES[dtype] = ones
-    return ones
+def _ramps(dtype: np.dtype, page_size: int, count: int) -> bytes:
+    """At least ``count`` rows of ``0 .. page_size - 1`` in ``dtype``, as bytes."""
+    key = (dtype, page_size)
+    ramps = _RAMPS.get(key)
+    if ramps is None or len(ramps) < count * page_size * dtype.itemsize:
+        rows = max(count, max(1, (1 << 13) // page_size))
+        ramps = np.tile(np.arange(page_size, dtype=dtype), rows).tobytes()
+        _RAMPS[key] = ramps
+    return ramps

@@ -57,6 +57,8 @@ from sglang_simm.tools.bench.checks import Checks, check_result
 from sglang_simm.tools.bench.gil import longest_hold, measure_gil
 from sglang_simm.tools.bench.goals import evaluate_goals
 from sglang_simm.tools.bench.overhead import (
+    FRESH_HOST_PAGES,
+    NULL_GEOMETRY,
     OP_MEANING,
     OPS,
     OVERHEAD_GEOMETRY,
@@ -80,6 +82,8 @@ __all__ = [
     "OPS",
     "OP_MEANING",
     "OVERHEAD_GEOMETRY",
+    "NULL_GEOMETRY",
+    "FRESH_HOST_PAGES",
     "BandwidthRig",
     "Checks",
     "OverheadRig",
@@ -207,7 +211,9 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda s: None) -> dict[st
         "settings": {"pages": plan.sizes, "repeat": plan.repeat, "bandwidth_cases": plan.bw_cases,
                      "bandwidth_pages": plan.bw_pages, "bandwidth_repeat": plan.bw_repeat,
                      "overhead_page_bytes": OVERHEAD_GEOMETRY.page_bytes(),
-                     "overhead_page_tokens": OVERHEAD_GEOMETRY.page_size},
+                     "overhead_page_tokens": OVERHEAD_GEOMETRY.page_size,
+                     "null_pool_pages": FRESH_HOST_PAGES, "null_page_bytes": NULL_GEOMETRY.page_bytes(),
+                     "null_host_pages": "new every call (a ring over the pool)"},
         "operations": dict(OP_MEANING),
         "overhead": [], "bandwidth": [], "scaling": {}, "gil": {},
     }
@@ -222,13 +228,16 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda s: None) -> dict[st
     gc.freeze()
 
     phase("own overhead, null client")
-    rig = OverheadRig("null", max_pages, pool=pool)
+    null_tokens = max(2 * max_pages, FRESH_HOST_PAGES) * NULL_GEOMETRY.page_size
+    null_pool = build_host_pool(NULL_GEOMETRY, tokens=null_tokens // 2)
+    rig = OverheadRig("null", max_pages, geom=NULL_GEOMETRY, pool=null_pool)
     try:
         result["overhead"] += measure_overhead(rig, plan.sizes, plan.repeat, checks)
         phase("GIL holds, null client")
         result["gil"] = measure_gil(rig, plan.sizes, checks)
     finally:
         rig.close()
+        del null_pool
 
     bw_bytes = max((BANDWIDTH_CASES[c].page_bytes() * plan.bw_pages for c in plan.bw_cases), default=0)
     overhead_bytes = 4 * max_pages * OVERHEAD_GEOMETRY.page_bytes()

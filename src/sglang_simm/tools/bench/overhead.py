@@ -11,6 +11,15 @@ would:
   as the prefetch thread does before its I/O thread reads the same pages;
 * ``get-cold``: new keys never looked up (a read with no lookup before it).
 
+On the null client the host pages are new every call too: each call takes
+the next pages of a shuffled pool, round and round (``PageRing``), as
+SGLang's host allocator hands out slots first-in first-out from its free
+list, so a page comes back only after the whole pool. The pool
+(``NULL_GEOMETRY``, ``FRESH_HOST_PAGES``) holds more pages than any cache
+of ours keeps views for, so no cache of views meets a page again within
+the pool's turn, as in serving. (A rig of fixed pages let our view cache
+answer every call from the second on; that hid the cost of making views.)
+
 On the null client a sample loops calls for about a millisecond and is
 timed in this thread's CPU time; on the host store (``local``, the store
 every process of a host shares) a sample is one call, timed in wall time,
@@ -48,6 +57,29 @@ OP_MEANING = {
 #: so 2 x 1024 pages (source and destination) fit in 128 MiB.
 OVERHEAD_GEOMETRY = ModelGeometry("bench-64k", layer_num=1, head_num=2, head_dim=128, page_size=64)
 
+#: The null client's pages: it touches no memory, so pages of 2 x 1 KiB
+#: (SGLang's 64 tokens) let a pool hold ``FRESH_HOST_PAGES`` in 128 MiB.
+NULL_GEOMETRY = ModelGeometry("bench-null", layer_num=1, head_num=1, head_dim=8, page_size=64)
+#: Pages of the null client's pool: half are the sources of sets, half
+#: where gets land, each half four times the 8,192 pages (16,384 views) a
+#: view cache of ours ever kept.
+FRESH_HOST_PAGES = 1 << 16
+
+
+class PageRing:
+    """Host index tensors of ``n`` pages each, the next pages of ``pages``
+    every call, wrapping around at the end (made ahead, untimed)."""
+
+    def __init__(self, pages: Sequence[int], n: int, page_size: int):
+        count = max(1, len(pages) // n)
+        self.batches = [host_indices(pages[i * n:(i + 1) * n], page_size) for i in range(count)]
+        self.pos = 0
+
+    def take(self) -> torch.Tensor:
+        t = self.batches[self.pos]
+        self.pos = (self.pos + 1) % len(self.batches)
+        return t
+
 
 @dataclass
 class Timed:
@@ -73,12 +105,16 @@ class OverheadRig:
 
     Pages ``src`` (the source of sets) and ``dst`` (where gets land) are
     disjoint and shuffled like a real pool's. Each backend draws its page
-    keys from its own ring of distinct keys (``KeyRing``).
+    keys from its own ring of distinct keys (``KeyRing``) and, with
+    ``rotate`` (the null client's default), its host pages from its own
+    ``PageRing`` over the whole of ``src`` or ``dst``; without it every
+    call of ``n`` pages uses the first ``n``.
     """
 
     def __init__(self, client: str, max_pages: int, *, geom: ModelGeometry = OVERHEAD_GEOMETRY,
-                 pool: Any = None, seed: int = 1):
+                 pool: Any = None, seed: int = 1, rotate: bool | None = None):
         self.client = client
+        self.rotate = client == "null" if rotate is None else rotate
         self.geom = geom
         self.max_pages = max_pages
         self.pool = pool if pool is not None else build_host_pool(geom, tokens=max_pages * geom.page_size)
@@ -86,8 +122,9 @@ class OverheadRig:
         if host_pages < 2 * max_pages:
             raise ValueError(f"host pool of {host_pages} pages cannot hold 2 x {max_pages}")
         perm = np.random.default_rng(seed).permutation(host_pages)
-        self.src_pages = perm[:max_pages].tolist()
-        self.dst_pages = perm[max_pages: 2 * max_pages].tolist()
+        half = host_pages // 2 if self.rotate else max_pages
+        self.src_pages = perm[:half].tolist()
+        self.dst_pages = perm[half: 2 * half].tolist()
         self.backends = {"ours": make_ours(self.pool, geom, client), "in-tree": make_intree(self.pool, geom, client)}
         keys = page_keys(2 * KEY_CACHE_LIMIT + 2 * max_pages, f"fresh-{client}")
         self.rings = {name: KeyRing(keys) for name in self.backends}
@@ -95,6 +132,16 @@ class OverheadRig:
         #: here); wall time on the store (copies on other threads, a store process)
         self.timer: Timer = time.thread_time if client == "null" else time.perf_counter
         self._staged: dict[str, list[str]] = {}
+        self._page_rings: dict[tuple[str, str, int], PageRing] = {}
+
+    def page_ring(self, name: str, which: str, n: int) -> PageRing:
+        """``name``'s ring of ``n``-page batches over ``src`` or ``dst``."""
+        key = (name, which, n)
+        ring = self._page_rings.get(key)
+        if ring is None:
+            pages = self.src_pages if which == "src" else self.dst_pages
+            ring = self._page_rings[key] = PageRing(pages, n, self.geom.page_size)
+        return ring
 
     def server(self) -> Any:
         return self.backends["ours"].client.store.server
@@ -127,10 +174,16 @@ class OverheadRig:
         if self.client != "null":
             return self._staged_call(name, op, n, src, dst)
         ring = self.rings[name]
-        if op == "set":
-            return Timed(lambda: b.batch_set_v1(ring.take(n), src))
         if op == "exists":
             return Timed(lambda: b.batch_exists(ring.take(n)))
+        if self.rotate:
+            pages = self.page_ring(name, "src" if op == "set" else "dst", n)
+            if op == "set":
+                return Timed(lambda: b.batch_set_v1(ring.take(n), pages.take()))
+            fn = lambda: b.batch_get_v1(ring.take(n), pages.take())  # noqa: E731
+            return Timed(fn, prepare=self._looked_up(name, n) if op == "get" else None)
+        if op == "set":
+            return Timed(lambda: b.batch_set_v1(ring.take(n), src))
         fn = lambda: b.batch_get_v1(ring.take(n), dst)  # noqa: E731
         return Timed(fn, prepare=self._looked_up(name, n) if op == "get" else None)
 

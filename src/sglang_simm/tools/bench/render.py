@@ -35,6 +35,8 @@ def render(console: Any, result: dict[str, Any]) -> None:
     console.print(
         f"median of {s['repeat']} samples per point; overhead pages: {s['overhead_page_tokens']} tokens, "
         f"{s['overhead_page_bytes'] // 1024} KiB (2 objects)"
+        + (f"; null client: new host pages every call, over a pool of {s['null_pool_pages']:,} pages"
+           if s.get("null_pool_pages") else "")
     )
     ops = result.get("operations") or {}
     if ops:
