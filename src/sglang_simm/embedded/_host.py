@@ -502,15 +502,11 @@ class HostServer:
         offsets = _ints(r, n)
         if not lease:
             return codes
-        if codes.count(OK) == n:  # a backup: every entry reserved
-            reserved: Sequence[int] = range(n)
-            offs, sizes = offsets, [s for _, _, s in items]
-            ptrs = [p for _, p, _ in items]
-        else:
-            reserved = [i for i, code in enumerate(codes) if code == OK]
-            offs = [offsets[i] for i in reserved]
-            sizes = [items[i][2] for i in reserved]
-            ptrs = [items[i][1] for i in reserved]
+        # a backup: every entry reserved (counted in C, not picked one by one)
+        reserved = range(n) if codes.count(OK) == n else [i for i, code in enumerate(codes) if code == OK]
+        offs = _pick(offsets, reserved)
+        sizes = _pick([s for _, _, s in items], reserved)
+        ptrs = _pick([p for _, p, _ in items], reserved)
         arena = conn.arena
         base = arena.base
         copies = list(zip([base + o for o in offs], ptrs, sizes))
@@ -555,16 +551,11 @@ class HostServer:
         offsets = _ints(r, n)
         if not lease:
             return results
-        if min(results) >= 0:  # a restore: every entry there
-            hits: Sequence[int] = range(n)
-            offs, sizes, caps = offsets, results, [c for _, _, c in items]
-            ptrs = [p for _, p, _ in items]
-        else:
-            hits = [i for i, size in enumerate(results) if size >= 0]
-            offs = [offsets[i] for i in hits]
-            sizes = [results[i] for i in hits]
-            caps = [items[i][2] for i in hits]
-            ptrs = [items[i][1] for i in hits]
+        # a restore: every entry there
+        hits = range(n) if min(results) >= 0 else [i for i, size in enumerate(results) if size >= 0]
+        offs, sizes = _pick(offsets, hits), _pick(results, hits)
+        caps = _pick([c for _, _, c in items], hits)
+        ptrs = _pick([p for _, p, _ in items], hits)
         arena = conn.arena
         if (not _in_arena(conn, offs, sizes)
                 or any(map(gt, sizes, caps))
@@ -702,6 +693,11 @@ def _ints(r: Reader, n: int) -> list[int]:
     if len(values) != n:
         raise _bad_answer("a reply", f"{len(values)} values where {n} were due")
     return values
+
+
+def _pick(values: list[int], chosen: Sequence[int]) -> list[int]:
+    """``values`` at the ascending indices ``chosen`` (all of them: as is)."""
+    return values if len(chosen) == len(values) else [values[i] for i in chosen]
 
 
 def _in_arena(conn: _Connection, offsets: Sequence[int], sizes: Sequence[int]) -> bool:

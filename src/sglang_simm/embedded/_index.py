@@ -470,13 +470,14 @@ class StoreIndex:
         lease = self._end_lease(lease_id, is_put=True, owner=owner)
         items = lease.items
         objects = self.objects
-        self.reserved -= sum([obj.size for _, _, obj in items])
+        reserved = sum([obj.size for _, _, obj in items])
+        self.reserved -= reserved
         keys = [key for _, key, _ in items]
         if objects.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
             out = [(i, OK) for i, _, _ in items]  # a backup of new pages: all publish
             for _, key, obj in items:
                 objects[key] = obj
-            published, published_bytes = len(items), sum([obj.size for _, _, obj in items])
+            published, published_bytes = len(items), reserved
         else:
             out = self._publish_one_by_one(items, lease.overwrite)
             won = [obj for (_, _, obj), (_, code) in zip(items, out) if code == OK]
