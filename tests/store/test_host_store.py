@@ -402,6 +402,17 @@ def test_bad_store_names_are_refused(name):
         check_name(name)
 
 
+def test_a_socket_path_too_long_for_unix_is_refused_before_any_process_starts(host_store_dir):
+    # Before: the store process failed to bind, three were started, and the
+    # caller waited 15 s for "did not answer".
+    deep = os.path.join(host_store_dir, "d" * 40)
+    name = "n" * 64
+    with pytest.raises(ValueError, match=r"socket path .* is \d+ bytes.*at most 107.*shorter store name"):
+        HostServer(name, root=deep, capacity=1 << 20)
+    assert not os.path.exists(deep)
+    assert len(StorePaths(deep, "n" * 8).socket) <= 107  # a short name in the same place is fine
+
+
 def test_a_store_nobody_runs_is_reported_without_starting_one(host_store_dir):
     server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20, spawn=False)
     with pytest.raises(StoreUnreachable, match="did not answer") as exc:

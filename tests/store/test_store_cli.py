@@ -87,6 +87,25 @@ def test_stop_all(capsys, host_store_dir):
     assert not any(pid_alive(p) for p in pids)
 
 
+def test_the_list_keeps_every_value_whole_when_piped(capsys, host_store_dir, monkeypatch):
+    # CI's failure: output to a pipe got rich's 80 columns, and a long store name
+    # beside ours cut our row's capacity to "64.0 M…".
+    monkeypatch.delenv("COLUMNS", raising=False)
+    root = os.path.join(host_store_dir, f"wide-{uuid.uuid4().hex[:6]}")
+    stores = [HostServer(n, root=root, capacity=64 << 20) for n in ("short", "a-store-name-as-long-as-operators-write-them")]
+    for s in stores:
+        s.open()
+    try:
+        code, out = store(capsys, "status", "--dir", root)
+        assert code == 0
+        for s in stores:
+            (line,) = [ln for ln in out.splitlines() if s.name in ln]
+            assert f"pid {s.pid}" in line and "64.0 MiB" in line and "…" not in line, out
+    finally:
+        for s in stores:
+            s.stop()
+
+
 def test_status_lists_every_store_a_line_each(capsys, host_store_dir):
     root = os.path.join(host_store_dir, f"many-{uuid.uuid4().hex[:6]}")
     stores = [HostServer(n, root=root, capacity=1 << 20) for n in ("live1", "live2", "killed")]

@@ -245,8 +245,8 @@ class HostServer:
         started_by: str = "client",
         limits: dict[str, Any] | None = None,
     ) -> None:
-        self.root = ensure_dir(store_dir(root), create=spawn)
-        self.paths = StorePaths(self.root, name)
+        self.paths = StorePaths(store_dir(root), name)  # a bad name or path fails before anything is made
+        self.root = ensure_dir(self.paths.root, create=spawn)
         self.name = name
         self.capacity_requested = capacity
         self.policy_requested = policy

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 STORE_DIR_ENV = "SGLANG_SIMM_STORE_DIR"
 NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
 NAME_RULE = "1-64 of A-Z a-z 0-9 . _ -, starting with a letter, digit or '_'"
+#: Linux's sun_path holds 108 bytes with its terminating NUL; a longer socket
+#: path fails only inside the store process, where nobody reads the error.
+MAX_SOCKET_PATH = 107
 
 
 class StoreAccessError(PermissionError):
@@ -100,6 +103,13 @@ class StorePaths:
 
     def __post_init__(self) -> None:
         check_name(self.name)
+        length = len(os.fsencode(self.socket))
+        if length > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"host store {self.name!r} in {self.root}: its socket path {self.socket} is {length} bytes, and a "
+                f"Unix socket path holds at most {MAX_SOCKET_PATH}; use a shorter store name, or a shorter "
+                f"directory ({STORE_DIR_ENV} or --dir)"
+            )
 
     @property
     def socket(self) -> str:

@@ -15,10 +15,18 @@ import threading
 from typing import Any, Sequence
 
 
+#: Width for output that goes to a pipe or a file: rich would take 80 columns
+#: and cut table cells to fit, and whoever reads a pipe wants every value whole.
+PIPE_WIDTH = 240
+
+
 def _console() -> Any:
     from rich.console import Console
 
-    return Console(highlight=False)
+    console = Console(highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(highlight=False, width=PIPE_WIDTH)
+    return console
 
 
 #: What every extra-config error shows as the way to write it.
