@@ -87,7 +87,11 @@ def test_unknown_key_is_a_problem_and_stays_out_of_the_launch_lines(capsys, stor
 
 
 def test_unknown_key_in_the_config_file_is_a_problem(capsys, monkeypatch, tmp_path, store_name):
-    path = tmp_path / "simm.json"
+    # a path longer than the 80 columns pytest-xdist's workers set: rich used
+    # to fold it mid-word, so the problem named no file one could copy
+    monkeypatch.setenv("COLUMNS", "80")
+    (tmp_path / ("d" * 64)).mkdir()
+    path = tmp_path / ("d" * 64) / "simm.json"
     path.write_text(json.dumps({"manager_address": f"inprocess://{store_name}", "warm_up": False}))
     monkeypatch.setenv("SGLANG_HICACHE_SIMM_CONFIG_PATH", str(path))
     code, out = doctor(capsys)

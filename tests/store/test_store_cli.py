@@ -87,10 +87,15 @@ def test_stop_all(capsys, host_store_dir):
     assert not any(pid_alive(p) for p in pids)
 
 
-def test_the_list_keeps_every_value_whole_when_piped(capsys, host_store_dir, monkeypatch):
+@pytest.mark.parametrize("columns", [None, "80"], ids=["no-COLUMNS", "COLUMNS-80"])
+def test_the_list_keeps_every_value_whole_when_piped(capsys, host_store_dir, monkeypatch, columns):
     # CI's failure: output to a pipe got rich's 80 columns, and a long store name
-    # beside ours cut our row's capacity to "64.0 M…".
-    monkeypatch.delenv("COLUMNS", raising=False)
+    # beside ours cut our row's capacity to "64.0 M…". pytest-xdist's workers
+    # set COLUMNS=80.
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
     root = os.path.join(host_store_dir, f"wide-{uuid.uuid4().hex[:6]}")
     stores = [HostServer(n, root=root, capacity=64 << 20) for n in ("short", "a-store-name-as-long-as-operators-write-them")]
     for s in stores:

@@ -15,8 +15,9 @@ import threading
 from typing import Any, Sequence
 
 
-#: Width for output that goes to a pipe or a file: rich would take 80 columns
-#: and cut table cells to fit, and whoever reads a pipe wants every value whole.
+#: The narrowest output to a pipe or a file: rich would take 80 columns (or
+#: $COLUMNS, which describes a terminal; pytest-xdist sets it to 80) and cut
+#: table cells to fit, and whoever reads a pipe wants every value whole.
 PIPE_WIDTH = 240
 
 
@@ -24,7 +25,7 @@ def _console() -> Any:
     from rich.console import Console
 
     console = Console(highlight=False)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
+    if not console.is_terminal and console.width < PIPE_WIDTH:
         console = Console(highlight=False, width=PIPE_WIDTH)
     return console
 

@@ -245,9 +245,9 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
         _round_trip(console, config, report)
 
     for note in report.notes:
-        console.print(f"[yellow]note:[/yellow] {_text(note)}")
+        console.print(f"[yellow]note:[/yellow] {_text(note)}", soft_wrap=True)  # paths stay whole, to copy
     for problem in report.problems:
-        console.print(f"[red]problem:[/red] {_text(problem)}")
+        console.print(f"[red]problem:[/red] {_text(problem)}", soft_wrap=True)
     if report.problems:
         console.print(f"[red]{len(report.problems)} problem(s) block a start.[/red]")
         return 1
