@@ -22,8 +22,8 @@ export PIP_NO_INPUT=1
 
 log() { printf '[%s +%ss] %s\n' "${LOG_TAG:-venv}" "$SECONDS" "$*" >&2; }
 
-# pip, quiet, without byte-compiling (that halves install time; Python
-# compiles what the tests import on first use), and without the noise that
+# pip, quiet, without byte-compiling (compile_tree does it once, in
+# parallel, after a venv's last install), and without the noise that
 # installing SGLang --no-deps causes (pip lists every SGLang dependency left
 # out) or that unreachable local index folders in a pip config cause. Full
 # output when pip fails.
@@ -66,6 +66,19 @@ stamp_of() {
     } | sha256sum | cut -d' ' -f1
 }
 
+# compile_tree PYTHON DIR...: byte-compile once, on every core. Without it
+# each process compiles every module it imports, and where
+# PYTHONDONTWRITEBYTECODE=1 is set (as on some CI machines) it does so on
+# every start: an SGLang scheduler then spends 24 s of CPU importing instead
+# of 11 (measured), and a test run starts a dozen SGLang processes.
+compile_tree() {
+    local py="$1"
+    shift
+    # Its status is not checked, as pip does not check it: packages ship files
+    # for newer Pythons that are never imported (torch's py312_intrinsics.py).
+    "$py" -m compileall -q -j 0 "$@" >/dev/null 2>&1 || true
+}
+
 # torch installed once into DIR (pip --target) and shared by every venv built
 # while TORCH_LAYER=DIR is set, through a .pth file: scripts/compat.sh builds
 # a venv per SGLang release, and a copy of torch each would cost ~1 GB and a
@@ -76,6 +89,7 @@ ensure_torch_layer() {
     log "installing $TORCH_SPEC once into $layer (shared by the compat venvs)"
     rm -rf "$layer"
     pip_q "$PYTHON" install --target "$layer" "$TORCH_SPEC"
+    compile_tree "$PYTHON" "$layer"
     touch "$layer/.done"
 }
 
@@ -140,6 +154,8 @@ PYEOF
         return 1
     fi
     write_shims "$py" "$sgl_kernel_stub"
+    log "$venv: byte-compiling site-packages"
+    compile_tree "$py" "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     log "$venv: checking SGLang's HiCache modules import"
     "$py" -W ignore - <<'PYEOF'
 import importlib
@@ -198,5 +214,6 @@ install_wheel() {
     hash="$(cat dist/.tree-hash)"
     [ "$(cat "$venv/.wheel-hash" 2>/dev/null || true)" = "$hash" ] && return 0
     pip_q "$ROOT/$venv/bin/python" install --no-deps --force-reinstall "$ROOT/$WHEEL"
+    compile_tree "$ROOT/$venv/bin/python" "$("$ROOT/$venv/bin/python" -c 'import sglang_simm, os; print(os.path.dirname(sglang_simm.__file__))')"
     printf '%s\n' "$hash" >"$venv/.wheel-hash"
 }

@@ -40,10 +40,19 @@ fi
 # with plugin entry points. Both need the sgl_kernel import shim.
 COMPAT_SGLANGS=("0.5.8" "0.5.11")
 
+# The suite spreads over pytest-xdist workers, one per core up to 4
+# (SGLANG_SIMM_TEST_WORKERS overrides; -n 0 in the arguments runs in this
+# process). Tests that share a server or a module's setup stay on one worker
+# (GROUPS in tests/conftest.py): most of a run is SGLang importing itself in
+# servers, which a single pytest process leaves one core idle beside.
+workers="${SGLANG_SIMM_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+[ "$workers" -gt 4 ] && workers=4
+spread=(-n "$workers" --dist loadgroup)
+
 ensure_venv "$MAIN_VENV" "$MAIN_SGLANG" ".[test]" False
 if [ "$fast" = 1 ]; then
-    log "pytest -m '$FAST_MARKERS' $* (this tree's src/ first on the path)"
-    PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" exec "$ROOT/$MAIN_VENV/bin/python" -m pytest -m "$FAST_MARKERS" "$@"
+    log "pytest -m '$FAST_MARKERS' ${spread[*]} $* (this tree's src/ first on the path)"
+    PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" exec "$ROOT/$MAIN_VENV/bin/python" -m pytest -m "$FAST_MARKERS" "${spread[@]}" "$@"
 fi
 
 # Every venv runs this repo as an operator gets it: the built wheel (over the
@@ -60,5 +69,5 @@ for venv in "$MAIN_VENV" "${COMPAT_SGLANGS[@]/#/.venv-sglang-}"; do
 done
 export SGLANG_SIMM_WHEEL="$ROOT/$WHEEL"
 
-log "pytest $*"
-exec "$ROOT/$MAIN_VENV/bin/python" -m pytest "$@"
+log "pytest ${spread[*]} $*"
+exec "$ROOT/$MAIN_VENV/bin/python" -m pytest "${spread[@]}" "$@"

@@ -50,11 +50,34 @@ TIERS = {
 
 
 def pytest_collection_finish(session):
-    # the compat probes run in other venvs for minutes: start them now, beside the suite
+    # The compat probes run in other venvs for minutes: start them now, beside
+    # the suite. Under xdist every worker collects; the worker that runs
+    # test_compat starts them on its first test instead.
+    if hasattr(session.config, "workerinput"):
+        return
     if any(os.path.basename(str(item.fspath)) == "test_compat.py" for item in session.items):
         import test_compat
 
         test_compat.start_probes()
+
+
+#: (name, seconds to healthy, log) of the e2e servers, from every xdist worker
+_SERVERS_STARTED: list[tuple[str, float, str]] = []
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without xdist
+def pytest_testnodedown(node, error):
+    _SERVERS_STARTED.extend(getattr(node, "workeroutput", {}).get("e2e_servers_started", []))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    started = _SERVERS_STARTED + getattr(config, "e2e_servers_started", [])
+    if not started:
+        return
+    terminalreporter.write_sep("-", "SGLang servers started by the e2e tests (launched side by side)")
+    for name, seconds, log in started:
+        # found healthy when a test first asked for it: an upper bound on its start time
+        terminalreporter.write_line(f"{name}: healthy at most {seconds:.1f} s after launch (log {log})")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -63,13 +86,46 @@ def pytest_sessionfinish(session, exitstatus):
         compat.stop_probes()
 
 
+#: Files whose tests share an expensive fixture (the e2e servers, a module's
+#: setup) run on one worker when scripts/test.sh spreads the suite over
+#: several (pytest-xdist, --dist loadgroup): the fixture is then built once.
+GROUPS = {
+    "e2e/test_server.py": "e2e-servers",
+    "e2e/test_corrupt_control.py": "e2e-servers",
+    "store/test_tp2.py": "tp2",
+    "test_bench.py": "bench-tiny-run",
+    "test_compat.py": "compat",
+}
+
+#: The longest units first, so workers start them at once and the short
+#: tests fill in around them, instead of one starting last and running alone
+#: (what the slowest tests take: docs/testing.md).
+FIRST = (
+    "e2e/test_server.py", "e2e/test_corrupt_control.py", "test_bench_server.py::test_quick_bench_on_file_and_ours",
+    "e2e/test_server_demo.py", "test_compat.py", "store/test_tp2.py",
+)
+
+
+def _rank(where: str, name: str) -> int:
+    for i, prefix in enumerate(FIRST):
+        file, _, test = prefix.partition("::")
+        if where == file and (not test or name.startswith(test)):
+            return i
+    return len(FIRST)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture, before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     tests = os.path.dirname(os.path.abspath(__file__))
+    wheres = {}
     for item in items:
-        where = os.path.relpath(str(item.fspath), tests)
+        where = wheres[item] = os.path.relpath(str(item.fspath), tests)
         for prefix, marker in TIERS.items():
             if where == prefix or (prefix.endswith("/") and where.startswith(prefix)):
                 item.add_marker(marker)
+        if where in GROUPS:
+            item.add_marker(pytest.mark.xdist_group(GROUPS[where]))
+    items.sort(key=lambda item: _rank(wheres[item], item.name))  # stable: the rest keep their order
 
 
 def _interrupt(signum, frame):

@@ -121,10 +121,10 @@ def pytest_runtest_teardown(item, nextitem):
         _POOL[0].stop_all()
 
 
-def pytest_terminal_summary(terminalreporter):
-    if not _STARTED:
-        return
-    terminalreporter.write_sep("-", "SGLang servers started by the e2e tests (launched side by side)")
-    for name, seconds, log in _STARTED:
-        # found healthy when a test first asked for it: an upper bound on its start time
-        terminalreporter.write_line(f"{name}: healthy at most {seconds:.1f} s after launch (log {log})")
+def pytest_sessionfinish(session):
+    # tests/conftest.py prints these; an xdist worker hands them to its controller
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["e2e_servers_started"] = list(_STARTED)
+    else:
+        session.config.e2e_servers_started = list(_STARTED)
