@@ -42,12 +42,13 @@ COMPAT_SGLANGS=("0.5.8" "0.5.11")
 
 # The suite spreads over pytest-xdist workers, one per core up to 4
 # (SGLANG_SIMM_TEST_WORKERS overrides; -n 0 in the arguments runs in this
-# process). Tests that share a server or a module's setup stay on one worker
-# (GROUPS in tests/conftest.py): most of a run is SGLang importing itself in
-# servers, which a single pytest process leaves one core idle beside.
+# process), a file at a time, so a file's shared servers or setup are built
+# once; the longest files go first (FIRST in tests/conftest.py). Most of a
+# run is SGLang importing itself in servers, which a single pytest process
+# leaves a core idle beside.
 workers="${SGLANG_SIMM_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
 [ "$workers" -gt 4 ] && workers=4
-spread=(-n "$workers" --dist loadgroup)
+spread=(-n "$workers" --dist loadfile --no-loadscope-reorder)  # our order: FIRST
 
 ensure_venv "$MAIN_VENV" "$MAIN_SGLANG" ".[test]" False
 if [ "$fast" = 1 ]; then

@@ -86,46 +86,35 @@ def pytest_sessionfinish(session, exitstatus):
         compat.stop_probes()
 
 
-#: Files whose tests share an expensive fixture (the e2e servers, a module's
-#: setup) run on one worker when scripts/test.sh spreads the suite over
-#: several (pytest-xdist, --dist loadgroup): the fixture is then built once.
-GROUPS = {
-    "e2e/test_server.py": "e2e-servers",
-    "e2e/test_corrupt_control.py": "e2e-servers",
-    "store/test_tp2.py": "tp2",
-    "test_bench.py": "bench-tiny-run",
-    "test_compat.py": "compat",
-}
-
-#: The longest units first, so workers start them at once and the short
-#: tests fill in around them, instead of one starting last and running alone
-#: (what the slowest tests take: docs/testing.md).
-FIRST = (
-    "e2e/test_server.py", "e2e/test_corrupt_control.py", "test_bench_server.py::test_quick_bench_on_file_and_ours",
-    "e2e/test_server_demo.py", "test_compat.py", "store/test_tp2.py",
-)
+#: The longest files first. scripts/test.sh spreads the suite over
+#: pytest-xdist workers a file at a time (--dist loadfile: a file's shared
+#: fixtures, such as the e2e servers, are built once), handing the next file
+#: to whichever worker is free: started first, these run beside each other
+#: while the short files fill in, instead of one starting last and running
+#: alone (what each takes: docs/testing.md).
+FIRST = ("e2e/test_server.py", "test_bench_server.py", "e2e/test_server_demo.py", "test_compat.py",
+         "store/test_tp2.py", "test_server_launch.py")
 
 
-def _rank(where: str, name: str) -> int:
-    for i, prefix in enumerate(FIRST):
-        file, _, test = prefix.partition("::")
-        if where == file and (not test or name.startswith(test)):
-            return i
-    return len(FIRST)
+def _rank(where: str) -> int:
+    return FIRST.index(where) if where in FIRST else len(FIRST)
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture, before xdist reads the groups
+def _where(item) -> str:
+    return os.path.relpath(str(item.fspath), os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_itemcollected(item):
+    where = _where(item)
+    for prefix, marker in TIERS.items():
+        if where == prefix or (prefix.endswith("/") and where.startswith(prefix)):
+            item.add_marker(marker)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture
 def pytest_collection_modifyitems(config, items):
-    tests = os.path.dirname(os.path.abspath(__file__))
-    wheres = {}
-    for item in items:
-        where = wheres[item] = os.path.relpath(str(item.fspath), tests)
-        for prefix, marker in TIERS.items():
-            if where == prefix or (prefix.endswith("/") and where.startswith(prefix)):
-                item.add_marker(marker)
-        if where in GROUPS:
-            item.add_marker(pytest.mark.xdist_group(GROUPS[where]))
-    items.sort(key=lambda item: _rank(wheres[item], item.name))  # stable: the rest keep their order
+    ranks = {item: _rank(_where(item)) for item in items}
+    items.sort(key=ranks.__getitem__)  # stable: the rest keep their order
 
 
 def _interrupt(signum, frame):

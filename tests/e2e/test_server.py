@@ -12,6 +12,16 @@ Reference outputs are fresh computations: the same prompt sent before any
 tier holds it, or under its own ``extra_key`` (which namespaces every tier).
 A restored prompt must report its prefix from L3 (``cached_tokens_details``)
 and give the same greedy tokens and the same logprobs, bit for bit.
+
+The control (last in this file, on the ``corrupt-reads`` server): the same
+restore with L3 returning corrupted pages must change the outputs, so the
+restore tests can fail. Its store sets the embedded client's
+``embedded_corrupt_reads`` fault through ``client_flags``: the top bit of
+every byte of every successful read is flipped after the copy, and the read
+still reports success. Its warm-up round trip is off, since it would see the
+bad bytes and refuse to start. It lives in this file so that a run spread
+over pytest-xdist workers by file (scripts/test.sh) starts the three servers
+once, on one worker.
 """
 
 from __future__ import annotations
@@ -190,3 +200,20 @@ def test_soak_keeps_scheduler_memory_flat(server):
     assert hits == 3 * 24, why(server, f"only {hits} of the {3 * 24} re-sent prompts hit L3")
     assert growth < 16 << 20, why(
         server, f"the scheduler's private memory grew {growth / 2**20:.1f} MiB over {requests} requests")
+
+
+# -- the control -------------------------------------------------------------------------
+
+
+def test_corrupted_l3_pages_change_the_outputs(servers):
+    server = servers.get("corrupt-reads")
+    ids = prompt(1, LONG)
+    fresh = server.generate(ids)
+    server.wait_l3_stored((LONG + len(fresh.output_ids) - 1) // PAGE)  # the last token has no KV
+    server.flush_cache()
+    restored = server.generate(ids)
+    # the corrupted pages were served as an L3 hit ...
+    assert restored.storage_tokens == matchable_tokens(LONG, PAGE), restored.cached_details
+    # ... and the model computed with them
+    assert restored.logprobs != fresh.logprobs, f"corrupted KV gave the same logprobs; log {server.log_path}"
+    assert restored.output_ids != fresh.output_ids, f"corrupted KV gave the same tokens; log {server.log_path}"
