@@ -7,8 +7,15 @@ several servers, the tools).
 ``_client`` serves both the same way. Per batch it sends one control
 request (two for a put: reserve, then publish; a batch above the store's
 ``max_batch`` goes in several), and copies the bytes itself, between the
-caller's memory and the shared arena, with the GIL released
-(``_copy.copy_many``).
+caller's memory and the shared arena (``_copy.copy_many``).
+
+A server's backup and prefetch threads share the GIL with a scheduler
+thread that runs Python all the time, and every call that lets the GIL go
+may wait up to the switch interval (5 ms) to get it back. So requests are
+sent without letting the GIL go (a non-blocking send through
+``ctypes.PyDLL``; the blocking send, under the kernel's time limit, only
+when the socket has no room), and small copies keep it (``_copy``): a
+call lets it go only to wait for a reply.
 
 It trusts nothing the store answers: every offset and size is checked
 against the arena it mapped before a byte is copied (a bad answer fails
@@ -112,6 +119,44 @@ def lock_held(paths: StorePaths) -> bool:
     return False
 
 
+def _held_send() -> Any:
+    """libc's ``send`` through ``ctypes.PyDLL``, a foreign call that keeps
+    the GIL (None where this process's symbols do not hold it)."""
+    try:
+        fn = ctypes.PyDLL(None, use_errno=True).send
+    except (OSError, AttributeError):  # pragma: no cover - no dlopen(NULL) or no libc symbols
+        return None
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+    return fn
+
+
+_send_held = _held_send()
+#: never blocks, and a peer gone raises EPIPE rather than a signal
+_SEND_NOW = getattr(socket, "MSG_DONTWAIT", 0) | getattr(socket, "MSG_NOSIGNAL", 0)
+_SEND_LATER = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.ENOBUFS)
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    """All of ``data``, holding the GIL while the socket has room (a
+    request is small and the store reads it at once: nearly always); what
+    is left goes by the blocking send, which lets the GIL go and fails with
+    EAGAIN at the kernel's time limit (SO_SNDTIMEO)."""
+    send = _send_held
+    if send is None or not _SEND_NOW:
+        sock.sendall(data)
+        return
+    n = send(sock.fileno(), data, len(data), _SEND_NOW)
+    if n == len(data):
+        return
+    if n < 0:
+        err = ctypes.get_errno()
+        if err not in _SEND_LATER:
+            raise OSError(err, os.strerror(err))
+        n = 0
+    sock.sendall(memoryview(data)[n:])
+
+
 def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
     """Sends and receives on ``sock`` fail with EAGAIN after ``seconds``."""
     whole = int(seconds)
@@ -167,7 +212,7 @@ class _Connection:
         if timeout_s is not None:
             _kernel_timeout(self.sock, timeout_s)
         try:
-            self.sock.sendall(data)
+            _send(self.sock, data)
             if not reply:
                 return 0, b""
             # One receive gets the header and, nearly always, the whole reply.
