@@ -7,9 +7,11 @@ interval to get it back. Counted with the bench's own harness
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -17,12 +19,13 @@ import uuid
 
 import pytest
 
-from sglang_simm.embedded import _copy
+from sglang_simm.embedded import _copy, _host
 from sglang_simm.embedded._host import HostServer, StoreUnreachable
-from sglang_simm.errors import DS_KEY_NOT_FOUND, OK, SEND_RPC_FAILED
+from sglang_simm.embedded._protocol import Op
+from sglang_simm.errors import DS_DATA_ALREADY_EXISTS, DS_KEY_NOT_FOUND, OK, SEND_RPC_FAILED
 from sglang_simm.tools.bench.backup_gil import Counts, CountingSocket, _install_counters
 
-from raw_peer import StoreProc, wait_for
+from raw_peer import Peer, StoreProc, env, wait_for
 
 pytestmark = pytest.mark.host
 
@@ -86,6 +89,7 @@ def test_a_restore_lets_the_gil_go_only_to_wait_for_its_reply(store, n):
     src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
     keys = [f"r{n}-{i}" for i in range(n)]
     assert client.put_from([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, src)], True) == [OK] * n
+    client.settle()  # the put's COMMIT reply read: only the restore's own calls are counted
     out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
     got, (releases, waits) = counted(
         client, lambda: client.get_into([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, out)]))
@@ -96,16 +100,28 @@ def test_a_restore_lets_the_gil_go_only_to_wait_for_its_reply(store, n):
     client.close()
 
 
-def test_a_backups_copies_and_sends_keep_the_gil(store):
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_a_backup_lets_the_gil_go_once_to_wait_for_the_puts_reply(store, n):
     client = client_of(store)
-    n = 8
     src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
-    items = [(f"b-{i}", ctypes.addressof(b), OBJECT) for i, b in enumerate(src)]
+    items = [(f"b{n}-{i}", ctypes.addressof(b), OBJECT) for i, b in enumerate(src)]
     codes, (releases, waits) = counted(client, lambda: client.put_from(items, True))
     assert codes == [OK] * n
-    # before: 2 sends, 2 receives and 8 memmoves; what is left is waiting for replies
-    assert releases == waits
+    # before: 2 sends, 2 receives (PUT, COMMIT) and a memmove per object
+    assert (releases, waits) == (1, 1)
+    # The next finds the first's COMMIT reply to settle on the way: taken
+    # holding the GIL when it is there already, else read with this one's
+    # (and the PUT's reply, right behind it, may be there by then too).
+    codes, (releases, waits) = counted(client, lambda: client.put_from(items, True))
+    assert codes == [OK] * n
+    assert waits <= 1 and releases <= 2, (releases, waits)
+    other = client_of(store)
+    out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
+    assert other.get_into([(k, ctypes.addressof(b), OBJECT) for (k, _, _), b in zip(items, out)]) == [OBJECT] * n
+    assert [b.raw for b in out] == [b.raw for b in src]
+    assert client.stats()["commit_failures"] == 0
     client.close()
+    other.close()
 
 
 def test_small_copies_keep_the_gil_and_large_ones_let_it_go():
@@ -172,3 +188,148 @@ def _lookup(client, keys):
         return client.lookup(keys)
     except StoreUnreachable:
         return None
+
+
+# -- a backup's COMMIT, not waited for ------------------------------------------------
+
+
+def _stop_store_after_the_copy(monkeypatch, store):
+    """The store process stops once the put's copy is done: its COMMIT then
+    waits, unread, in the socket."""
+    real = _host.copy_many
+
+    def copy_then_stop(copies):
+        real(copies)
+        os.kill(store.pid, signal.SIGSTOP)
+
+    monkeypatch.setattr(_host, "copy_many", copy_then_stop)
+    return real
+
+
+def test_a_commit_the_store_refuses_later_is_counted_logged_and_reads_as_a_miss(store, monkeypatch, caplog):
+    client = client_of(store)
+    data = ctypes.create_string_buffer(b"\x05" * 4096, 4096)
+    real = _host.copy_many
+
+    def copy_then_expire(copies):
+        real(copies)
+        with Peer(store.paths) as admin:  # the lease expires before the COMMIT reaches the store
+            assert admin.admin("expire_leases", older_than_s=0)["expired"] == 1
+
+    monkeypatch.setattr(_host, "copy_many", copy_then_expire)
+    items = [("late-a", ctypes.addressof(data), 4096), ("late-b", ctypes.addressof(data), 4096)]
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.embedded"):
+        assert client.put_from(items, True) == [OK, OK]  # known at once: reserved and copied
+        monkeypatch.setattr(_host, "copy_many", real)
+        assert client.lookup(["late-a", "late-b"]) == [DS_KEY_NOT_FOUND] * 2  # settles the COMMIT first
+    assert client.commit_failures == 2 and client.stats()["commit_failures"] == 2
+    assert any("did not publish 2 backed-up entries" in r.getMessage() and "expired" in r.getMessage()
+               for r in caplog.records)
+    out = ctypes.create_string_buffer(4096)
+    assert client.get_into([("late-a", ctypes.addressof(out), 4096)]) == [DS_KEY_NOT_FOUND]  # a miss, never bytes
+    assert client.put_from(items, True) == [OK, OK]  # the connection goes on
+    assert client.get_into([("late-a", ctypes.addressof(out), 4096)]) == [4096] and out.raw == data.raw
+    client.close()
+
+
+def test_closing_with_a_commit_unread_loses_no_backup(store, monkeypatch):
+    client = client_of(store)
+    data = ctypes.create_string_buffer(b"\x06" * 4096, 4096)
+    _stop_store_after_the_copy(monkeypatch, store)
+    try:
+        assert client.put_from([("closing", ctypes.addressof(data), 4096)], True) == [OK]
+        client.close()  # the store has not read the COMMIT: the socket closes behind it
+        assert client.commits_unconfirmed == 1 and client.commit_failures == 0
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    other = client_of(store)
+    out = ctypes.create_string_buffer(4096)
+    assert other.get_into([("closing", ctypes.addressof(out), 4096)]) == [4096] and out.raw == data.raw
+    other.close()
+
+
+def test_a_store_killed_with_a_commit_unread_loses_that_backup_as_a_miss(host_store_dir, monkeypatch):
+    name = f"gil-kill-{uuid.uuid4().hex[:8]}"
+    store = StoreProc(host_store_dir, name, capacity=64 << 20)
+    client = client_of(store, timeout_s=2.0)
+    data = ctypes.create_string_buffer(b"\x07" * 4096, 4096)
+    try:
+        assert client.put_from([("kept", ctypes.addressof(data), 4096)], True) == [OK]
+        real = _stop_store_after_the_copy(monkeypatch, store)
+        assert client.put_from([("lost", ctypes.addressof(data), 4096)], True) == [OK]
+        monkeypatch.setattr(_host, "copy_many", real)
+        store.kill9()  # its COMMIT still unread in the socket
+        with pytest.raises(StoreUnreachable):
+            client.lookup(["kept"])
+        assert client.commits_unconfirmed == 1
+    finally:
+        store.stop()
+    again = StoreProc(host_store_dir, name, capacity=64 << 20)  # takes the dead store's objects over
+    try:
+        other = client_of(again)
+        out = ctypes.create_string_buffer(4096)
+        assert other.get_into([("lost", ctypes.addressof(out), 4096)]) == [DS_KEY_NOT_FOUND]  # a miss, no torn bytes
+        assert other.get_into([("kept", ctypes.addressof(out), 4096)]) == [4096] and out.raw == data.raw
+        other.close()
+    finally:
+        client.close()
+        again.stop()
+
+
+def test_a_put_without_overwrite_still_gets_the_commits_code(store, monkeypatch):
+    """Without overwrite another put of the key may publish first, and the
+    caller is owed that code: such a put still waits for its COMMIT."""
+    client = client_of(store)
+    data = ctypes.create_string_buffer(b"\x08" * 4096, 4096)
+    real = _host.copy_many
+    with Peer(store.paths) as rival:
+        lease, codes, _ = rival.put(["race"], [4096], overwrite=False)
+        assert codes == [OK]
+
+        def copy_then_rival_publishes(copies):
+            real(copies)
+            assert rival.commit(lease)[0] == Op.COMMIT
+
+        monkeypatch.setattr(_host, "copy_many", copy_then_rival_publishes)
+        assert client.put_from([("race", ctypes.addressof(data), 4096)], False) == [DS_DATA_ALREADY_EXISTS]
+    client.close()
+
+
+CHILD_LOOKUP = """
+import sys
+from sglang_simm.embedded._host import HostServer
+c = HostServer(sys.argv[1], root=sys.argv[2], capacity=1, spawn=False, timeout_s=10)
+c.open()
+print("ready", flush=True)
+for line in sys.stdin:
+    print(c.lookup([line.strip()])[0], flush=True)
+"""
+
+
+def test_a_backup_is_seen_at_once_by_another_process(store):
+    """The store serves each connection's requests in order, not across
+    connections: a lookup another process sends once a backup returned must
+    still find it (the COMMIT, sent before the return, is read first)."""
+    client = client_of(store)
+    data = ctypes.create_string_buffer(b"\x09" * 4096, 4096)
+    reader = subprocess.Popen([sys.executable, "-c", CHILD_LOOKUP, store.paths.name, store.paths.root],
+                              env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    same_process = client_of(store)
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+        seen = []
+        for i in range(200):
+            key = f"seen-{i}"
+            assert client.put_from([(key, ctypes.addressof(data), 4096)], True) == [OK]
+            if i % 2:
+                seen.append(same_process.lookup([key])[0])
+            else:
+                reader.stdin.write(key + "\n")
+                reader.stdin.flush()
+                seen.append(int(reader.stdout.readline()))
+        assert seen == [OK] * 200
+    finally:
+        reader.kill()
+        reader.wait(timeout=10)
+        same_process.close()
+        client.close()

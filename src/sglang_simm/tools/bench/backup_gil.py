@@ -128,6 +128,7 @@ def _install_counters(server: Any, counts: Counts) -> Callable[[], None]:
     wrap(_copy, "_memmove", "releases")  # a CFUNCTYPE call: releases the GIL
     wrap(_copy, "_memmove_held", "held")  # a PyDLL call: keeps it
     wrap(_host, "_send_held", "held", conn.sock.sent_held)  # MSG_DONTWAIT send through PyDLL: keeps it
+    wrap(_host, "_recv_held", "held")  # MSG_DONTWAIT receive through PyDLL: keeps it
 
     def undo() -> None:
         conn.sock = real_sock
