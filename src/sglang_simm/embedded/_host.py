@@ -148,8 +148,37 @@ def _held_recv() -> Any:
     return fn
 
 
+class _PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _held_ppoll() -> Any:
+    """libc's ``ppoll`` through ``ctypes.PyDLL`` (waits keeping the GIL), or None."""
+    try:
+        fn = ctypes.PyDLL(None, use_errno=True).ppoll
+    except (OSError, AttributeError):  # pragma: no cover
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = (ctypes.POINTER(_PollFd), ctypes.c_ulong, ctypes.POINTER(_Timespec), ctypes.c_void_p)
+    return fn
+
+
 _send_held = _held_send()
 _recv_held = _held_recv()
+_ppoll_held = _held_ppoll()
+_POLLIN = 0x001
+
+#: How long a call waits for a reply holding the GIL before it lets the GIL
+#: go for a blocking receive. A reply takes 0.1-0.2 ms here (an empty round
+#: trip, docs/benchmarks.md); letting the GIL go for it costs a thread
+#: beside a busy scheduler up to the 5 ms switch interval to get it back,
+#: while holding it stops the other threads for no longer than this.
+#: Measured in docs/benchmarks.md ("GIL releases and waits").
+HELD_WAIT_S = 0.0005
 #: never blocks, and a peer gone raises EPIPE rather than a signal
 _SEND_NOW = getattr(socket, "MSG_DONTWAIT", 0) | getattr(socket, "MSG_NOSIGNAL", 0)
 _SEND_LATER = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.ENOBUFS)
@@ -196,6 +225,8 @@ class _Connection:
         self.on_commit = on_commit
         self._unread = b""  # bytes received past the last reply read
         self._scratch: ctypes.Array[ctypes.c_char] | None = None  # for receives that keep the GIL
+        self._pollfd: _PollFd | None = None
+        self._held_until = 0.0  # the exchange in progress waits keeping the GIL until then
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             check_file(paths.socket)
@@ -236,6 +267,8 @@ class _Connection:
     def _read_frame(self) -> tuple[int, bytes]:
         """The next reply on the connection: one receive gets the header and,
         nearly always, the whole reply (with any earlier ones still unread)."""
+        if not _whole_frame(self._unread):
+            self._wait_held()
         head, self._unread = self._unread, b""
         while len(head) < wire.HEADER.size:
             more = self.sock.recv(1 << 16)
@@ -269,6 +302,29 @@ class _Connection:
             if n < size:
                 return
 
+    def _wait_held(self) -> None:
+        """Until a whole reply is in ``_unread`` or the exchange's held wait
+        (``HELD_WAIT_S`` from its send) is over, wait for bytes keeping the
+        GIL, and take them (the blocking receive waits for the rest)."""
+        wait = _ppoll_held
+        if wait is None or _recv_held is None or not _SEND_NOW:
+            return
+        if self._pollfd is None:
+            self._pollfd = _PollFd(self.sock.fileno(), _POLLIN, 0)
+        while not _whole_frame(self._unread):
+            left = self._held_until - time.monotonic()
+            if left <= 0:
+                return
+            whole = int(left)
+            ready = wait(ctypes.byref(self._pollfd), 1, ctypes.byref(_Timespec(whole, int((left - whole) * 1e9))),
+                         None)
+            if ready <= 0:  # the time is up, or a signal: the blocking receive takes over
+                return
+            before = len(self._unread)
+            self._take_received()
+            if len(self._unread) == before:  # readable with nothing to read: the peer closed
+                return
+
     def _settle(self) -> None:
         """Hand the replies of the COMMITs sent earlier to ``on_commit``."""
         while self.pending:
@@ -289,11 +345,8 @@ class _Connection:
             _send(self.sock, data)
             if not reply:
                 return 0, b""
-            if settling and self.pending:
-                # a COMMIT's reply came late; this request's comes right behind it
-                self._settle()
-                if len(self._unread) < wire.HEADER.size:
-                    self._take_received()
+            self._held_until = time.monotonic() + HELD_WAIT_S
+            self._settle()  # a COMMIT's reply that came late: this request's is right behind it
             op, body = self._read_frame()
             if self._unread:
                 raise ConnectionResetError("the store process sent more than one reply")

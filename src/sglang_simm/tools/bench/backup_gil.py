@@ -14,17 +14,19 @@ backend over a host store in its own process:
 * ``releases``: calls in our client that release the GIL (socket sends and
   receives, ``ctypes.memmove``); the copies and sends made holding it are
   counted apart (``held``);
-* ``waits``: receives and sends that had to block (nothing to read yet,
-  or no room to write, checked with a zero-timeout ``select`` first);
+* ``waits``: replies waited for (the first receive or held wait after a
+  request is sent, however many receives the reply takes), and sends that
+  found no room to write (a zero-timeout ``select`` first);
 
 and times the same calls idle and beside a thread running pure Python
 (``busy``), medians over ``--repeat`` calls per size. Counting runs apart
 from timing (the counters' own ``select`` would be in the figures).
 
-``--before REV`` runs the same bench on the embedded client of git revision
-``REV`` (its ``src`` exported to a temporary directory, this file copied
-in), the two taking turns ``--rounds`` times each, so both columns share
-the machine's load; ``--before none`` measures this tree only. Torch's own
+``--before REV[,REV...]`` runs the same bench on the embedded client of
+those git revisions (each one's ``src`` exported to a temporary directory,
+this file copied in), all trees taking turns ``--rounds`` times each, so
+every column shares the machine's load; ``--before none`` measures this
+tree only. Torch's own
 GIL releases in the backend (outside the embedded client) are not counted;
 the busy time shows them with the rest.
 """
@@ -41,7 +43,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 DEFAULT_SIZES = (1, 4, 8, 32, 128)
 OPS = ("backup", "restore")
@@ -93,6 +97,12 @@ class CountingSocket:
         """A request sent without releasing the GIL (its reply is still a wait)."""
         self._asked = True
 
+    def waited_held(self) -> None:
+        """A wait for the reply that keeps the GIL: a wait, not a release."""
+        if self._asked:
+            self._counts.waits += 1
+            self._asked = False
+
     def __getattr__(self, name: str) -> Any:
         if name in ("send", "sendall", "sendmsg"):
             return self._counted(name, True)
@@ -129,6 +139,7 @@ def _install_counters(server: Any, counts: Counts) -> Callable[[], None]:
     wrap(_copy, "_memmove_held", "held")  # a PyDLL call: keeps it
     wrap(_host, "_send_held", "held", conn.sock.sent_held)  # MSG_DONTWAIT send through PyDLL: keeps it
     wrap(_host, "_recv_held", "held")  # MSG_DONTWAIT receive through PyDLL: keeps it
+    wrap(_host, "_ppoll_held", "held", conn.sock.waited_held)  # a short wait for a reply through PyDLL: keeps it
 
     def undo() -> None:
         conn.sock = real_sock
@@ -138,13 +149,37 @@ def _install_counters(server: Any, counts: Counts) -> Callable[[], None]:
     return undo
 
 
+@contextmanager
+def _spinning(on: bool, spins: list[int]) -> Iterator[None]:
+    """A thread running pure Python for the block (``on``), as a server's
+    scheduler runs beside its backup thread, counting its loops in
+    ``spins[0]``: how much of the GIL it got, the cost to a scheduler of
+    what the calls hold it for."""
+    if not on:
+        yield
+        return
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            spins[0] += 1
+
+    t = threading.Thread(target=spin, name="busy-python", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
 def measure(sizes: list[int], repeat: int, warmup: int = 5) -> dict[str, Any]:
     """Per size and op: releases, waits and held calls of one call (medians),
     and wall µs idle and busy (p10 / median / p90)."""
     import time
 
     from sglang_simm.tools.bench.pages import host_indices, page_keys
-    from sglang_simm.tools.bench.server_backup import _backend, _busy_thread, _quantiles
+    from sglang_simm.tools.bench.server_backup import _backend, _quantiles
 
     pool_pages = max(sizes) * 4
     name = f"backup-gil-{os.getpid()}"
@@ -183,13 +218,15 @@ def measure(sizes: list[int], repeat: int, warmup: int = 5) -> dict[str, Any]:
                                 per[(n, op)][field].append(getattr(counts, field))
         finally:
             undo()
+        spins = [0]
         times: dict[tuple[int, str, bool], list[float]] = {
             (n, op, busy): [] for n in sizes for op in OPS for busy in (False, True)}
         gc_was = gc.isenabled()
         gc.disable()
         try:
             for busy in (False, True):
-                with _busy_thread(busy):
+                with _spinning(busy, spins):
+                    t_busy = time.perf_counter()
                     for r in range(warmup + repeat):
                         for n in sizes[r % len(sizes):] + sizes[: r % len(sizes)]:
                             backup, restore = one(n)
@@ -200,6 +237,8 @@ def measure(sizes: list[int], repeat: int, warmup: int = 5) -> dict[str, Any]:
                                 checked(op, n, row)
                                 if r >= warmup:
                                     times[(n, op, busy)].append(dt)
+                    if busy:
+                        out["busy_spins_per_ms"] = spins[0] / ((time.perf_counter() - t_busy) * 1000)
         finally:
             if gc_was:
                 gc.enable()
@@ -249,6 +288,7 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     first = runs[0]
     out = {k: first[k] for k in ("page_bytes", "repeat", "switch_interval_s")}
     out["runs"] = len(runs)
+    out["busy_spins_per_ms"] = statistics.median(r.get("busy_spins_per_ms", 0.0) for r in runs)
     out["sizes"] = {}
     for n in first["sizes"]:
         entry = {}
@@ -286,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", default=",".join(map(str, DEFAULT_SIZES)), help="pages per call (comma list)")
     parser.add_argument("--repeat", type=int, default=30, help="timed calls per size, op and mode (default 30)")
     parser.add_argument("--before", default="main",
-                        help="git revision whose client is measured too, taking turns (default main; 'none': skip)")
+                        help="git revisions (comma list) whose client is measured too, taking turns "
+                             "(default main; 'none': skip)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each tree, alternated (default 2)")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -305,23 +346,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     with tempfile.TemporaryDirectory(prefix="backup-gil-") as tmp:
-        trees = {"after": here}
-        if args.before != "none":
-            os.makedirs(os.path.join(tmp, "before"))
-            trees = {"before": _export(args.before, os.path.join(tmp, "before")), **trees}
+        trees: dict[str, str] = {}
+        revs = [] if args.before == "none" else [r.strip() for r in args.before.split(",") if r.strip()]
+        for i, rev in enumerate(revs):
+            into = os.path.join(tmp, f"rev{i}")
+            os.makedirs(into)
+            trees[rev] = _export(rev, into)
+        trees["after"] = here
         runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
         for r in range(args.rounds):
-            for t, src in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
-                runs[t].append(_child(src, sizes, args.repeat, os.path.join(tmp, f"{t}-{r}.json")))
+            for i, (t, src) in enumerate(list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
+                runs[t].append(_child(src, sizes, args.repeat, os.path.join(tmp, f"{r}-{i}.json")))
         results = {t: merge(rs) for t, rs in runs.items()}
     print(render(results))
-    print(f"\nMedians over {args.rounds} run(s) of each tree, taken in turns, {args.repeat} calls per size, op "
+    print("\nThe busy thread's loops per ms over its run (how much of the GIL it got): "
+          + ", ".join(f"{t} {r['busy_spins_per_ms']:.0f}" for t, r in results.items()))
+    print(f"Medians over {args.rounds} run(s) of each tree, taken in turns, {args.repeat} calls per size, op "
           f"and mode in each; pages of {results['after']['page_bytes'] >> 10} KiB; busy: beside a thread "
           f"running pure Python (switch interval {results['after']['switch_interval_s'] * 1000:g} ms); "
           f"load average {'/'.join(f'{x:.1f}' for x in os.getloadavg())}.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"trees": {t: (args.before if t == "before" else "working tree") for t in trees},
+            json.dump({"trees": {t: ("working tree" if t == "after" else f"git revision {t}") for t in trees},
                        "load": os.getloadavg(), **results}, f, indent=1)
     return 0
 
