@@ -219,6 +219,7 @@ def measure(sizes: list[int], repeat: int, warmup: int = 5) -> dict[str, Any]:
         finally:
             undo()
         spins = [0]
+        stalls: dict[tuple[int, str], list[float]] = {(n, op): [] for n in sizes for op in OPS}
         times: dict[tuple[int, str, bool], list[float]] = {
             (n, op, busy): [] for n in sizes for op in OPS for busy in (False, True)}
         gc_was = gc.isenabled()
@@ -226,17 +227,26 @@ def measure(sizes: list[int], repeat: int, warmup: int = 5) -> dict[str, Any]:
         try:
             for busy in (False, True):
                 with _spinning(busy, spins):
+                    rate = 0.0
+                    if busy:  # the busy thread's loops per µs with nothing beside it
+                        s0, t0 = spins[0], time.perf_counter_ns()
+                        time.sleep(0.3)
+                        rate = (spins[0] - s0) / ((time.perf_counter_ns() - t0) / 1000)
+                        out["busy_spins_per_us_alone"] = rate
                     t_busy = time.perf_counter()
                     for r in range(warmup + repeat):
                         for n in sizes[r % len(sizes):] + sizes[: r % len(sizes)]:
                             backup, restore = one(n)
                             for op, fn in (("backup", backup), ("restore", restore)):
-                                t0 = time.perf_counter_ns()
+                                s0, t0 = spins[0], time.perf_counter_ns()
                                 row = fn()
                                 dt = (time.perf_counter_ns() - t0) / 1000
+                                ran = spins[0] - s0
                                 checked(op, n, row)
                                 if r >= warmup:
                                     times[(n, op, busy)].append(dt)
+                                    if busy and rate:
+                                        stalls[(n, op)].append(max(dt - ran / rate, 0.0))
                     if busy:
                         out["busy_spins_per_ms"] = spins[0] / ((time.perf_counter() - t_busy) * 1000)
         finally:
@@ -250,6 +260,8 @@ def measure(sizes: list[int], repeat: int, warmup: int = 5) -> dict[str, Any]:
                     **{field: statistics.median(c[field]) for field in c},
                     "idle_us": _quantiles(times[(n, op, False)]),
                     "busy_us": _quantiles(times[(n, op, True)]),
+                    # of the call's wall time, how long the busy thread did not run
+                    "stall_us": _quantiles(stalls[(n, op)]),
                 }
             out["sizes"][str(n)] = entry
     out["page_bytes"] = geom.page_bytes()
@@ -295,7 +307,7 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for op in OPS:
             rows = [r["sizes"][n][op] for r in runs]
             entry[op] = {field: statistics.median(row[field] for row in rows) for field in ("releases", "waits", "held")}
-            for clock in ("idle_us", "busy_us"):
+            for clock in ("idle_us", "busy_us", "stall_us"):
                 entry[op][clock] = statistics.median(row[clock]["median"] for row in rows)
                 entry[op][clock + "_runs"] = [row[clock]["median"] for row in rows]
         out["sizes"][n] = entry
@@ -307,15 +319,16 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     median µs idle and busy."""
     names = list(results)
     head = "| pages | op | " + " | ".join(
-        f"{t}: releases / waits | {t}: idle µs | {t}: busy µs" for t in names) + " |"
-    lines = [head, "|---|---|" + "---|---|---|" * len(names)]
+        f"{t}: releases / waits | {t}: idle µs | {t}: busy µs | {t}: stall µs" for t in names) + " |"
+    lines = [head, "|---|---|" + "---|---|---|---|" * len(names)]
     sizes = list(next(iter(results.values()))["sizes"])
     for n in sizes:
         for op in OPS:
             cells = []
             for t in names:
                 e = results[t]["sizes"][n][op]
-                cells.append(f"{e['releases']:g} / {e['waits']:g} | {e['idle_us']:.0f} | {e['busy_us']:.0f}")
+                cells.append(f"{e['releases']:g} / {e['waits']:g} | {e['idle_us']:.0f} | {e['busy_us']:.0f} | "
+                             f"{e['stall_us']:.0f}")
             lines.append(f"| {n} | {op} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -359,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs[t].append(_child(src, sizes, args.repeat, os.path.join(tmp, f"{r}-{i}.json")))
         results = {t: merge(rs) for t, rs in runs.items()}
     print(render(results))
-    print("\nThe busy thread's loops per ms over its run (how much of the GIL it got): "
-          + ", ".join(f"{t} {r['busy_spins_per_ms']:.0f}" for t, r in results.items()))
+    print("\nstall: of a busy call's wall time, how long the busy thread beside it did not run (its loops "
+          "during the call against its rate alone): what the call cost a scheduler. The busy thread's loops "
+          "per ms over the whole busy run: " + ", ".join(f"{t} {r['busy_spins_per_ms']:.0f}" for t, r in results.items()))
     print(f"Medians over {args.rounds} run(s) of each tree, taken in turns, {args.repeat} calls per size, op "
           f"and mode in each; pages of {results['after']['page_bytes'] >> 10} KiB; busy: beside a thread "
           f"running pure Python (switch interval {results['after']['switch_interval_s'] * 1000:g} ms); "
