@@ -396,3 +396,45 @@ def test_the_held_wait_is_bounded_then_the_time_limit_is_kept(store, monkeypatch
         os.kill(store.pid, signal.SIGCONT)
     wait_for(lambda: _lookup(client, ["warm"]) == [DS_KEY_NOT_FOUND], what="the client to reconnect")
     client.close()
+
+
+def test_backups_and_restores_sharing_a_connection_from_two_threads_keep_every_byte(store):
+    """A server's backup and prefetch threads share the process's one
+    connection: COMMIT replies settled by the other thread's requests, in
+    order, every byte read back right."""
+    client = client_of(store)
+    size, rounds = 16 << 10, 300
+    problems: list[str] = []
+
+    def data(i: int) -> ctypes.Array:
+        return ctypes.create_string_buffer(bytes([i % 251 + 1]) * size, size)
+
+    def backups():
+        for i in range(rounds):
+            buf = data(i)
+            codes = client.put_from([(f"t-{i}", ctypes.addressof(buf), size)], True)
+            if codes != [OK]:
+                problems.append(f"put {i}: {codes}")
+
+    def restores():
+        out = ctypes.create_string_buffer(size)
+        for i in range(rounds):
+            k = f"t-{i // 2}"
+            if client.lookup([k]) == [OK]:
+                n = client.get_into([(k, ctypes.addressof(out), size)])[0]
+                if n == size and out.raw != bytes([(i // 2) % 251 + 1]) * size:
+                    problems.append(f"get {k}: wrong bytes")
+                elif n not in (size, DS_KEY_NOT_FOUND):
+                    problems.append(f"get {k}: {n}")
+
+    threads = [threading.Thread(target=backups), threading.Thread(target=restores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert problems == []
+    other = client_of(store)
+    assert other.lookup([f"t-{i}" for i in range(rounds)]) == [OK] * rounds
+    assert client.stats()["commit_failures"] == 0
+    other.close()
+    client.close()
