@@ -230,6 +230,7 @@ def test_eight_processes_on_shared_and_own_keys_every_byte_checked(store):
 def test_store_process_killed_calls_fail_with_transport_codes_then_recover_its_objects(store):
     data = Buf(4096, fill=9)
     assert put(store, "before", data) == OK
+    store.settle()  # published: a backup returns once its COMMIT is sent, before the store has read it
     old_pid = store.pid
     os.kill(old_pid, signal.SIGKILL)
     wait_for(lambda: not pid_alive(old_pid), what="the store process to die")

@@ -1,4 +1,5 @@
-"""Copies between host memory regions, with the GIL released.
+"""Copies between host memory regions: small ones holding the GIL, large
+ones with it released.
 
 Shared by the in-process server (to and from its private buffers) and the
 host store's clients (to and from the shared arena).
@@ -38,6 +39,37 @@ if TYPE_CHECKING:  # pragma: no cover
 # (copy_many), where a busy core only slows its own share.
 _memmove = ctypes.memmove
 
+
+def _held_memmove() -> ctypes._CFuncPtr | None:
+    """libc's memmove through ``ctypes.PyDLL``: a foreign call that keeps
+    the GIL (None where this process's symbols do not hold it)."""
+    try:
+        fn = ctypes.PyDLL(None).memmove
+    except (OSError, AttributeError):  # pragma: no cover - no dlopen(NULL) or no libc symbols
+        return None
+    fn.restype = None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    return fn
+
+
+# Why hold the GIL: a server's backup and prefetch threads share it with a
+# scheduler thread that runs Python all the time. Each memmove that lets
+# the GIL go may have to wait for it up to the switch interval (5 ms) to
+# come back. A copy holding it blocks the other threads only for as long
+# as that one copy takes: between two copies the interpreter hands the GIL
+# over at the switch interval as it does between bytecodes, so what counts
+# is the largest single copy, not the batch. Measured on the 2-core build
+# machine beside a thread running Python (medians of 15, 128 KiB objects,
+# benchmarks/results/ and docs/benchmarks.md): 8 objects 87 us held, 71
+# released; 64 objects 1.0 ms held, 1.5 ms released; 256 objects 13.6 ms
+# held, 18.6 ms released; idle, both within 20%. One 1 MiB copy takes
+# 0.1-0.2 ms here: far under the switch interval, so objects up to
+# HELD_COPY_MAX are copied holding it, larger ones (a multi-MiB object,
+# 0.5 ms and more) let it go, and a batch big enough for the copy threads
+# (below) lets it go in every thread so they copy in parallel.
+_memmove_held = _held_memmove() or _memmove
+HELD_COPY_MAX = 1 << 20
+
 # A writable memoryview over raw memory: unlike ``(c_uint8 * n).from_address``
 # it creates no new ctypes array type per distinct size.
 _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -70,6 +102,17 @@ def _copy_group(group: Sequence[tuple[int, int, int]]) -> None:
         _memmove(dst, src, size)
 
 
+def _copy_held(copies: Sequence[tuple[int, int, int]]) -> None:
+    """On the calling thread: objects up to ``HELD_COPY_MAX`` keeping the
+    GIL, larger ones letting it go."""
+    held, limit = _memmove_held, HELD_COPY_MAX
+    for dst, src, size in copies:
+        if size <= limit:
+            held(dst, src, size)
+        else:
+            _memmove(dst, src, size)
+
+
 def copy_many(copies: Sequence[tuple[int, int, int]]) -> None:
     """``memmove(dst, src, size)`` for every entry, over all cores for a big
     batch, as the real client spreads a batch over its thread pool (one
@@ -78,7 +121,7 @@ def copy_many(copies: Sequence[tuple[int, int, int]]) -> None:
     workers = min(os.cpu_count() or 1, 8)
     total = sum(c[2] for c in copies)
     if workers < 2 or len(copies) < 2 or total < max(PARALLEL_COPY_BYTES, len(copies) * PARALLEL_COPY_OBJECT):
-        _copy_group(copies)
+        _copy_held(copies)
         return
     if _copier is None:
         with _copier_lock:

@@ -7,8 +7,19 @@ several servers, the tools).
 ``_client`` serves both the same way. Per batch it sends one control
 request (two for a put: reserve, then publish; a batch above the store's
 ``max_batch`` goes in several), and copies the bytes itself, between the
-caller's memory and the shared arena, with the GIL released
-(``_copy.copy_many``).
+caller's memory and the shared arena (``_copy.copy_many``).
+
+A server's backup and prefetch threads share the GIL with a scheduler
+thread that runs Python all the time, and every call that lets the GIL go
+may wait up to the switch interval (5 ms) to get it back. So a call waits
+only where it must: requests are sent without letting the GIL go (a
+non-blocking send through ``ctypes.PyDLL``; the blocking send, under the
+kernel's time limit, only when the socket has no room), small copies keep
+it (``_copy``), and a backup's publish (COMMIT) is not waited for: its
+reply is read with the next reply on the connection (the store answers one
+connection's requests in order), and a publish that failed is counted
+(``commit_failures``) and logged. A backup then waits once (the PUT's
+reply), a restore once (the GET's).
 
 It trusts nothing the store answers: every offset and size is checked
 against the arena it mapped before a byte is copied (a bad answer fails
@@ -40,7 +51,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from operator import add, gt
 from typing import Any
 
@@ -48,6 +60,7 @@ from sglang_simm.embedded import _protocol as wire
 from sglang_simm.embedded._arena import ArenaMap
 from sglang_simm.embedded._copy import copy_many, human_bytes
 from sglang_simm.embedded._faults import FaultInjector
+from sglang_simm.embedded._limits import RateLimitedLog
 from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, read_pid, store_dir
 from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
 from sglang_simm.errors import (
@@ -112,6 +125,85 @@ def lock_held(paths: StorePaths) -> bool:
     return False
 
 
+def _held_send() -> Any:
+    """libc's ``send`` through ``ctypes.PyDLL``, a foreign call that keeps
+    the GIL (None where this process's symbols do not hold it)."""
+    try:
+        fn = ctypes.PyDLL(None, use_errno=True).send
+    except (OSError, AttributeError):  # pragma: no cover - no dlopen(NULL) or no libc symbols
+        return None
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+    return fn
+
+
+def _held_recv() -> Any:
+    """libc's ``recv`` through ``ctypes.PyDLL`` (keeps the GIL), or None."""
+    try:
+        fn = ctypes.PyDLL(None, use_errno=True).recv
+    except (OSError, AttributeError):  # pragma: no cover
+        return None
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return fn
+
+
+class _PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _held_ppoll() -> Any:
+    """libc's ``ppoll`` through ``ctypes.PyDLL`` (waits keeping the GIL), or None."""
+    try:
+        fn = ctypes.PyDLL(None, use_errno=True).ppoll
+    except (OSError, AttributeError):  # pragma: no cover
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = (ctypes.POINTER(_PollFd), ctypes.c_ulong, ctypes.POINTER(_Timespec), ctypes.c_void_p)
+    return fn
+
+
+_send_held = _held_send()
+_recv_held = _held_recv()
+_ppoll_held = _held_ppoll()
+_POLLIN = 0x001
+
+#: How long a call waits for a reply holding the GIL before it lets the GIL
+#: go for a blocking receive. A reply takes 0.1-0.2 ms here (an empty round
+#: trip, docs/benchmarks.md); letting the GIL go for it costs a thread
+#: beside a busy scheduler up to the 5 ms switch interval to get it back,
+#: while holding it stops the other threads for no longer than this.
+#: Measured in docs/benchmarks.md ("GIL releases and waits").
+HELD_WAIT_S = 0.0005
+#: never blocks, and a peer gone raises EPIPE rather than a signal
+_SEND_NOW = getattr(socket, "MSG_DONTWAIT", 0) | getattr(socket, "MSG_NOSIGNAL", 0)
+_SEND_LATER = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.ENOBUFS)
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    """All of ``data``, holding the GIL while the socket has room (a
+    request is small and the store reads it at once: nearly always); what
+    is left goes by the blocking send, which lets the GIL go and fails with
+    EAGAIN at the kernel's time limit (SO_SNDTIMEO)."""
+    send = _send_held
+    if send is None or not _SEND_NOW:
+        sock.sendall(data)
+        return
+    n = send(sock.fileno(), data, len(data), _SEND_NOW)
+    if n == len(data):
+        return
+    if n < 0:
+        err = ctypes.get_errno()
+        if err not in _SEND_LATER:
+            raise OSError(err, os.strerror(err))
+        n = 0
+    sock.sendall(memoryview(data)[n:])
+
+
 def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
     """Sends and receives on ``sock`` fail with EAGAIN after ``seconds``."""
     whole = int(seconds)
@@ -123,8 +215,18 @@ def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
 class _Connection:
     """One socket to the store process, and the arena it announced."""
 
-    def __init__(self, paths: StorePaths, timeout_s: float) -> None:
+    def __init__(self, paths: StorePaths, timeout_s: float,
+                 on_commit: Callable[[int, bytes, int], None] | None = None) -> None:
         self.timeout_s = timeout_s
+        #: sent COMMITs whose replies are not read yet, oldest first: the
+        #: entries each publishes (replies come in request order)
+        self.pending: deque[int] = deque()
+        #: what to do with a COMMIT's reply: ``on_commit(op, body, entries)``
+        self.on_commit = on_commit
+        self._unread = b""  # bytes received past the last reply read
+        self._scratch: ctypes.Array[ctypes.c_char] | None = None  # for receives that keep the GIL
+        self._pollfd: _PollFd | None = None
+        self._held_until = 0.0  # the exchange in progress waits keeping the GIL until then
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             check_file(paths.socket)
@@ -162,26 +264,91 @@ class _Connection:
             got += k
         return bytes(buf)
 
+    def _read_frame(self) -> tuple[int, bytes]:
+        """The next reply on the connection: one receive gets the header and,
+        nearly always, the whole reply (with any earlier ones still unread)."""
+        if not _whole_frame(self._unread):
+            self._wait_held()
+        head, self._unread = self._unread, b""
+        while len(head) < wire.HEADER.size:
+            more = self.sock.recv(1 << 16)
+            if not more:
+                raise ConnectionResetError("the store process closed the connection")
+            head += more
+        length, op = wire.HEADER.unpack_from(head)
+        end = wire.HEADER.size + length
+        if len(head) < end:
+            return op, head[wire.HEADER.size:] + self._recv_exact(end - len(head))
+        self._unread = head[end:]
+        return op, head[wire.HEADER.size:end]
+
+    def _take_received(self) -> None:
+        """Add what the socket holds already to ``_unread``, keeping the GIL
+        (a COMMIT's reply is there by the time the next request goes out,
+        nearly always: a receive that lets the GIL go for it could wait
+        the switch interval to get it back)."""
+        recv = _recv_held
+        if recv is None or not _SEND_NOW:
+            return
+        if self._scratch is None:
+            self._scratch = ctypes.create_string_buffer(1 << 16)
+        buf, size = self._scratch, len(self._scratch)
+        fd = self.sock.fileno()
+        while True:
+            n = recv(fd, buf, size, socket.MSG_DONTWAIT)
+            if n <= 0:  # nothing yet, or the peer closed: the blocking receive finds out
+                return
+            self._unread += ctypes.string_at(buf, n)
+            if n < size:
+                return
+
+    def _wait_held(self) -> None:
+        """Until a whole reply is in ``_unread`` or the exchange's held wait
+        (``HELD_WAIT_S`` from its send) is over, wait for bytes keeping the
+        GIL, and take them (the blocking receive waits for the rest)."""
+        wait = _ppoll_held
+        if wait is None or _recv_held is None or not _SEND_NOW:
+            return
+        if self._pollfd is None:
+            self._pollfd = _PollFd(self.sock.fileno(), _POLLIN, 0)
+        while not _whole_frame(self._unread):
+            left = self._held_until - time.monotonic()
+            if left <= 0:
+                return
+            whole = int(left)
+            ready = wait(ctypes.byref(self._pollfd), 1, ctypes.byref(_Timespec(whole, int((left - whole) * 1e9))),
+                         None)
+            if ready <= 0:  # the time is up, or a signal: the blocking receive takes over
+                return
+            before = len(self._unread)
+            self._take_received()
+            if len(self._unread) == before:  # readable with nothing to read: the peer closed
+                return
+
+    def _settle(self) -> None:
+        """Hand the replies of the COMMITs sent earlier to ``on_commit``."""
+        while self.pending:
+            op, body = self._read_frame()
+            entries = self.pending.popleft()
+            if self.on_commit is not None:
+                self.on_commit(op, body, entries)
+
     def exchange(self, data: bytes, *, reply: bool = True, timeout_s: float | None = None) -> tuple[int, bytes]:
-        """Send a frame and read the reply (the caller holds ``lock``)."""
+        """Send a frame and read the reply (the caller holds ``lock``); the
+        replies of COMMITs sent earlier come first, and are settled on the way."""
         if timeout_s is not None:
             _kernel_timeout(self.sock, timeout_s)
         try:
-            self.sock.sendall(data)
+            settling = bool(self.pending) and reply
+            if settling:
+                self._take_received()  # before the request: its own reply is never taken here
+            _send(self.sock, data)
             if not reply:
                 return 0, b""
-            # One receive gets the header and, nearly always, the whole reply.
-            head = self.sock.recv(1 << 16)
-            while len(head) < wire.HEADER.size:
-                more = self.sock.recv(1 << 16)
-                if not more:
-                    raise ConnectionResetError("the store process closed the connection")
-                head += more
-            length, op = wire.HEADER.unpack_from(head)
-            body = head[wire.HEADER.size:]
-            if len(body) < length:
-                body += self._recv_exact(length - len(body))
-            elif len(body) > length:
+            self._held_until = time.monotonic() + HELD_WAIT_S
+            self._settle()  # a COMMIT's reply that came late: this request's is right behind it
+            op, body = self._read_frame()
+            if self._unread:
                 raise ConnectionResetError("the store process sent more than one reply")
             return op, body
         except BlockingIOError as exc:  # the kernel's time limit ran out
@@ -189,6 +356,20 @@ class _Connection:
         finally:
             if timeout_s is not None:
                 _kernel_timeout(self.sock, self.timeout_s)
+
+    def settle_now(self) -> int:
+        """Settle the COMMIT replies already received, without waiting for
+        more (the caller holds ``lock``); the entries of those still unread."""
+        try:
+            self._take_received()
+            while self.pending and _whole_frame(self._unread):
+                op, body = self._read_frame()
+                entries = self.pending.popleft()
+                if self.on_commit is not None:
+                    self.on_commit(op, body, entries)
+        except OSError:
+            pass
+        return sum(self.pending)
 
     # -- copies in flight, and closing ------------------------------------------
 
@@ -207,10 +388,21 @@ class _Connection:
 
     def break_off(self) -> None:
         """No more requests; the socket closes (and the store releases this
-        connection's leases) once no copy under them is in flight."""
+        connection's leases) once no copy under them is in flight. COMMIT
+        replies already here are settled first; those not here yet are
+        left unread (the store has the COMMITs and publishes them, unless
+        it fails first: such entries read as misses, never as wrong bytes)."""
         with self._state:
             self.broken = True
             close = self.inflight == 0
+        if self.pending and self.lock.acquire(blocking=False):
+            try:
+                unread = self.settle_now()
+                self.pending.clear()
+            finally:
+                self.lock.release()
+            if unread and self.on_commit is not None:
+                self.on_commit(-1, b"", unread)
         if close:
             self._close_socket()
 
@@ -267,6 +459,13 @@ class HostServer:
         self.reconnects = 0
         self.closed = False
         self._warned = False
+        #: backed-up entries whose COMMIT the store refused (its lease had
+        #: expired) or answered wrongly: they read as misses
+        self.commit_failures = 0
+        #: backed-up entries whose COMMIT's reply never came (the connection
+        #: closed or broke first): the store had the COMMIT, most publish
+        self.commits_unconfirmed = 0
+        self._log = RateLimitedLog(logger)
 
     # -- connecting ---------------------------------------------------------------
 
@@ -318,7 +517,7 @@ class HostServer:
         this handle's time limit (connect and handshake together)."""
         deadline = time.monotonic() + self.timeout_s
         try:
-            conn = _Connection(self.paths, self.timeout_s)
+            conn = _Connection(self.paths, self.timeout_s, self._commit_settled)
         except FileNotFoundError as exc:
             raise StoreUnreachable(BUILD_CONNECTION_FAILED, "no store process is running", no_store=True) from exc
         except ConnectionRefusedError as exc:
@@ -523,7 +722,17 @@ class HostServer:
             self._send_one_way(conn, Op.ABORT, lease)
             raise
         conn.leave()
-        try:
+        if overwrite:
+            # Then the COMMIT publishes every entry, unless the lease expired
+            # or the connection is lost: its reply is not waited for (read
+            # with the next one, ``_commit_settled``).
+            try:
+                self._send_commit(conn, lease, len(reserved))
+            except StoreUnreachable as exc:
+                for i in reserved:
+                    codes[i] = exc.code
+            return codes
+        try:  # without overwrite another put of a key may win: its code is due
             _, r = self._request(Op.COMMIT, pack_i64(lease), conn=conn)
             final = _ints(r, len(reserved))
         except StoreUnreachable as exc:
@@ -531,6 +740,59 @@ class HostServer:
         for i, code in zip(reserved, final):
             codes[i] = code
         return codes
+
+    def _send_commit(self, conn: _Connection, lease: int, entries: int) -> None:
+        """Send the COMMIT of ``lease`` (``entries`` reserved) without
+        waiting for its reply."""
+        try:
+            with conn.lock:
+                if conn.broken:
+                    raise StoreUnreachable(SEND_RPC_FAILED, "the connection to the store process was lost")
+                conn.exchange(frame(Op.COMMIT, pack_i64(lease)), reply=False)
+                conn.pending.append(entries)
+        except OSError as exc:
+            conn.break_off()  # the store drops the lease with the connection
+            raise StoreUnreachable(SEND_RPC_FAILED, f"the connection to the store process was lost ({exc})") from exc
+
+    def _commit_settled(self, op: int, body: bytes, entries: int) -> None:
+        """A COMMIT's reply, read after later requests went out: count and
+        log what it did not publish (``op`` -1: no reply will be read)."""
+        if op == -1:
+            self.commits_unconfirmed += entries
+            logger.debug("host store %r: %d backed-up entries' publish not confirmed (connection closed)",
+                         self.name, entries)
+            return
+        if op == Op.COMMIT:
+            try:
+                codes = Reader(body).ints()
+            except wire.ProtocolError as exc:
+                raise ConnectionResetError(f"the store process answered COMMIT with {exc}") from exc
+            if len(codes) != entries:
+                raise ConnectionResetError(f"the store process answered COMMIT with {len(codes)} codes "
+                                           f"where {entries} were due")
+            failed = entries - codes.count(OK)
+            why = ", ".join(sorted({code_name(c) for c in codes if c != OK}))
+        elif op == Op.ERROR:
+            failed = entries
+            try:
+                why = str(Reader(body).json().get("error"))
+            except (ValueError, TypeError, AttributeError):
+                why = "an unreadable error"
+        else:
+            raise ConnectionResetError(f"the store process answered {op} to COMMIT")
+        if failed:
+            self.commit_failures += failed
+            self._log.warning("commit", "host store %r did not publish %d backed-up entries (%s): they read as "
+                              "misses (%d so far)", self.name, failed, why, self.commit_failures)
+
+    def settle(self) -> None:
+        """Wait for the replies of this handle's COMMITs sent so far (the
+        data path never does: a backup returns once its COMMIT is sent).
+        Afterwards every entry a put reported OK is published or counted in
+        ``commit_failures``."""
+        conn = self._conn
+        if conn is not None and not conn.broken and conn.pending:
+            self._request(Op.LOOKUP, encode_keys([]), conn=conn)
 
     def get_into(self, items: Sequence[tuple[str, int, int]]) -> list[int]:
         """Copy objects into ``(key, ptr, capacity)`` buffers: the object's
@@ -605,6 +867,8 @@ class HostServer:
         ``clients``, ``pinned_objects``, ...) and ``injected_errors`` here."""
         out = self.status()
         out["injected_errors"] = self.faults.injected
+        out["commit_failures"] = self.commit_failures
+        out["commits_unconfirmed"] = self.commits_unconfirmed
         return out
 
     @property
@@ -693,6 +957,14 @@ def _ints(r: Reader, n: int) -> list[int]:
     if len(values) != n:
         raise _bad_answer("a reply", f"{len(values)} values where {n} were due")
     return values
+
+
+def _whole_frame(buf: bytes) -> bool:
+    """Whether ``buf`` starts with a whole frame."""
+    if len(buf) < wire.HEADER.size:
+        return False
+    length, _ = wire.HEADER.unpack_from(buf)
+    return len(buf) >= wire.HEADER.size + length
 
 
 def _pick(values: list[int], chosen: Sequence[int]) -> list[int]:

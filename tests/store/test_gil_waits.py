@@ -1,0 +1,440 @@
+"""A host-store call lets the GIL go, and waits, only where it must (issue
+20): in a server the backup and prefetch threads share the GIL with a busy
+scheduler thread, and every release may cost up to the 5 ms switch
+interval to get it back. Counted with the bench's own harness
+(``tools/bench/backup_gil``) on a store in its own process."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from sglang_simm.embedded import _copy, _host
+from sglang_simm.embedded._host import HostServer, StoreUnreachable
+from sglang_simm.embedded._protocol import Op
+from sglang_simm.errors import DS_DATA_ALREADY_EXISTS, DS_KEY_NOT_FOUND, OK, SEND_RPC_FAILED
+from sglang_simm.tools.bench.backup_gil import Counts, CountingSocket, _install_counters
+
+from raw_peer import Peer, StoreProc, env, wait_for
+
+pytestmark = pytest.mark.host
+
+
+def test_the_counting_socket_counts_a_reply_read_in_pieces_as_one_wait():
+    a, b = socket.socketpair()
+    try:
+        counts = Counts()
+        sock = CountingSocket(a, counts)
+        sock.sendall(b"request")
+        b.sendall(b"rep")
+        assert sock.recv(3) == b"rep"
+        b.sendall(b"ly")
+        assert sock.recv(2) == b"ly"
+        assert (counts.releases, counts.waits) == (3, 1)  # a send, two receives; one reply waited for
+        b.sendall(b"unasked")
+        assert sock.recv(16) == b"unasked"  # nothing was asked since: no wait
+        assert (counts.releases, counts.waits) == (4, 1)
+        sock.sent_held()  # a request sent holding the GIL: its reply is still waited for
+        b.sendall(b"x")
+        sock.recv(1)
+        assert (counts.releases, counts.waits) == (5, 2)
+    finally:
+        a.close()
+        b.close()
+
+
+# -- on a store process -------------------------------------------------------------
+
+
+@pytest.fixture
+def store(host_store_dir):
+    s = StoreProc(host_store_dir, f"gil-{uuid.uuid4().hex[:8]}", capacity=64 << 20)
+    yield s
+    s.stop()
+
+
+def client_of(store: StoreProc, timeout_s: float = 10.0) -> HostServer:
+    c = HostServer(store.paths.name, root=store.paths.root, capacity=1, spawn=False, timeout_s=timeout_s)
+    c.open()
+    return c
+
+
+def counted(client: HostServer, fn):
+    """``fn()``'s result, and the GIL releases and waits it made on
+    ``client``'s connection and in the copies (the bench's counters)."""
+    counts = Counts()
+    undo = _install_counters(client, counts)
+    try:
+        return fn(), (counts.releases, counts.waits)
+    finally:
+        undo()
+
+
+OBJECT = 128 << 10  # half a page of the bench's model: its K or its V
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_a_restore_lets_the_gil_go_only_to_wait_for_its_reply(store, n, monkeypatch):
+    monkeypatch.setattr(_host, "HELD_WAIT_S", 0.0)  # no wait for the reply holding the GIL (below)
+    client = client_of(store)
+    src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
+    keys = [f"r{n}-{i}" for i in range(n)]
+    assert client.put_from([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, src)], True) == [OK] * n
+    client.settle()  # the put's COMMIT reply read: only the restore's own calls are counted
+    out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
+    got, (releases, waits) = counted(
+        client, lambda: client.get_into([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, out)]))
+    assert got == [OBJECT] * n
+    assert [b.raw for b in out] == [b.raw for b in src]
+    # before: a send, the receive, a memmove per object and the RELEASE's send
+    assert (releases, waits) == (1, 1)
+    client.close()
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_a_backup_lets_the_gil_go_once_to_wait_for_the_puts_reply(store, n, monkeypatch):
+    monkeypatch.setattr(_host, "HELD_WAIT_S", 0.0)  # no wait for the reply holding the GIL (below)
+    client = client_of(store)
+    src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
+    items = [(f"b{n}-{i}", ctypes.addressof(b), OBJECT) for i, b in enumerate(src)]
+    codes, (releases, waits) = counted(client, lambda: client.put_from(items, True))
+    assert codes == [OK] * n
+    # before: 2 sends, 2 receives (PUT, COMMIT) and a memmove per object
+    assert (releases, waits) == (1, 1)
+    # The next finds the first's COMMIT reply to settle on the way: taken
+    # holding the GIL when it is there already, else read with this one's
+    # (and the PUT's reply, right behind it, may be there by then too).
+    codes, (releases, waits) = counted(client, lambda: client.put_from(items, True))
+    assert codes == [OK] * n
+    assert waits <= 1 and releases <= 2, (releases, waits)
+    other = client_of(store)
+    out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
+    assert other.get_into([(k, ctypes.addressof(b), OBJECT) for (k, _, _), b in zip(items, out)]) == [OBJECT] * n
+    assert [b.raw for b in out] == [b.raw for b in src]
+    assert client.stats()["commit_failures"] == 0
+    client.close()
+    other.close()
+
+
+def test_small_copies_keep_the_gil_and_large_ones_let_it_go():
+    """A thread that wants the GIL runs only when the copying thread lets it
+    go: with the switch interval made huge, the interpreter never takes the
+    GIL away, so any step of the watcher during a copy is a release."""
+    size, n = 64 << 10, 64
+    src = ctypes.create_string_buffer(b"\x07" * (size * n), size * n)
+    dst = ctypes.create_string_buffer(size * n)
+    small = [(ctypes.addressof(dst) + i * size, ctypes.addressof(src) + i * size, size) for i in range(n)]
+    big_size = getattr(_copy, "HELD_COPY_MAX", 1 << 20) * 2
+    big_src = ctypes.create_string_buffer(big_size)
+    big_dst = ctypes.create_string_buffer(big_size)
+    big = [(ctypes.addressof(big_dst), ctypes.addressof(big_src), big_size)]
+    steps = [0]
+    stop = threading.Event()
+
+    def watcher():
+        while not stop.is_set():
+            steps[0] += 1
+            time.sleep(0.0005)  # lets the GIL go; wants it back half a millisecond later
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    t = threading.Thread(target=watcher, daemon=True)
+    try:
+        t.start()
+        time.sleep(0.05)
+
+        def steps_during(copies, rounds):
+            before = steps[0]
+            for _ in range(rounds):
+                _copy.copy_many(copies)
+                if steps[0] != before:
+                    break
+            return steps[0] - before
+
+        assert steps_during(small, 100) == 0  # 400 MiB in 64 KiB copies, the GIL held throughout
+        assert dst.raw == src.raw
+        assert steps_during(big, 5000) > 0  # 2 MiB copies: the watcher got in
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        t.join()
+
+
+def test_a_request_bigger_than_the_socket_buffer_to_a_stalled_store_keeps_the_time_limit(store):
+    """The send that keeps the GIL never blocks: what the socket has no room
+    for goes by the blocking send, which the kernel's limit ends."""
+    client = client_of(store, timeout_s=0.5)
+    client.lookup(["warm"])
+    keys = [f"{i:08d}-" + "k" * 200 for i in range(8000)]  # a 1.7 MB LOOKUP frame
+    os.kill(store.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(StoreUnreachable) as exc:
+            client.lookup(keys)
+        assert exc.value.code == SEND_RPC_FAILED and "did not answer within 0.5 s" in str(exc.value)
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    wait_for(lambda: _lookup(client, ["warm"]) == [DS_KEY_NOT_FOUND], what="the client to reconnect")
+    client.close()
+
+
+def _lookup(client, keys):
+    try:
+        return client.lookup(keys)
+    except StoreUnreachable:
+        return None
+
+
+# -- a backup's COMMIT, not waited for ------------------------------------------------
+
+
+def _stop_store_after_the_copy(monkeypatch, store):
+    """The store process stops once the put's copy is done: its COMMIT then
+    waits, unread, in the socket."""
+    real = _host.copy_many
+
+    def copy_then_stop(copies):
+        real(copies)
+        os.kill(store.pid, signal.SIGSTOP)
+
+    monkeypatch.setattr(_host, "copy_many", copy_then_stop)
+    return real
+
+
+def test_a_commit_the_store_refuses_later_is_counted_logged_and_reads_as_a_miss(store, monkeypatch, caplog):
+    client = client_of(store)
+    data = ctypes.create_string_buffer(b"\x05" * 4096, 4096)
+    real = _host.copy_many
+
+    def copy_then_expire(copies):
+        real(copies)
+        with Peer(store.paths) as admin:  # the lease expires before the COMMIT reaches the store
+            assert admin.admin("expire_leases", older_than_s=0)["expired"] == 1
+
+    monkeypatch.setattr(_host, "copy_many", copy_then_expire)
+    items = [("late-a", ctypes.addressof(data), 4096), ("late-b", ctypes.addressof(data), 4096)]
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.embedded"):
+        assert client.put_from(items, True) == [OK, OK]  # known at once: reserved and copied
+        monkeypatch.setattr(_host, "copy_many", real)
+        assert client.lookup(["late-a", "late-b"]) == [DS_KEY_NOT_FOUND] * 2  # settles the COMMIT first
+    assert client.commit_failures == 2 and client.stats()["commit_failures"] == 2
+    assert any("did not publish 2 backed-up entries" in r.getMessage() and "expired" in r.getMessage()
+               for r in caplog.records)
+    out = ctypes.create_string_buffer(4096)
+    assert client.get_into([("late-a", ctypes.addressof(out), 4096)]) == [DS_KEY_NOT_FOUND]  # a miss, never bytes
+    assert client.put_from(items, True) == [OK, OK]  # the connection goes on
+    assert client.get_into([("late-a", ctypes.addressof(out), 4096)]) == [4096] and out.raw == data.raw
+    client.close()
+
+
+def test_closing_with_a_commit_unread_loses_no_backup(store, monkeypatch):
+    client = client_of(store)
+    data = ctypes.create_string_buffer(b"\x06" * 4096, 4096)
+    _stop_store_after_the_copy(monkeypatch, store)
+    try:
+        assert client.put_from([("closing", ctypes.addressof(data), 4096)], True) == [OK]
+        client.close()  # the store has not read the COMMIT: the socket closes behind it
+        assert client.commits_unconfirmed == 1 and client.commit_failures == 0
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    other = client_of(store)
+    out = ctypes.create_string_buffer(4096)
+    assert other.get_into([("closing", ctypes.addressof(out), 4096)]) == [4096] and out.raw == data.raw
+    other.close()
+
+
+def test_a_store_killed_with_a_commit_unread_loses_that_backup_as_a_miss(host_store_dir, monkeypatch):
+    name = f"gil-kill-{uuid.uuid4().hex[:8]}"
+    store = StoreProc(host_store_dir, name, capacity=64 << 20)
+    client = client_of(store, timeout_s=2.0)
+    data = ctypes.create_string_buffer(b"\x07" * 4096, 4096)
+    try:
+        assert client.put_from([("kept", ctypes.addressof(data), 4096)], True) == [OK]
+        real = _stop_store_after_the_copy(monkeypatch, store)
+        assert client.put_from([("lost", ctypes.addressof(data), 4096)], True) == [OK]
+        monkeypatch.setattr(_host, "copy_many", real)
+        store.kill9()  # its COMMIT still unread in the socket
+        with pytest.raises(StoreUnreachable):
+            client.lookup(["kept"])
+        assert client.commits_unconfirmed == 1
+    finally:
+        store.stop()
+    again = StoreProc(host_store_dir, name, capacity=64 << 20)  # takes the dead store's objects over
+    try:
+        other = client_of(again)
+        out = ctypes.create_string_buffer(4096)
+        assert other.get_into([("lost", ctypes.addressof(out), 4096)]) == [DS_KEY_NOT_FOUND]  # a miss, no torn bytes
+        assert other.get_into([("kept", ctypes.addressof(out), 4096)]) == [4096] and out.raw == data.raw
+        other.close()
+    finally:
+        client.close()
+        again.stop()
+
+
+def test_a_put_without_overwrite_still_gets_the_commits_code(store, monkeypatch):
+    """Without overwrite another put of the key may publish first, and the
+    caller is owed that code: such a put still waits for its COMMIT."""
+    client = client_of(store)
+    data = ctypes.create_string_buffer(b"\x08" * 4096, 4096)
+    real = _host.copy_many
+    with Peer(store.paths) as rival:
+        lease, codes, _ = rival.put(["race"], [4096], overwrite=False)
+        assert codes == [OK]
+
+        def copy_then_rival_publishes(copies):
+            real(copies)
+            assert rival.commit(lease)[0] == Op.COMMIT
+
+        monkeypatch.setattr(_host, "copy_many", copy_then_rival_publishes)
+        assert client.put_from([("race", ctypes.addressof(data), 4096)], False) == [DS_DATA_ALREADY_EXISTS]
+    client.close()
+
+
+CHILD_LOOKUP = """
+import sys
+from sglang_simm.embedded._host import HostServer
+c = HostServer(sys.argv[1], root=sys.argv[2], capacity=1, spawn=False, timeout_s=10)
+c.open()
+print("ready", flush=True)
+for line in sys.stdin:
+    print(c.lookup([line.strip()])[0], flush=True)
+"""
+
+
+def test_a_backup_is_seen_at_once_by_another_process(store):
+    """The store serves each connection's requests in order, not across
+    connections: a lookup another process sends once a backup returned must
+    still find it (the COMMIT, sent before the return, is read first)."""
+    client = client_of(store)
+    data = ctypes.create_string_buffer(b"\x09" * 4096, 4096)
+    reader = subprocess.Popen([sys.executable, "-c", CHILD_LOOKUP, store.paths.name, store.paths.root],
+                              env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    same_process = client_of(store)
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+        seen = []
+        for i in range(200):
+            key = f"seen-{i}"
+            assert client.put_from([(key, ctypes.addressof(data), 4096)], True) == [OK]
+            if i % 2:
+                seen.append(same_process.lookup([key])[0])
+            else:
+                reader.stdin.write(key + "\n")
+                reader.stdin.flush()
+                seen.append(int(reader.stdout.readline()))
+        assert seen == [OK] * 200
+    finally:
+        reader.kill()
+        reader.wait(timeout=10)
+        same_process.close()
+        client.close()
+
+
+# -- a reply waited for holding the GIL ---------------------------------------------
+
+
+def test_a_restore_whose_reply_comes_within_the_held_wait_never_lets_the_gil_go(store, monkeypatch):
+    """A watcher thread that wants the GIL runs only when the call lets it
+    go (the switch interval made huge): with the reply in time, it never does."""
+    client = client_of(store)
+    n = 8
+    src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
+    keys = [f"held-{i}" for i in range(n)]
+    assert client.put_from([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, src)], True) == [OK] * n
+    client.settle()
+    monkeypatch.setattr(_host, "HELD_WAIT_S", 10.0, raising=False)  # any reply comes in time
+    out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
+    items = [(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, out)]
+    got, (releases, waits) = counted(client, lambda: client.get_into(items))
+    assert got == [OBJECT] * n and (releases, waits) == (0, 1)  # before: (1, 1)
+    steps = [0]
+    stop = threading.Event()
+
+    def watcher():
+        while not stop.is_set():
+            steps[0] += 1
+            time.sleep(0.0002)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    t = threading.Thread(target=watcher, daemon=True)
+    try:
+        t.start()
+        time.sleep(0.05)
+        before = steps[0]
+        for _ in range(50):
+            assert client.get_into(items) == [OBJECT] * n
+            assert client.put_from([(f"again-{k}", p, s) for k, p, s in items], True) == [OK] * n
+        during = steps[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        t.join()
+    assert during == 0
+    assert [b.raw for b in out] == [b.raw for b in src]
+    client.close()
+
+
+def test_the_held_wait_is_bounded_then_the_time_limit_is_kept(store, monkeypatch):
+    client = client_of(store, timeout_s=0.5)
+    client.lookup(["warm"])
+    monkeypatch.setattr(_host, "HELD_WAIT_S", 0.05, raising=False)
+    os.kill(store.pid, signal.SIGSTOP)
+    try:
+        _, (releases, waits) = counted(client, lambda: pytest.raises(StoreUnreachable, client.lookup, ["x"]))
+        assert releases == 1  # after the held wait, the blocking receive, which the kernel's limit ends
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    wait_for(lambda: _lookup(client, ["warm"]) == [DS_KEY_NOT_FOUND], what="the client to reconnect")
+    client.close()
+
+
+def test_backups_and_restores_sharing_a_connection_from_two_threads_keep_every_byte(store):
+    """A server's backup and prefetch threads share the process's one
+    connection: COMMIT replies settled by the other thread's requests, in
+    order, every byte read back right."""
+    client = client_of(store)
+    size, rounds = 16 << 10, 300
+    problems: list[str] = []
+
+    def data(i: int) -> ctypes.Array:
+        return ctypes.create_string_buffer(bytes([i % 251 + 1]) * size, size)
+
+    def backups():
+        for i in range(rounds):
+            buf = data(i)
+            codes = client.put_from([(f"t-{i}", ctypes.addressof(buf), size)], True)
+            if codes != [OK]:
+                problems.append(f"put {i}: {codes}")
+
+    def restores():
+        out = ctypes.create_string_buffer(size)
+        for i in range(rounds):
+            k = f"t-{i // 2}"
+            if client.lookup([k]) == [OK]:
+                n = client.get_into([(k, ctypes.addressof(out), size)])[0]
+                if n == size and out.raw != bytes([(i // 2) % 251 + 1]) * size:
+                    problems.append(f"get {k}: wrong bytes")
+                elif n not in (size, DS_KEY_NOT_FOUND):
+                    problems.append(f"get {k}: {n}")
+
+    threads = [threading.Thread(target=backups), threading.Thread(target=restores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert problems == []
+    other = client_of(store)
+    assert other.lookup([f"t-{i}" for i in range(rounds)]) == [OK] * rounds
+    assert client.stats()["commit_failures"] == 0
+    other.close()
+    client.close()
