@@ -472,6 +472,24 @@ def test_a_store_process_slow_to_start_is_waited_for(host_store_dir, tmp_path, m
         server.stop()
 
 
+def test_a_store_slow_after_its_launcher_exits_is_not_started_twice(host_store_dir, tmp_path, monkeypatch):
+    # The launcher forks and exits at once; on a loaded host the store
+    # process it leaves can take a while to go on. It holds the name's lock
+    # from before the fork, so the client never takes the launcher's exit
+    # for a death and starts a second one (it did, under load).
+    slow_child = ("import os, runpy, sys, time; os.register_at_fork(after_in_child=lambda: time.sleep(2)); "
+                  "sys.argv = ['_daemon', *sys.argv[1:]]; runpy.run_module('sglang_simm.embedded._daemon', "
+                  "run_name='__main__')")
+    monkeypatch.setattr(_host.sys, "executable", _launcher(tmp_path, f'shift 2; exec {sys.executable} -c "{slow_child}" "$@"'))
+    server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20)
+    try:
+        server.open(wait_s=0.5)
+        assert put(server, "k", Buf(4096, fill=5)) == OK
+        assert (tmp_path / "starts").read_text().count("started") == 1
+    finally:
+        server.stop()
+
+
 def test_a_store_process_that_dies_starting_is_started_again_then_reported(host_store_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(_host.sys, "executable", _launcher(tmp_path, "exit 1"))
     server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20)

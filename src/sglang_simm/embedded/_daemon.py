@@ -699,14 +699,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--detach", action="store_true", help="fork and return at once (the launcher exits)")
     args = parser.parse_args(argv)
-    if args.detach and os.fork():
-        os._exit(0)  # the client that launched us reaps this launcher; the store lives on
-
     ensure_dir(args.dir)
     paths = StorePaths(args.dir, args.name)
+    # The lock is taken before the fork, and the child inherits it (a flock
+    # belongs to the open file, which the child shares): a client that sees
+    # its launcher gone and the lock free knows no store is on its way. Taken
+    # after, a loaded machine left a gap in which the client started another.
     lock = _lock_name(paths)
     if lock is None:
         return 0  # another store process of this name won the race: it serves
+    if args.detach and os.fork():
+        os._exit(0)  # the client that launched us reaps this launcher; the store lives on
     _setup_logging(paths, args.log_level)
     try:
         settings, takeover = _settings_for(args, paths)
