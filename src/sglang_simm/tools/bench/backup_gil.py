@@ -43,9 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 DEFAULT_SIZES = (1, 4, 8, 32, 128)
 OPS = ("backup", "restore")
@@ -149,37 +147,13 @@ def _install_counters(server: Any, counts: Counts) -> Callable[[], None]:
     return undo
 
 
-@contextmanager
-def _spinning(on: bool, spins: list[int]) -> Iterator[None]:
-    """A thread running pure Python for the block (``on``), as a server's
-    scheduler runs beside its backup thread, counting its loops in
-    ``spins[0]``: how much of the GIL it got, the cost to a scheduler of
-    what the calls hold it for."""
-    if not on:
-        yield
-        return
-    stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            spins[0] += 1
-
-    t = threading.Thread(target=spin, name="busy-python", daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join()
-
-
 def measure(sizes: list[int], repeat: int, warmup: int = 5) -> dict[str, Any]:
     """Per size and op: releases, waits and held calls of one call (medians),
     and wall µs idle and busy (p10 / median / p90)."""
     import time
 
     from sglang_simm.tools.bench.pages import host_indices, page_keys
-    from sglang_simm.tools.bench.server_backup import _backend, _quantiles
+    from sglang_simm.tools.bench.server_backup import _backend, _quantiles, busy_thread
 
     pool_pages = max(sizes) * 4
     name = f"backup-gil-{os.getpid()}"
@@ -226,7 +200,7 @@ def measure(sizes: list[int], repeat: int, warmup: int = 5) -> dict[str, Any]:
         gc.disable()
         try:
             for busy in (False, True):
-                with _spinning(busy, spins):
+                with busy_thread(busy, spins):
                     rate = 0.0
                     if busy:  # the busy thread's loops per µs with nothing beside it
                         s0, t0 = spins[0], time.perf_counter_ns()

@@ -187,22 +187,23 @@ def _backend(pages_in_pool: int, name: str) -> Iterator[tuple[Any, Any]]:
 
 
 @contextmanager
-def _busy_thread(on: bool) -> Iterator[None]:
+def busy_thread(on: bool, spins: list[int] | None = None) -> Iterator[None]:
     """A thread running pure Python for the block (``on``), as a server's
     scheduler does beside its backup thread: every time a backup releases
     the GIL (a socket call), getting it back can take up to
-    ``sys.getswitchinterval()`` (5 ms)."""
+    ``sys.getswitchinterval()`` (5 ms). ``spins[0]`` counts its loops: how
+    much of the GIL it got."""
     if not on:
         yield
         return
     import threading
 
     stop = threading.Event()
+    count = spins if spins is not None else [0]
 
     def spin() -> None:
-        n = 0
         while not stop.is_set():
-            n += 1
+            count[0] += 1
 
     t = threading.Thread(target=spin, name="busy-python", daemon=True)
     t.start()
@@ -215,7 +216,7 @@ def _busy_thread(on: bool) -> Iterator[None]:
 
 def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = False) -> dict[str, Any]:
     """Per size, each layer's own microseconds (p10 / median / p90);
-    ``busy``: beside a thread running Python (``_busy_thread``)."""
+    ``busy``: beside a thread running Python (``busy_thread``)."""
     from sglang_simm.embedded import _arena, _host
     from sglang_simm.embedded._protocol import Op
     from sglang_simm.tools.bench.pages import host_indices, page_keys
@@ -241,7 +242,7 @@ def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = Fal
         gc.disable()
         try:
             call = 0
-            with _busy_thread(busy):
+            with busy_thread(busy):
                 for r in range(warmup + repeat):
                     for n in sizes[r % len(sizes):] + sizes[: r % len(sizes)]:
                         keys = page_keys(n, f"{name}-{call}")
