@@ -35,6 +35,16 @@ logger = logging.getLogger("sglang_simm.embedded")
 PAGE = mmap.PAGESIZE
 #: Linux 5.14+: fault pages in, writable, without touching their bytes.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def prefault(mm: mmap.mmap, start: int, length: int) -> None:
+    """Fault ``length`` bytes of ``mm`` from ``start`` in, in one system call
+    (a first write to each page is otherwise a page fault apiece, dear in a
+    VM); on an older kernel, nothing: the pages fault in as they are written."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE, start, length)
+    except (OSError, ValueError):
+        pass
 #: Memory is committed in steps of 1/16 of the arena, within these bounds.
 COMMIT_STEP_MIN = 2 << 20
 COMMIT_STEP_MAX = 64 << 20
@@ -195,10 +205,7 @@ class ArenaMap:
             start = self._populated
             if end <= start:
                 return
-            try:
-                self._mm.madvise(MADV_POPULATE_WRITE, start, end - start)
-            except (OSError, ValueError):  # an older kernel: copies fault pages in as they go
-                pass
+            prefault(self._mm, start, end - start)
             self._populated = end
 
     def enter(self) -> None:

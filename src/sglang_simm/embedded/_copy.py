@@ -12,7 +12,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -40,15 +40,16 @@ if TYPE_CHECKING:  # pragma: no cover
 _memmove = ctypes.memmove
 
 
-def _held_memmove() -> ctypes._CFuncPtr | None:
-    """libc's memmove through ``ctypes.PyDLL``: a foreign call that keeps
-    the GIL (None where this process's symbols do not hold it)."""
+def held_libc(name: str, restype: Any, *argtypes: Any) -> Any:
+    """libc's ``name`` through ``ctypes.PyDLL``: a foreign call that keeps
+    the GIL, errno kept for ``ctypes.get_errno`` (None where this process's
+    symbols do not hold it)."""
     try:
-        fn = ctypes.PyDLL(None).memmove
+        fn = getattr(ctypes.PyDLL(None, use_errno=True), name)
     except (OSError, AttributeError):  # pragma: no cover - no dlopen(NULL) or no libc symbols
         return None
-    fn.restype = None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    fn.restype = restype
+    fn.argtypes = argtypes
     return fn
 
 
@@ -67,7 +68,7 @@ def _held_memmove() -> ctypes._CFuncPtr | None:
 # HELD_COPY_MAX are copied holding it, larger ones (a multi-MiB object,
 # 0.5 ms and more) let it go, and a batch big enough for the copy threads
 # (below) lets it go in every thread so they copy in parallel.
-_memmove_held = _held_memmove() or _memmove
+_memmove_held = held_libc("memmove", None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t) or _memmove
 HELD_COPY_MAX = 1 << 20
 
 # A writable memoryview over raw memory: unlike ``(c_uint8 * n).from_address``

@@ -58,7 +58,7 @@ from typing import Any
 
 from sglang_simm.embedded import _protocol as wire
 from sglang_simm.embedded._arena import ArenaMap
-from sglang_simm.embedded._copy import copy_many, human_bytes
+from sglang_simm.embedded._copy import copy_many, held_libc, human_bytes
 from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._limits import RateLimitedLog
 from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, read_pid, store_dir
@@ -125,29 +125,6 @@ def lock_held(paths: StorePaths) -> bool:
     return False
 
 
-def _held_send() -> Any:
-    """libc's ``send`` through ``ctypes.PyDLL``, a foreign call that keeps
-    the GIL (None where this process's symbols do not hold it)."""
-    try:
-        fn = ctypes.PyDLL(None, use_errno=True).send
-    except (OSError, AttributeError):  # pragma: no cover - no dlopen(NULL) or no libc symbols
-        return None
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
-
-
-def _held_recv() -> Any:
-    """libc's ``recv`` through ``ctypes.PyDLL`` (keeps the GIL), or None."""
-    try:
-        fn = ctypes.PyDLL(None, use_errno=True).recv
-    except (OSError, AttributeError):  # pragma: no cover
-        return None
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
-
-
 class _PollFd(ctypes.Structure):
     _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
 
@@ -156,20 +133,11 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def _held_ppoll() -> Any:
-    """libc's ``ppoll`` through ``ctypes.PyDLL`` (waits keeping the GIL), or None."""
-    try:
-        fn = ctypes.PyDLL(None, use_errno=True).ppoll
-    except (OSError, AttributeError):  # pragma: no cover
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = (ctypes.POINTER(_PollFd), ctypes.c_ulong, ctypes.POINTER(_Timespec), ctypes.c_void_p)
-    return fn
-
-
-_send_held = _held_send()
-_recv_held = _held_recv()
-_ppoll_held = _held_ppoll()
+# send, receive and wait keeping the GIL
+_send_held = held_libc("send", ctypes.c_ssize_t, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+_recv_held = held_libc("recv", ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_ppoll_held = held_libc("ppoll", ctypes.c_int, ctypes.POINTER(_PollFd), ctypes.c_ulong, ctypes.POINTER(_Timespec),
+                        ctypes.c_void_p)
 _POLLIN = 0x001
 
 #: How long a call waits for a reply holding the GIL before it lets the GIL
@@ -325,9 +293,10 @@ class _Connection:
             if len(self._unread) == before:  # readable with nothing to read: the peer closed
                 return
 
-    def _settle(self) -> None:
-        """Hand the replies of the COMMITs sent earlier to ``on_commit``."""
-        while self.pending:
+    def _settle(self, received_only: bool = False) -> None:
+        """Hand the replies of the COMMITs sent earlier to ``on_commit``
+        (``received_only``: those already in ``_unread``, waiting for none)."""
+        while self.pending and (not received_only or _whole_frame(self._unread)):
             op, body = self._read_frame()
             entries = self.pending.popleft()
             if self.on_commit is not None:
@@ -362,11 +331,7 @@ class _Connection:
         more (the caller holds ``lock``); the entries of those still unread."""
         try:
             self._take_received()
-            while self.pending and _whole_frame(self._unread):
-                op, body = self._read_frame()
-                entries = self.pending.popleft()
-                if self.on_commit is not None:
-                    self.on_commit(op, body, entries)
+            self._settle(received_only=True)
         except OSError:
             pass
         return sum(self.pending)

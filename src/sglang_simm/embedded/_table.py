@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sglang_simm.embedded._arena import prefault
 from sglang_simm.embedded._paths import check_file
 
 FREE = 0
@@ -49,7 +50,6 @@ HEADER_BYTES = 4096
 #: each page of the file (a page fault apiece, dear in a VM) otherwise tripled
 #: the cost of committing a batch of new objects.
 POPULATE_BYTES = 1 << 20
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 
 ENTRY = np.dtype([
     ("state", "<u4"),
@@ -138,10 +138,7 @@ class IndexTable:
         if end <= self._populated:
             return
         upto = min(end + POPULATE_BYTES, len(self._mm))
-        try:
-            self._mm.madvise(_MADV_POPULATE_WRITE, self._populated, upto - self._populated)
-        except (OSError, ValueError):
-            pass  # an older kernel: pages fault in as they are written, as before
+        prefault(self._mm, self._populated, upto - self._populated)
         self._populated = upto
 
     def free(self, slots: list[int]) -> None:
