@@ -140,6 +140,7 @@ def test_a_write_is_one_put_and_pages_already_stored_keep_their_bytes(attach, st
     before = server.stats()
     looked_up = []
     backend.client.mexists = lambda obj_keys: looked_up.append(obj_keys) or [False] * len(obj_keys)
+    backend.client.mexists_codes = lambda obj_keys: looked_up.append(obj_keys) or [1] * len(obj_keys)
     assert backend.batch_set_v1(keys, slots(host, 0, 4)) == [True] * 4
     after = server.stats()
     # one mput of every object: HEAD stores all 8 again, the tag the 4 new
@@ -270,9 +271,8 @@ def test_client_exceptions_are_caught_counted_and_answered_as_misses(attach):
     def boom(*a, **k):
         raise RuntimeError("native client exploded")
 
-    backend.client.mget = boom
-    backend.client.mexists = boom
-    backend.client.mput = boom
+    for name in ("mget", "mexists", "mput", "mget_views", "mexists_codes", "mput_views"):
+        setattr(backend.client, name, boom)
     keys = hashes(3)
     assert backend.batch_get_v1(keys, slots(host, 0, 3)) == [False] * 3
     assert backend.batch_exists(keys) == 0
@@ -641,3 +641,36 @@ def test_key_cache_overflow_and_non_ascii_keys_stay_correct(attach, monkeypatch)
         fill_random(host, 20)
         assert backend.batch_get_v1(keys, slots(host, 4, 4)) == [True] * 4
         assert all(torch.equal(page(host, 4 + i), want[i]) for i in range(4))
+
+
+def test_one_page_of_any_host_tensor_is_checked_as_the_numpy_path_checks_it(attach):
+    """A batch of one page takes a shortcut for plain host tensors (raw
+    bytes, no numpy); views, offsets into a larger tensor, int32 and
+    scrambled pages must get the answer the full check gives, and only a
+    page that passes it may be written."""
+    from sglang_simm.geometry import page_starts
+
+    backend, host = attach(tiny())
+    b = backend._kv
+    ps = host.page_size
+    whole = torch.arange(0, 8 * ps, dtype=torch.int64)
+    cases = {
+        "page 3, a slice of a larger tensor": whole[3 * ps: 4 * ps],
+        "int32": whole[2 * ps: 3 * ps].to(torch.int32),
+        "not contiguous": torch.arange(0, 2 * ps, dtype=torch.int64)[::2] * 0 + torch.arange(ps) + ps,
+        "strided view": torch.arange(ps, 3 * ps, dtype=torch.int64).repeat_interleave(2)[::2][:ps],
+        "scrambled": whole[ps: 2 * ps].flip(0),
+        "misaligned": whole[ps + 1: 2 * ps + 1],
+        "past the pool": torch.arange(b.slots, b.slots + ps, dtype=torch.int64),
+        "float": whole[:ps].to(torch.float32),
+    }
+    answers = {}
+    for name, t in cases.items():
+        want = page_starts(t.numpy(), ps, 1, b.slots)
+        got = b.starts(t, 1)
+        assert (got is None) == (want is None), name
+        if want is not None:
+            assert list(got) == want.tolist(), name
+        answers[name] = got is not None
+        assert backend.batch_set_v1(hashes(1, name), t) == [got is not None], name
+    assert answers["page 3, a slice of a larger tensor"] and answers["int32"] and not answers["scrambled"]

@@ -101,3 +101,54 @@ def test_a_failed_warm_up_closes_the_store_it_opened():
     finally:
         embedded.reset_servers(name)
         embedded.set_flag("embedded_scope", scope)
+
+
+def test_a_client_in_simms_layers_is_called_at_its_native_layer():
+    """SiMM's Python ``Store.mput``/``mget`` unwrap a ``BlockView`` per
+    object before calling the native store; a client with every native
+    piece gets native views and the native batch calls; one without (the
+    embedded store, a SiMM that moved them) gets the public calls."""
+    import torch
+
+    from sglang_simm.client import KVClient, native_layer
+    from sglang_simm.tools import nullkv
+
+    store = nullkv.Store()
+    client = KVClient(nullkv, store, description="null", embedded=False)
+    assert client.native and client.view is nullkv._kv.DataView
+    assert client.mput_views == store._impl.MPut and client.mget_views == store._impl.MGet
+    mr = nullkv.register_mr(torch.zeros(16, dtype=torch.uint8))
+    views = [client.view(0, 7, mr), client.view(8, 9, mr)]
+    assert client.mget_views(["a", "b"], views) == [7, 9]  # the native call takes native views
+    assert client.mexists_codes(["a"]) == [0] and store.mexists(["a"]) == [True]
+
+    # any piece missing: the public layer
+    assert native_layer(types.SimpleNamespace(_kv=nullkv._kv), object()) is None
+    moved = types.SimpleNamespace(_kv=types.SimpleNamespace(DataView=nullkv.DataView))
+    assert native_layer(moved, store) is None
+    class Partial(nullkv.KVStore):
+        MExists = None
+    half = nullkv.Store()
+    half._impl = Partial()
+    assert native_layer(nullkv, half) is None
+
+    local = embedded.Store.__new__(embedded.Store)  # no server: only the routing is looked at
+    assert native_layer(embedded, local) is None
+
+
+def test_the_embedded_store_answers_lookups_as_codes_too(store_name):
+    """``mexists_codes`` is ``mexists`` before its codes become bools: 0
+    where the object exists."""
+    from sglang_simm.client import KVClient
+
+    cfg = SiMMConfig(manager_address=f"local://{store_name}")
+    client = connect(cfg)
+    try:
+        assert isinstance(client, KVClient) and not client.native
+        block = client.allocate(8)
+        assert client.put("here", block.view()) == 0
+        codes = client.mexists_codes(["here", "absent"])
+        assert codes[0] == 0 and codes[1] != 0
+        assert [c == 0 for c in codes] == client.mexists(["here", "absent"])
+    finally:
+        client.close()

@@ -159,3 +159,46 @@ def test_page_starts_refuses_a_page_named_twice(pages, where):
     order[j] = 4 * pages  # a page of its own again
     indices = (order[:, None] * PAGE + np.arange(PAGE)[None, :]).ravel()
     assert page_starts(indices, PAGE, pages).tolist() == (order * PAGE).tolist()
+
+
+def _one_page_cases():
+    """One-page index batches, good and bad, in every dtype SGLang may pass."""
+    rng = np.random.default_rng(7)
+    for dtype in (np.int64, np.int32):
+        for first in (0, 8, 4 * PAGE * 1000):
+            good = np.arange(first, first + PAGE, dtype=dtype)
+            yield good
+            for i, j in ((0, 1), (1, 2), (PAGE - 2, PAGE - 1)):
+                bad = good.copy()
+                bad[[i, j]] = bad[[j, i]]
+                yield bad
+            yield good + 1  # misaligned
+            yield good - PAGE  # negative at first == 0
+            hole = good.copy()
+            hole[-1] += 1
+            yield hole
+            dup = good.copy()
+            dup[1] = dup[0]
+            yield dup
+        yield rng.integers(0, 64, PAGE).astype(dtype)
+        yield np.full(PAGE, 8, dtype=dtype)
+        yield np.array([8, 9, 10, 11 + (1 << 31)], dtype=np.int64)[:PAGE]  # a lane past 32 bits
+
+
+@pytest.mark.parametrize("slots", [64, 1 << 20])
+def test_one_page_start_agrees_with_the_full_check_on_good_and_bad_pages(slots):
+    """The one-page shortcut (one integer comparison over the raw bytes)
+    answers what ``page_starts`` answers, for every case built to break
+    it: swapped slots, holes, repeats, negative and misaligned pages, a
+    page past the pool's end, and int32 as well as int64."""
+    from sglang_simm.geometry import one_page_start
+
+    seen_ok = seen_bad = 0
+    for indices in _one_page_cases():
+        want = page_starts(indices, PAGE, 1, slots)
+        got = one_page_start(indices.tobytes(), indices.dtype.itemsize, PAGE, slots)
+        assert got == (None if want is None else int(want[0])), indices.tolist()
+        seen_ok += want is not None
+        seen_bad += want is None
+    assert seen_ok and seen_bad
+    assert one_page_start(np.arange(8, 12).tobytes()[:-1], 8, PAGE, slots) is None  # a byte short

@@ -411,9 +411,10 @@ def test_a_v2_write_is_one_mput_of_every_pool_and_no_lookup(hybrid_attach):
 
     assert backend.batch_set_v2(both(3, 0)) == {PoolName.SWA: [True] * 3, PoolName.DRAFT: [True] * 3}
     puts, lookups = [], []
-    real_mput, real_mexists = backend.client.mput, backend.client.mexists
-    backend.client.mput = lambda k, v: puts.append(list(k)) or real_mput(k, v)
+    real_mput, real_mexists = backend.client.mput_views, backend.client.mexists
+    backend.client.mput_views = lambda k, v: puts.append(list(k)) or real_mput(k, v)
     backend.client.mexists = lambda k: lookups.append(list(k)) or [False] * len(k)
+    backend.client.mexists_codes = lambda k: lookups.append(list(k)) or [1] * len(k)
     assert backend.batch_set_v2(both(4, 0)) == {PoolName.SWA: [True] * 4, PoolName.DRAFT: [True] * 4}
     assert lookups == [] and len(puts) == 1
     assert len(puts[0]) == 4 * (backend._side["swa"].parts + backend._side["draft"].parts)
@@ -914,9 +915,8 @@ def test_data_path_faults_are_misses_of_the_right_length(hybrid_attach):
     def boom(*_):
         raise RuntimeError("network down")
 
-    backend.client.mget = boom
-    backend.client.mexists = boom
-    backend.client.mput = boom
+    for name in ("mget", "mexists", "mput", "mget_views", "mexists_codes", "mput_views"):
+        setattr(backend.client, name, boom)
     assert backend.batch_get_v2(t) == {PoolName.SWA: [False] * 3, PoolName.MAMBA: [False] * 2}
     assert backend.batch_set_v2(t) == {PoolName.SWA: [False] * 3, PoolName.MAMBA: [False] * 2}
     assert result(s.query(swa_query(1))) == (0, {}, [])

@@ -144,6 +144,24 @@ def test_a_batch_fits_exactly_when_every_key_does(batch, ok):
     assert all(keys.key_fits(k, 10) for k in batch) is ok
 
 
+@pytest.mark.parametrize(
+    "batch, ok",
+    [(["ab", "cd", "ef"], True), (["abc", "d", "ef"], True), (["a", "bcdef", "f"], False),
+     (["ab", "c\nd"[:2], "ef"], True), (["ab", "c\n", "ef"], True), (["ab\ncd", "ef"], False), (["a\nb", "cde"], True),
+     (["ab", "", "cdef"], False), (["ab", "cd", "e" * 11], False), (["a" * 11] * 3, False),
+     (["ab", "é", "cd"], True), (["ab", "cd", None], False), (["\n", "\n"], True)],
+    ids=["uniform", "same-total", "one-over", "newline-uniform", "newline-end", "newline-over", "newline-2",
+         "empty-inside", "last-over", "all-over", "utf8-inside", "none-last", "newlines-only"],
+)
+def test_the_one_length_shortcut_never_passes_a_batch_the_per_key_rule_refuses(batch, ok):
+    """The batch check proves 'every key one width' from one join; batches
+    built to fool it (same total length, newlines inside keys, an empty key
+    between longer ones) get the per-key rule's answer."""
+    budget = 4
+    assert keys.keys_fit(batch, budget) is ok
+    assert all(keys.key_fits(k, budget) for k in batch) is ok
+
+
 def test_key_fits_defaults_to_simms_limit():
     assert keys.key_fits("k" * MAX_KEY_BYTES) and not keys.key_fits("k" * (MAX_KEY_BYTES + 1))
     assert not keys.key_fits("\ud800")  # no UTF-8 form: no key (and no exception)

@@ -122,7 +122,7 @@ def test_a_replaced_pool_stays_registered_until_the_calls_using_it_end(attach, w
         assert backend.batch_set_v2([transfer(slots(old, 0, 2))])[PoolName.SWA] == [True, True]
     fill_random(old, 52)
 
-    real_mget = backend.client.mget
+    real_mget = backend.client.mget_views
     started, proceed = threading.Event(), threading.Event()
 
     def held_mget(obj_keys, views):
@@ -130,7 +130,7 @@ def test_a_replaced_pool_stays_registered_until_the_calls_using_it_end(attach, w
         assert proceed.wait(10)
         return real_mget(obj_keys, views)
 
-    backend.client.mget = held_mget
+    backend.client.mget_views = held_mget
     result = {}
 
     def get():
@@ -148,7 +148,7 @@ def test_a_replaced_pool_stays_registered_until_the_calls_using_it_end(attach, w
     else:
         backend.register_mem_host_pool_v2(replacement, PoolName.SWA)
     assert binding.mrs, "deregistered while a get was still reading into it"
-    backend.client.mget = real_mget
+    backend.client.mget_views = real_mget
     proceed.set()
     reader.join(10)
     assert result["got"] == [True, True]
@@ -163,7 +163,7 @@ def _held_client(backend, events):
     event in ``gates`` (when it has one); deregistrations and the close are
     recorded in ``events`` with the thread that ran them."""
     client = backend.client
-    real_mget, real_dereg, real_close = client.mget, client.deregister, client.close
+    real_mget, real_dereg, real_close = client.mget_views, client.deregister, client.close
     gates: dict[str, threading.Event] = {}
     started: dict[str, threading.Event] = {}
 
@@ -183,7 +183,7 @@ def _held_client(backend, events):
         events.append(("close", threading.current_thread().name))
         return real_close()
 
-    client.mget, client.deregister, client.close = mget, deregister, close
+    client.mget_views, client.deregister, client.close = mget, deregister, close
 
     def hold(name):
         gates[name], started[name] = threading.Event(), threading.Event()

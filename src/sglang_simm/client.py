@@ -119,7 +119,23 @@ class KVClient:
         self.exists = store.exists
         self.delete = store.delete
         self.allocate = store.allocate
-        self.view = kv.BlockView.from_buffer
+        native = native_layer(kv, store)
+        #: whether the batch calls below skip SiMM's Python layer (``native_layer``)
+        self.native = native is not None
+        if native is not None:
+            data_view, impl = native
+            #: a view of host memory for the ``*_views`` calls: ``view(ptr, size, mr)``
+            self.view: Callable[[int, int, Any], Any] = data_view
+            self.mput_views: Callable[[Sequence[str], Sequence[Any]], list[int]] = impl.MPut
+            self.mget_views: Callable[[Sequence[str], Sequence[Any]], list[int]] = impl.MGet
+            #: per key 0 where the object exists, else a code (mexists's answer before bools)
+            self.mexists_codes: Callable[[Sequence[str]], list[int]] = impl.MExists
+        else:
+            self.view = kv.BlockView.from_buffer
+            self.mput_views = store.mput
+            self.mget_views = store.mget
+            codes = getattr(store, "mexists_codes", None)
+            self.mexists_codes = codes if callable(codes) else _codes_of(store.mexists)
         #: the host store handle this client shares with others of this process
         self._handle = _share_handle(getattr(store, "server", None)) if embedded else None
 
@@ -196,7 +212,8 @@ class KVClient:
         store, self.store = self.store, None
         if store is None:
             return
-        for name in ("mexists", "mget", "mput", "put", "get", "exists", "delete", "allocate"):
+        for name in ("mexists", "mget", "mput", "put", "get", "exists", "delete", "allocate",
+                     "mput_views", "mget_views", "mexists_codes"):
             setattr(self, name, _closed)
         close = getattr(store, "close", None)
         if callable(close):
@@ -204,6 +221,37 @@ class KVClient:
         if self._handle is not None:
             _release_handle(self._handle)
             self._handle = None
+
+
+def native_layer(kv: ModuleType, store: Any) -> tuple[Callable[..., Any], Any] | None:
+    """SiMM's native view class and native store under ``store``, when the
+    client is built in SiMM's layers; else None.
+
+    SiMM's Python ``BlockView`` wraps one native ``_kv.DataView``, and its
+    ``Store.mput``/``mget`` unwrap every view in a Python loop before
+    calling the native ``_impl.MPut``/``MGet`` (``mexists`` turns the native
+    codes into bools the same way). Zero-copy batches make a view per
+    object, so calling the native layer with native views saves a
+    classmethod, a wrapper and a loop step per object: half of a batch's
+    work in Python (docs/backend-core.md). Only a client that has every
+    piece is taken this way; any other (the embedded store, a future SiMM
+    that moves them) takes the public calls."""
+    native = getattr(kv, "_kv", None)
+    data_view = getattr(native, "DataView", None)
+    store_type = getattr(native, "KVStore", None)
+    impl = getattr(store, "_impl", None)
+    if not (isinstance(data_view, type) and isinstance(store_type, type) and isinstance(impl, store_type)):
+        return None
+    if not all(callable(getattr(impl, name, None)) for name in ("MPut", "MGet", "MExists")):
+        return None
+    return data_view, impl
+
+
+def _codes_of(mexists: Callable[[Sequence[str]], list[bool]]) -> Callable[[Sequence[str]], list[int]]:
+    def mexists_codes(keys: Sequence[str]) -> list[int]:
+        return [0 if found else 1 for found in mexists(keys)]
+
+    return mexists_codes
 
 
 def _closed(*args: Any, **kwargs: Any) -> Any:

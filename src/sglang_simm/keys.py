@@ -210,21 +210,22 @@ def _chunked(parts: Sequence[str], chunks: int) -> tuple[str, ...]:
 def object_keys(prefix: str, page_keys: Sequence[str], suffixes: Sequence[str]) -> list[str]:
     """Flat, page-major list: every suffix of page 0, then page 1, ...
 
-    The common shapes, one object per page (MLA) and two (K, V), run
-    without the inner loop over suffixes. Making the strings (one per
-    object) is the cost, and an f-string per object is the cheapest way
-    measured to make them: a ``join`` and ``split`` per suffix copies each
-    key twice and cost a third more."""
+    Making the strings (one per object) is the cost, and an f-string per
+    object in a comprehension is the cheapest way measured to make them
+    (``join``/``split`` per suffix, ``str.format`` or ``%`` through ``map``
+    and an ``append`` loop all cost more); with two suffixes (K, V) one
+    comprehension per suffix fills the even and the odd places."""
     if len(suffixes) == 1:
         (s0,) = suffixes
         return [f"{prefix}{k}{s0}" for k in page_keys]
     if len(suffixes) == 2:
         s0, s1 = suffixes
-        out: list[str] = []
-        add = out.append
-        for k in page_keys:
-            add(f"{prefix}{k}{s0}")
-            add(f"{prefix}{k}{s1}")
+        if len(page_keys) == 1:
+            (k,) = page_keys
+            return [f"{prefix}{k}{s0}", f"{prefix}{k}{s1}"]
+        out: list[str] = [""] * (2 * len(page_keys))
+        out[0::2] = [f"{prefix}{k}{s0}" for k in page_keys]
+        out[1::2] = [f"{prefix}{k}{s1}" for k in page_keys]
         return out
     return [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
 
@@ -268,15 +269,28 @@ def key_fits(key: object, budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False
 
 def keys_fit(keys: Sequence[object], budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False) -> bool:
     """``key_fits`` for every key of a batch, with C-level checks for the
-    common case (every key an ASCII string)."""
+    common case: every key an ASCII string of one length (SGLang's page
+    keys are hex digests).
+
+    That case is proved from one ``"\n".join``: it holds exactly n - 1
+    newlines, its length is n keys of the first key's width plus n - 1
+    separators, and every place a separator would stand between keys of
+    that width holds one; so no key holds a newline and every key has that
+    width. Anything else takes the per-key rule."""
     try:
-        joined = "".join(keys)  # type: ignore[arg-type]  # TypeError: a key that is not a str
+        joined = "\n".join(keys)  # type: ignore[arg-type]  # TypeError: a key that is not a str
     except TypeError:
         return False
-    if not keys:
+    n = len(keys)
+    if not n:
         return True
-    # ``"" in keys`` compares in C and stops at the first empty key; cheaper
-    # than a min over the lengths
-    if (not empty_ok and "" in keys) or max(map(len, keys)) > budget:  # type: ignore[arg-type]
-        return False
-    return joined.isascii() or all(key_fits(k, budget, empty_ok=empty_ok) for k in keys)
+    width = len(keys[0])  # type: ignore[arg-type]
+    if (
+        0 < width <= budget
+        and len(joined) == n * (width + 1) - 1
+        and joined.isascii()
+        and joined.count("\n") == n - 1
+        and (n == 1 or joined[width:: width + 1] == "\n" * (n - 1))
+    ):
+        return True
+    return all(key_fits(k, budget, empty_ok=empty_ok) for k in keys)

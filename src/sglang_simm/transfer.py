@@ -67,7 +67,7 @@ class Transfers:
         if len(rows) != n:
             self._log("bad_key", "SiMM: %d page keys are not strings within %d bytes; those pages miss",
                       n - len(rows), b.keys.budget)
-        starts = starts[rows]
+        starts = np.asarray(starts)[rows]
         return Batch(b, n, rows, obj_keys, b.views(starts), starts)
 
     # ------------------------------------------------------------- reads
@@ -160,7 +160,7 @@ class Transfers:
             keys = [k for bt in batches for k in bt.keys]
             views = [v for bt in batches for v in bt.views]
         t0 = _now()
-        codes = self.client.mput(keys, views if views.__class__ is list else list(views))
+        codes = self.client.mput_views(keys, views if views.__class__ is list else list(views))
         seconds = _now() - t0
         if codes.__class__ is not list:
             codes = list(codes)

@@ -41,12 +41,12 @@ class V1Path:
                 page_ok = np.zeros(n, dtype=bool)
                 page_ok[pages] = found.reshape(-1, b.parts).all(axis=1)
                 return n if page_ok.all() else int(np.argmin(page_ok))
-            found = self.client.mexists(obj_keys)
-            if len(found) != len(obj_keys):
-                raise RuntimeError(f"mexists answered {len(found)} results for {len(obj_keys)} keys")
-            if all(found):
+            codes = self.client.mexists_codes(obj_keys)
+            if len(codes) != len(obj_keys):
+                raise RuntimeError(f"mexists answered {len(codes)} results for {len(obj_keys)} keys")
+            if not any(codes):  # 0: the object exists
                 return n
-            return list(map(bool, found)).index(False) // b.parts
+            return list(map(bool, codes)).index(True) // b.parts
         return 0
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
@@ -63,7 +63,7 @@ class V1Path:
             if batch is None:
                 return [False] * n
             t0 = perf_counter()
-            codes = self.client.mget(batch.keys, batch.views)
+            codes = self.client.mget_views(batch.keys, batch.views)
             dt = perf_counter() - t0
             if codes.__class__ is not list:
                 codes = list(codes)

@@ -110,7 +110,7 @@ class V2Path:
             all_keys = [k for _, bt in batches for k in bt.keys]
             all_views = [v for _, bt in batches for v in bt.views]
             t0 = perf_counter()
-            codes = np.asarray(self.client.mget(all_keys, all_views), dtype=np.int64)
+            codes = np.asarray(self.client.mget_views(all_keys, all_views), dtype=np.int64)
             dt = perf_counter() - t0
             if codes.size != len(all_keys):
                 raise RuntimeError(f"mget answered {codes.size} results for {len(all_keys)} objects")

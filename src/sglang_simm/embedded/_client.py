@@ -695,6 +695,11 @@ class Store:
     def mexists(self, keys: list[str]) -> list[bool]:
         return [code == OK for code in self._lookup(_as_keys(keys))]
 
+    def mexists_codes(self, keys: list[str]) -> list[int]:
+        """``mexists`` before its codes become bools: per key OK (0) where
+        the object exists, else why not (SiMM's native ``MExists``)."""
+        return self._lookup(_as_keys(keys))
+
     # -- async (the sync op in the loop's default executor) ---------------
 
     async def exists_async(self, key: str) -> bool:

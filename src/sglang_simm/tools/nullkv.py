@@ -8,6 +8,15 @@ calls touch no memory and answer from the arguments alone::
     mget(keys, views)    -> each view's size (a full read)
     mput(keys, views)    -> [0] * len(keys) (stored)
 
+It is built in SiMM's layers (``simm/kv/__init__.py`` at HEAD): a native
+module ``_kv`` (``DataView``, ``KVStore`` with ``MPut``/``MGet``/``MExists``)
+under Python classes (``BlockView`` wrapping one ``DataView``, ``Store``
+wrapping a ``KVStore`` as ``_impl`` and unwrapping views in a Python loop),
+so a backend pays here what it would pay SiMM's Python layer, and one that
+calls the native layer directly (ours, ``client.KVClient``) saves here what
+it saves there. The native parts are Python classes: a ``DataView`` costs
+one ``__init__``, about a native constructor's cost.
+
 ``exists_answer`` is a per-``Store`` attribute: False makes a backend's
 ``batch_set_v1`` take its write path (mexists, then mput of every object),
 True makes ``batch_exists`` walk every key to the end. ``release_points``
@@ -71,29 +80,97 @@ def deregister_mr(mr_ext: MrExt) -> bool:
     return isinstance(mr_ext, MrExt)
 
 
+class DataView:
+    """The native view (``simm.kv._kv.DataView``, a nanobind class in SiMM):
+    ``size`` bytes at ``ptr``. One Python ``__init__`` per view here, about
+    what a native constructor call costs; nothing is checked."""
+
+    __slots__ = ("owner", "ptr", "size")
+
+    def __init__(self, ptr: int, size: int, mr_ext: Any = None, owner: Any = None) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.owner = owner
+
+
+class KVStore:
+    """The native store (``simm.kv._kv.KVStore``): batch calls on native
+    views answer at once; single-key calls keep real copies."""
+
+    def __init__(self) -> None:
+        self.exists_answer = True
+        self.release_points: list[float] | None = None
+        self._single: dict[str, bytes] = {}
+
+    # -- batch: no memory touched --------------------------------------------
+
+    def MExists(self, keys: Sequence[str]) -> list[int]:  # noqa: N802 (SiMM's native names)
+        if self.release_points is not None:
+            self.release_points.append(time.perf_counter())
+        return [0 if self.exists_answer else -2101] * len(keys)
+
+    def MGet(self, keys: Sequence[str], datas: Sequence[DataView]) -> list[int]:  # noqa: N802
+        if self.release_points is not None:
+            self.release_points.append(time.perf_counter())
+        return [d.size for d in datas]
+
+    def MPut(self, keys: Sequence[str], datas: Sequence[DataView]) -> list[int]:  # noqa: N802
+        if self.release_points is not None:
+            self.release_points.append(time.perf_counter())
+        return [0] * len(keys)
+
+    # -- single key: honest, for warm-ups ----------------------------------------
+
+    def Put(self, key: str, data: DataView) -> int:  # noqa: N802
+        self._single[key] = bytes(_tensor_of(data).numpy().tobytes())
+        return 0
+
+    def Get(self, key: str, data: DataView) -> int:  # noqa: N802
+        stored = self._single.get(key)
+        if stored is None:
+            return -2101  # GET_OBJECT_FAILED, as the real sync client reports a miss
+        dst = _tensor_of(data)
+        n = min(len(stored), dst.numel())
+        dst[:n].copy_(torch.frombuffer(bytearray(stored[:n]), dtype=torch.uint8))
+        return n
+
+    def Exists(self, key: str) -> int:  # noqa: N802
+        return 0 if key in self._single else -2101
+
+    def Delete(self, key: str) -> int:  # noqa: N802
+        return 0 if self._single.pop(key, None) is not None else -4003
+
+
+def _tensor_of(data: DataView) -> torch.Tensor:
+    if data.owner is None:
+        raise ValueError("a null view over caller memory holds no bytes")
+    return data.owner
+
+
+#: SiMM's native extension module (``simm.kv._kv``), as the Python layer
+#: below reaches it.
+_kv = types.SimpleNamespace(DataView=DataView, KVStore=KVStore, MrExt=MrExt)
+
+
 class BlockView:
-    """``size`` bytes at ``ptr``; nothing is checked (the native view checks
-    types only, in C++)."""
+    """SiMM's Python view: a wrapper around one native ``DataView``, made by
+    a classmethod, as in ``simm/kv/__init__.py``."""
 
-    __slots__ = ("_owner", "_ptr", "_size")
+    __slots__ = ("_data",)
 
-    def __init__(self, ptr: int, size: int, owner: Any = None) -> None:
-        self._ptr = ptr
-        self._size = size
-        self._owner = owner
+    def __init__(self, data: DataView) -> None:
+        self._data = data
 
     @classmethod
     def from_buffer(cls, buf_ptr: int, buf_size: int, mr_ext: MrExt) -> BlockView:
-        return cls(buf_ptr, buf_size)
+        return BlockView(_kv.DataView(buf_ptr, buf_size, mr_ext))
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, mr_ext: MrExt) -> BlockView:
-        return cls(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        return BlockView(_kv.DataView(tensor.data_ptr(), tensor.numel() * tensor.element_size(), mr_ext))
 
     def as_ref(self) -> torch.Tensor:
-        if self._owner is None:
-            raise ValueError("as_ref() of a null view over caller memory")
-        return self._owner
+        return _tensor_of(self._data)
 
 
 class Block:
@@ -108,60 +185,67 @@ class Block:
         return self._tensor
 
     def view(self) -> BlockView:
-        return BlockView(self._tensor.data_ptr(), self._tensor.numel(), self._tensor)
+        return BlockView(_kv.DataView(self._tensor.data_ptr(), self._tensor.numel(), None, self._tensor))
 
 
 class Store:
-    """Batch calls answer at once; single-key calls keep real copies."""
+    """SiMM's Python ``Store`` over the native one (``_impl``), layer for
+    layer: the batch calls unwrap every view in a Python loop, and
+    ``mexists`` turns codes into bools, as SiMM's own do."""
 
     def __init__(self) -> None:
-        self.exists_answer = True
-        self.release_points: list[float] | None = None
-        self._single: dict[str, bytes] = {}
+        self._impl = _kv.KVStore()
+
+    # the null client's knobs live on the native store, where the calls are
+    @property
+    def exists_answer(self) -> bool:
+        return self._impl.exists_answer
+
+    @exists_answer.setter
+    def exists_answer(self, value: bool) -> None:
+        self._impl.exists_answer = value
+
+    @property
+    def release_points(self) -> list[float] | None:
+        return self._impl.release_points
+
+    @release_points.setter
+    def release_points(self, value: list[float] | None) -> None:
+        self._impl.release_points = value
 
     def allocate(self, block_size: int) -> Block:
         return Block(int(block_size))
 
-    # -- batch: no memory touched --------------------------------------------
-
     def mexists(self, keys: Sequence[str]) -> list[bool]:
-        if self.release_points is not None:
-            self.release_points.append(time.perf_counter())
-        return [self.exists_answer] * len(keys)
+        rets = self._impl.MExists(keys)
+        return [ret == 0 for ret in rets]
 
     def mget(self, keys: Sequence[str], blocks: Sequence[BlockView]) -> list[int]:
-        if self.release_points is not None:
-            self.release_points.append(time.perf_counter())
-        return [v._size for v in blocks]
+        datas: list[DataView] = []
+        for block in blocks:
+            datas.append(block._data)
+        return self._impl.MGet(keys, datas)
 
     def mput(self, keys: Sequence[str], blocks: Sequence[BlockView]) -> list[int]:
-        if self.release_points is not None:
-            self.release_points.append(time.perf_counter())
-        return [0] * len(keys)
-
-    # -- single key: honest, for warm-ups ----------------------------------------
+        datas: list[DataView] = []
+        for block in blocks:
+            datas.append(block._data)
+        return self._impl.MPut(keys, datas)
 
     def put(self, key: str, block: BlockView) -> int:
-        self._single[key] = bytes(block.as_ref().numpy().tobytes())
-        return 0
+        return self._impl.Put(key, block._data)
 
     def get(self, key: str, block: BlockView) -> int:
-        data = self._single.get(key)
-        if data is None:
-            return -2101  # GET_OBJECT_FAILED, as the real sync client reports a miss
-        dst = block.as_ref()
-        n = min(len(data), dst.numel())
-        dst[:n].copy_(torch.frombuffer(bytearray(data[:n]), dtype=torch.uint8))
-        return n
+        return self._impl.Get(key, block._data)
 
     def exists(self, key: str) -> bool:
-        return key in self._single
+        return self._impl.Exists(key) == 0
 
     def delete(self, key: str) -> int:
-        return 0 if self._single.pop(key, None) is not None else -4003
+        return self._impl.Delete(key)
 
     def close(self) -> None:
-        self._single.clear()
+        self._impl._single.clear()
 
     def __repr__(self) -> str:
         return f"<Store null exists_answer={self.exists_answer}>"
