@@ -50,7 +50,6 @@ ROUTES = ("simm", "dynamic")
 INTREE_BACKENDS = ("file", "mooncake")
 
 
-
 class ServerError(RuntimeError):
     """The server did not start, died, or answered an error."""
 
