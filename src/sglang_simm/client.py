@@ -23,6 +23,7 @@ from sglang_simm.errors import (
     ClusterUnreachableError,
     code_name,
 )
+from sglang_simm.keys import WARMUP_KEY_PREFIX
 
 if TYPE_CHECKING:  # pragma: no cover
     from sglang_simm.config import SiMMConfig
@@ -164,7 +165,7 @@ class KVClient:
         A broken data path then fails at start-up, naming the address,
         instead of every later call silently missing.
         """
-        key = f"sglang_simm_warmup_{uuid.uuid4().hex}"
+        key = f"{WARMUP_KEY_PREFIX}{uuid.uuid4().hex}"
         payload = key.encode().ljust(size, b"\0")
         last = "no attempt"
         for attempt in range(1, attempts + 1):

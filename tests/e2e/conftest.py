@@ -34,10 +34,9 @@ REQUEST_TIMEOUT_MS = 10_000
 def _server(name: str, route: str, store: dict | None = None, **fields) -> Callable[[str], ServerConfig]:
     """A server's config, given the model directory: the tests' page size
     and device tokens, and a host store of its own (``local://e2e-NAME``,
-    so servers never see each other's pages) with batch logs on (the tests
-    count pages); ``store`` adds extra-config fields."""
-    extra = {"manager_address": f"local://e2e-{name}", "enable_profile": True,
-             "request_timeout_ms": REQUEST_TIMEOUT_MS, **(store or {})}
+    so servers never see each other's pages, and the tests count a server's
+    L3 pages from its store's counters); ``store`` adds extra-config fields."""
+    extra = {"manager_address": f"local://e2e-{name}", "request_timeout_ms": REQUEST_TIMEOUT_MS, **(store or {})}
     # sleep_on_idle: an idle CPU scheduler otherwise spins at half a core,
     # which the rest of the suite pays for; SGLang's idle scheduler still
     # wakes every second, and backups run on the controller's own threads.

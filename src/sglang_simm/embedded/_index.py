@@ -52,6 +52,7 @@ from typing import Any
 
 from sglang_simm.embedded._allocator import ExtentAllocator, aligned
 from sglang_simm.embedded._limits import StoreLimits, key_ok
+from sglang_simm.keys import warmup_keys
 from sglang_simm.errors import (
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
@@ -94,6 +95,11 @@ STAT_NAMES = (
     "refused_leases",  # batches refused because max_leases were open
     "refused_lease_owner",  # COMMIT/ABORT/RELEASE of another connection's lease
     "refused_lease_expired",  # leases that outlived the lease time limit
+    # Of the puts and hits, those of warm-up keys (``keys.WARMUP_KEY_PREFIX``):
+    # a backend's start-up round trip, so that pages counted from these
+    # counters (puts minus these, over objects per page) leave it out.
+    "warmup_puts",
+    "warmup_hits",
 )
 
 
@@ -478,11 +484,13 @@ class StoreIndex:
             for _, key, obj in items:
                 objects[key] = obj
             published, published_bytes = len(items), reserved
+            warmups = warmup_keys(keys)
         else:
             out = self._publish_one_by_one(items, lease.overwrite)
             won = [obj for (_, _, obj), (_, code) in zip(items, out) if code == OK]
             # (a key named twice: the later entry replaced the earlier, counted in and out as two puts)
             published, published_bytes = len(won), sum([obj.size for obj in won])
+            warmups = warmup_keys([key for (_, key, _), (_, code) in zip(items, out) if code == OK])
             items = [(i, key, obj) for i, key, obj in items if objects.get(key) is obj]
             keys = [key for _, key, _ in items]
         self._table.commit([obj.slot for _, _, obj in items], keys,
@@ -491,6 +499,7 @@ class StoreIndex:
         self.used += published_bytes
         self.stats["puts"] += published
         self.stats["bytes_in"] += published_bytes
+        self.stats["warmup_puts"] += warmups
         return out
 
     def _publish_one_by_one(self, items: list, overwrite: bool) -> list[tuple[int, int]]:
@@ -555,6 +564,8 @@ class StoreIndex:
                 objects.move_to_end(key)
         if full and any(r == TARGET_UNAVAILABLE for r in results):
             stats["refused_leases"] += 1
+        if pinned and warmup_keys(keys):
+            stats["warmup_hits"] += warmup_keys([key for key, r in zip(keys, results) if r >= 0])
         if not pinned:
             return 0, results, offsets
         return self._lease(_Lease(owner, pinned, False, False)), results, offsets

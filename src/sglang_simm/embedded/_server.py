@@ -39,6 +39,7 @@ from sglang_simm.errors import (
     OK,
     OUT_OF_MEMORY,
 )
+from sglang_simm.keys import warmup_keys
 
 logger = logging.getLogger("sglang_simm.embedded")
 
@@ -184,6 +185,7 @@ class EmbeddedServer:
             bufs.append(buf)
         copy_many(copies)
 
+        published: list[str] = []
         with self._lock:
             stats = self._stats
             for i, buf in zip(todo, bufs):
@@ -206,6 +208,8 @@ class EmbeddedServer:
                 self._used += size
                 stats["puts"] += 1
                 stats["bytes_in"] += size
+                published.append(key)
+            stats["warmup_puts"] += warmup_keys(published)
         return results
 
     def get_into(self, items: Sequence[tuple[str, int, int]]) -> list[int]:
@@ -236,6 +240,8 @@ class EmbeddedServer:
                 stats["bytes_out"] += size
                 found.append((i, buf, size, ptr))
                 self._reading[id(buf)] += 1
+            if found:
+                stats["warmup_hits"] += warmup_keys([items[i][0] for i, _, _, _ in found])
         try:
             copy_many([(ptr, buf.data_ptr(), size) for _, buf, size, ptr in found])
             for i, _, size, _ in found:

@@ -14,7 +14,8 @@ stopped by its pid, then by its process group if anything remains.
 Helpers speak SGLang's HTTP API with the standard library only: ``/generate``
 with ``input_ids`` (greedy, with logprobs, optionally streamed for the time to
 first token), ``/flush_cache``, ``/metrics``; and the scheduler's resident
-memory is read from the process tree.
+memory is read from the process tree. L3 pages stored and read are counted
+by the backend's host store (``l3_counts``), never from the server's log.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -34,7 +34,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sglang_simm.tools import cpu_standins
+from sglang_simm.embedded._paths import STORE_DIR_ENV
+from sglang_simm.tools import cpu_standins, l3_counts
 
 #: The names SGLang's scheduler processes give themselves (setproctitle),
 #: e.g. ``sglang::scheduler`` or ``sglang::scheduler_TP1``.
@@ -47,11 +48,6 @@ ROUTES = ("simm", "dynamic")
 #: (``file``: ``file_storage_path``; ``mooncake``: its master and transfer
 #: settings), for comparisons with this plugin.
 INTREE_BACKENDS = ("file", "mooncake")
-
-#: What the backend logs per batch with ``enable_profile`` (v1.py): pages
-#: asked for, then pages stored (a write) or hits (a read).
-_SET_LINE = re.compile(r"SiMM batch_set_v1: (\d+) pages, (\d+) stored")
-_GET_LINE = re.compile(r"SiMM batch_get_v1: (\d+) pages, (\d+) hits")
 
 
 class ServerError(RuntimeError):
@@ -98,6 +94,9 @@ class ServerConfig:
     #: (a ``sitecustomize.py`` there runs after theirs, see
     #: ``cpu_standins.chain_sitecustomize``)
     pythonpath: Sequence[str] = ()
+    #: objects of one L3 page, for counting pages from the host store's
+    #: counters; None: from the model's config.json (MLA 1, else 2)
+    l3_objects_per_page: int | None = None
 
     def storage_args(self) -> list[str]:
         if self.route is None:
@@ -275,6 +274,7 @@ class SGLangServer:
         #: seconds from the launch to a healthy server
         self.started_in_s: float | None = None
         self._launched_at = 0.0
+        self._l3: l3_counts.StoreCounter | None = None
 
     # -- life cycle -----------------------------------------------------------
 
@@ -378,6 +378,9 @@ class SGLangServer:
                 pass
             _wait_group_gone(pgid, grace)
         self.proc = None
+        counter, self._l3 = self._l3, None
+        if counter is not None:
+            counter.close()
 
     def __enter__(self) -> SGLangServer:
         return self.start() if self.proc is None else self
@@ -398,19 +401,59 @@ class SGLangServer:
         # server_args is one very long line; cut every line short
         return "\n".join(line[:400] for line in self.log_text().splitlines()[-lines:])
 
+    # -- L3 counts -------------------------------------------------------------
+
+    def l3_counter(self) -> l3_counts.StoreCounter | None:
+        """The counters of the host store this server's backend uses (its
+        ``manager_address``: ``local`` or ``local://NAME``), read from this
+        process; None for any other store."""
+        if self._l3 is None:
+            name = l3_counts.host_store_name(self.config.extra_config)
+            if name is None:
+                return None
+            per_page = self.config.l3_objects_per_page or l3_counts.objects_per_page(self.config.model_path)
+            # the server's store directory: its own env's, else the one it inherits from here
+            root = self.config.env.get(STORE_DIR_ENV)
+            self._l3 = l3_counts.StoreCounter(name, root=root, objects_per_page=per_page)
+        return self._l3
+
+    def _l3_pages(self, which: str) -> int:
+        """``stored`` or ``read`` pages: from the host store's counters; for
+        another store (a cluster, whose counters no other process reads),
+        from SGLang's own metrics of the backend (``sglang:backup_pgs`` and
+        ``sglang:prefetch_pgs``, pages per batch, warm-ups never in them),
+        which need ``enable_metrics``."""
+        counter = self.l3_counter()
+        if counter is not None:
+            from sglang_simm.embedded._host import StoreUnreachable
+
+            try:
+                objects = counter.objects()
+            except StoreUnreachable as exc:
+                raise ServerError(f"{self.name}: cannot read its host store's counters: {exc}") from exc
+            return l3_counts.pages(objects.stored if which == "stored" else objects.read, counter.objects_per_page)
+        if not self.config.enable_metrics:
+            raise ServerError(
+                f"{self.name}: L3 pages are counted by the host store (manager_address 'local://NAME') or by "
+                f"SGLang's metrics, and manager_address {self.config.extra_config.get('manager_address')!r} "
+                "is no host store and metrics are off: give it a host store or enable_metrics")
+        name = "sglang:backup_pgs_sum" if which == "stored" else "sglang:prefetch_pgs_sum"
+        return int(self.metrics().get(name, 0.0))
+
     def l3_pages_stored(self) -> int:
-        """Pages the backend confirmed stored (written or already there),
-        summed over its ``enable_profile`` log lines."""
-        return sum(int(m.group(2)) for m in _SET_LINE.finditer(self.log_text()))
+        """Pages the backend stored in L3 (every page of every write, so a
+        page written twice counts twice; warm-ups left out)."""
+        return self._l3_pages("stored")
 
     def l3_pages_read(self) -> int:
-        """Pages the backend read back (its ``enable_profile`` log lines)."""
-        return sum(int(m.group(2)) for m in _GET_LINE.finditer(self.log_text()))
+        """Pages the backend read back from L3 (found; warm-ups left out)."""
+        return self._l3_pages("read")
 
     def wait_l3_stored(self, at_least: int, timeout: float = 60.0) -> int:
         """Wait until ``l3_pages_stored() >= at_least`` (backups are
         asynchronous: the controller's backup thread writes after the request
-        returned). Needs ``enable_profile`` in the extra config."""
+        returned); the count reached. ``timeout`` is a generous bound on a
+        loaded machine, not a speed check."""
         deadline = time.monotonic() + timeout
         while True:
             stored = self.l3_pages_stored()
@@ -418,7 +461,8 @@ class SGLangServer:
                 return stored
             if time.monotonic() > deadline:
                 raise ServerError(
-                    f"{self.name}: {stored} pages stored in L3 after {timeout:.0f} s, expected {at_least}"
+                    f"{self.name}: waited {timeout:.0f} s for {at_least} pages stored in L3, "
+                    f"{stored} are; log {self.log_path}"
                 )
             time.sleep(0.1)
 
