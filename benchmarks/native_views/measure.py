@@ -161,10 +161,17 @@ def run(repeat: int, target_s: float) -> dict[str, Any]:
             bv, store_cls = python_layer(native) if impl == "nanobind" else (nullkv.BlockView, nullkv.Store)
             store = store_cls()
             ns = {
-                "DV": native.DataView, "ptrs": ptrs, "sizes": [65536] * n, "mrs": [mr] * n, "mr": mr,
-                "keys": keys, "views": [native.DataView(p, 65536, mr) for p in ptrs], "impl": impl_store,
-                "BV": bv, "store": store, "zip": zip, "list": list, "map": map,
-            }  # fmt: skip
+                "DV": native.DataView,
+                "ptrs": ptrs,
+                "sizes": [65536] * n,
+                "mrs": [mr] * n,
+                "mr": mr,
+                "keys": keys,
+                "views": [native.DataView(p, 65536, mr) for p in ptrs],
+                "impl": impl_store,
+                "BV": bv,
+                "store": store,
+            }
             cases[f"{impl}:map:{n}"] = compile_case("list(map(DV, ptrs, sizes, mrs))", ns)
             cases[f"{impl}:MPut:{n}"] = compile_case("impl.MPut(keys, views)", ns)
             cases[f"{impl}:MGet:{n}"] = compile_case("impl.MGet(keys, views)", ns)
@@ -198,7 +205,7 @@ def run(repeat: int, target_s: float) -> dict[str, Any]:
     }
     tracked["nanobind"]["BlockView (Python layer)"] = gc.is_tracked(python_layer(nb_kv)[0](None))
     tracked["null"]["BlockView (Python layer)"] = gc.is_tracked(nullkv.BlockView(None))
-    return {"timings": timings, "gc_tracked": tracked}
+    return {"null_client": nullkv.__file__, "timings": timings, "gc_tracked": tracked}
 
 
 ORDER = [("view", 1)] + [(c, n) for c in ("map", "MPut", "MGet", "MExists") for n in SIZES]
@@ -260,9 +267,11 @@ def main() -> None:
     ap.add_argument("--json", default=str(REPO / "benchmarks/results/native-views.json"))
     ap.add_argument("--no-build", action="store_true", help="use the module already in build/")
     args = ap.parse_args()
-    if Path(sys.executable).resolve() != Path(args.python).resolve() and not os.environ.get("_NATIVE_VIEWS_CHILD"):
+    # a venv's python is a link to its base interpreter: compare the paths, not their targets
+    if Path(sys.executable).absolute() != Path(args.python).absolute() and not os.environ.get("_NATIVE_VIEWS_CHILD"):
         env = dict(os.environ, _NATIVE_VIEWS_CHILD="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+        # a PYTHONPATH given first: it may name another tree's null client
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO / "src")]))
         sys.exit(subprocess.call([args.python, __file__, *sys.argv[1:]], env=env))
     build_dir = HERE / "build" if args.no_build else build(args.python)
     sys.path.insert(0, str(build_dir))
