@@ -212,13 +212,14 @@ def test_longest_hold_splits_a_call_at_the_client_calls():
     points: list[float] = []
     store = nullkv.Store()
     store.release_points = points
+    mr = nullkv.register_mr(__import__("torch").zeros(8, dtype=__import__("torch").uint8))
 
     def call():
         t = __import__("time").perf_counter() + 0.004
         while __import__("time").perf_counter() < t:
             pass
         store.mexists(["a"])  # the client lets go of the GIL here
-        return store.mget(["a"], [nullkv.BlockView.from_buffer(0, 3, None)])
+        return store.mget(["a"], [nullkv.BlockView.from_buffer(0, 3, mr)])
 
     held, releases, result = bench.longest_hold(call, points)
     assert result == [3] and releases == 2

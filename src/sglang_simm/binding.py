@@ -26,7 +26,6 @@ methods never raise on bad input, they answer None.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections import OrderedDict
 from dataclasses import replace
@@ -57,8 +56,6 @@ SMALL_BATCH = 16
 KEY_CACHE_LIMIT = 1 << 15
 
 Meta = Callable[[Any], tuple[list[int], list[int]]]
-
-_string_at = ctypes.string_at
 
 
 # ------------------------------------------------------------------ steps
@@ -323,8 +320,8 @@ class PoolBinding:
         indices are not ``n`` distinct whole pages inside this pool."""
         if n == 1 and host_indices.__class__ is torch.Tensor:
             raw = _raw_indices(host_indices, self.page_size)
-            if raw is not None:  # one page of a plain host tensor: no numpy
-                first = one_page_start(raw, host_indices.element_size(), self.page_size, self.slots)
+            if raw is not None:  # one page: one integer comparison, no numpy arithmetic
+                first = one_page_start(raw[0], raw[1], self.page_size, self.slots)
                 return None if first is None else [first]
         indices = _as_numpy(host_indices)
         if indices is None:
@@ -406,18 +403,21 @@ class PoolBinding:
                 self.client.deregister(mr)
 
 
-_INDEX_DTYPES = (torch.int64, torch.int32)
+_INDEX_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 
 
-def _raw_indices(t: torch.Tensor, count: int) -> bytes | None:
-    """The bytes of ``count`` slot indices held by a 1-D, contiguous, CPU
-    integer tensor (what SGLang passes), or None for anything else (which
-    takes the numpy check). Each attribute read costs a tenth of what
-    ``Tensor.numpy()`` does."""
-    if (t.dtype not in _INDEX_DTYPES or t.dim() != 1 or t.numel() != count
-            or not t.is_cpu or not t.is_contiguous()):
+def _raw_indices(t: torch.Tensor, count: int) -> tuple[bytes, int] | None:
+    """The bytes of ``count`` slot indices held by a 1-D CPU integer tensor
+    (what SGLang passes) and their item size, or None for anything else
+    (which takes the numpy check). ``Tensor.numpy()`` checks the device and
+    dtype in C, and ``tobytes`` gives the indices in order from any view."""
+    try:
+        a = t.numpy()
+    except TypeError:  # not on the CPU
         return None
-    return _string_at(t.data_ptr(), count * t.element_size())
+    if a.ndim != 1 or a.shape[0] != count or a.dtype not in _INDEX_DTYPES:
+        return None
+    return a.tobytes(), a.itemsize
 
 
 def _as_numpy(host_indices: Any) -> np.ndarray | None:

@@ -35,6 +35,10 @@ hand it to ``sglang_simm.client.KVClient`` directly.
 
 from __future__ import annotations
 
+import ctypes
+import importlib.machinery
+import importlib.util
+import os
 import sys
 import time
 import types
@@ -76,26 +80,27 @@ def register_mr(tensor: torch.Tensor) -> MrExt | None:
     return MrExt(tensor.data_ptr(), size, tensor) if size else None
 
 
-def deregister_mr(mr_ext: MrExt) -> bool:
+def deregister_mr(mr_ext: Any) -> bool:
     return isinstance(mr_ext, MrExt)
 
 
 class DataView:
     """The native view (``simm.kv._kv.DataView``, a nanobind class in SiMM):
     ``size`` bytes at ``ptr``. One Python ``__init__`` per view here, about
-    what a native constructor call costs; nothing is checked."""
+    twice what a nanobind constructor costs (``NATIVE_ENV`` swaps in a
+    real one); nothing is checked."""
 
-    __slots__ = ("owner", "ptr", "size")
+    __slots__ = ("ptr", "size")
 
-    def __init__(self, ptr: int, size: int, mr_ext: Any = None, owner: Any = None) -> None:
+    def __init__(self, ptr: int, size: int, mr_ext: Any = None) -> None:
         self.ptr = ptr
         self.size = size
-        self.owner = owner
 
 
 class KVStore:
     """The native store (``simm.kv._kv.KVStore``): batch calls on native
-    views answer at once; single-key calls keep real copies."""
+    views answer at once; single-key calls keep real copies of the bytes
+    at the view."""
 
     def __init__(self) -> None:
         self.exists_answer = True
@@ -109,29 +114,28 @@ class KVStore:
             self.release_points.append(time.perf_counter())
         return [0 if self.exists_answer else -2101] * len(keys)
 
-    def MGet(self, keys: Sequence[str], datas: Sequence[DataView]) -> list[int]:  # noqa: N802
+    def MGet(self, keys: Sequence[str], datas: Sequence[Any]) -> list[int]:  # noqa: N802
         if self.release_points is not None:
             self.release_points.append(time.perf_counter())
         return [d.size for d in datas]
 
-    def MPut(self, keys: Sequence[str], datas: Sequence[DataView]) -> list[int]:  # noqa: N802
+    def MPut(self, keys: Sequence[str], datas: Sequence[Any]) -> list[int]:  # noqa: N802
         if self.release_points is not None:
             self.release_points.append(time.perf_counter())
         return [0] * len(keys)
 
     # -- single key: honest, for warm-ups ----------------------------------------
 
-    def Put(self, key: str, data: DataView) -> int:  # noqa: N802
-        self._single[key] = bytes(_tensor_of(data).numpy().tobytes())
+    def Put(self, key: str, data: Any) -> int:  # noqa: N802
+        self._single[key] = ctypes.string_at(data.ptr, data.size)
         return 0
 
-    def Get(self, key: str, data: DataView) -> int:  # noqa: N802
+    def Get(self, key: str, data: Any) -> int:  # noqa: N802
         stored = self._single.get(key)
         if stored is None:
             return -2101  # GET_OBJECT_FAILED, as the real sync client reports a miss
-        dst = _tensor_of(data)
-        n = min(len(stored), dst.numel())
-        dst[:n].copy_(torch.frombuffer(bytearray(stored[:n]), dtype=torch.uint8))
+        n = min(len(stored), data.size)
+        ctypes.memmove(data.ptr, stored, n)
         return n
 
     def Exists(self, key: str) -> int:  # noqa: N802
@@ -141,10 +145,72 @@ class KVStore:
         return 0 if self._single.pop(key, None) is not None else -4003
 
 
-def _tensor_of(data: DataView) -> torch.Tensor:
-    if data.owner is None:
-        raise ValueError("a null view over caller memory holds no bytes")
-    return data.owner
+#: Names a folder holding ``_nullkv_native`` (built by
+#: ``benchmarks/native_views/build.sh``): a nanobind module with SiMM's
+#: binding signatures (``DataView``, ``MrExt``, ``KVStore.MPut``/``MGet``/
+#: ``MExists`` on ``std::vector``s, GIL released). With it the null's
+#: native layer costs what nanobind costs: a view each, and the conversion
+#: of every key and view a batch call pays on its way into C++.
+NATIVE_ENV = "SGLANG_SIMM_NULL_NATIVE"
+
+
+def _load_native() -> types.ModuleType | None:
+    folder = os.environ.get(NATIVE_ENV)
+    if not folder:
+        return None
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(folder, "_nullkv_native" + suffix)
+        if os.path.exists(path):
+            spec = importlib.util.spec_from_file_location("_nullkv_native", path)
+            if spec is None or spec.loader is None:
+                break
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    raise ImportError(
+        f"{NATIVE_ENV}={folder!r} holds no _nullkv_native{importlib.machinery.EXTENSION_SUFFIXES[0]}: "
+        "build it with benchmarks/native_views/build.sh, or unset the variable"
+    )
+
+
+_native = _load_native()
+#: which native layer this null client has: "python" or "nanobind"
+NATIVE = "nanobind" if _native is not None else "python"
+
+if _native is not None:
+    DataView = _native.DataView  # type: ignore[misc,assignment]  # noqa: F811
+    MrExt = _native.MrExt  # type: ignore[misc,assignment]  # noqa: F811
+
+    def register_mr(tensor: torch.Tensor) -> Any:  # type: ignore[misc]  # noqa: F811
+        size = tensor.numel() * tensor.element_size()
+        return _native.register_mr(tensor.data_ptr(), size) if size else None
+
+    class _NanobindKVStore(KVStore):
+        """Batch calls through the nanobind store, which converts every key
+        and view into C++ as SiMM's does (one Python frame in front, the
+        same for every backend); single-key calls as above."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._native = _native.KVStore()
+
+        def MExists(self, keys: Sequence[str]) -> list[int]:  # noqa: N802
+            if self.release_points is not None:
+                self.release_points.append(time.perf_counter())
+            codes = self._native.MExists(keys)
+            return codes if self.exists_answer else [-2101] * len(codes)
+
+        def MGet(self, keys: Sequence[str], datas: Sequence[Any]) -> list[int]:  # noqa: N802
+            if self.release_points is not None:
+                self.release_points.append(time.perf_counter())
+            return self._native.MGet(keys, datas)
+
+        def MPut(self, keys: Sequence[str], datas: Sequence[Any]) -> list[int]:  # noqa: N802
+            if self.release_points is not None:
+                self.release_points.append(time.perf_counter())
+            return self._native.MPut(keys, datas)
+
+    KVStore = _NanobindKVStore  # type: ignore[misc]  # noqa: F811
 
 
 #: SiMM's native extension module (``simm.kv._kv``), as the Python layer
@@ -170,7 +236,10 @@ class BlockView:
         return BlockView(_kv.DataView(tensor.data_ptr(), tensor.numel() * tensor.element_size(), mr_ext))
 
     def as_ref(self) -> torch.Tensor:
-        return _tensor_of(self._data)
+        data = self._data
+        if not data.size:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer((ctypes.c_uint8 * data.size).from_address(data.ptr), dtype=torch.uint8)
 
 
 class Block:
@@ -185,7 +254,7 @@ class Block:
         return self._tensor
 
     def view(self) -> BlockView:
-        return BlockView(_kv.DataView(self._tensor.data_ptr(), self._tensor.numel(), None, self._tensor))
+        return BlockView(_kv.DataView(self._tensor.data_ptr(), self._tensor.numel(), register_mr(self._tensor)))
 
 
 class Store:
