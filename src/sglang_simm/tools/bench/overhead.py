@@ -201,14 +201,19 @@ class OverheadRig:
         return prepare
 
     def _staged_call(self, name: str, op: str, n: int, src: torch.Tensor, dst: torch.Tensor) -> Timed:
-        """On the store: every sample is one call on new keys; before it, the
-        store is emptied and (exists, get) the pages stored by the same
-        backend (its writes fill no cache), then (get) looked up."""
+        """On the store: every sample is one call on new keys. Before a set
+        nothing else happens: the store keeps what earlier samples wrote (a
+        serving store is never emptied before a backup; emptying it gives its
+        memory back, and each set then paid for faulting fresh memory in,
+        25 ms a call). Before an exists or a get the store is emptied and the
+        pages stored by the same backend (its writes fill no cache), then
+        (get) looked up."""
         b, ring, staged = self.backends[name], self.rings[name], self._staged
         server = self.server()
 
         def setup() -> None:
-            server.clear()
+            if op != "set":
+                server.clear()
             keys = staged[name] = ring.take(n)
             if op != "set":
                 b.batch_set_v1(keys, src)
