@@ -230,8 +230,8 @@ def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = Fal
     pings: list[float] = []
     with _backend(pool_pages, name) as (backend, geom):
         server = backend.client.store.server
-        saved = (backend.client.mput, _host.copy_many, _arena.ArenaMap.populate)
-        backend.client.mput = clock.wrap("mput", backend.client.mput)
+        saved = (backend.client.mput_views, _host.copy_many, _arena.ArenaMap.populate)
+        backend.client.mput_views = clock.wrap("mput", backend.client.mput_views)
         server.put_from = clock.wrap("put_from", server.put_from)
         server._request = clock.wrap(lambda op, *a, **k: {Op.PUT: "put", Op.COMMIT: "commit"}.get(op, "other"),
                                      server._request)
@@ -263,7 +263,7 @@ def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = Fal
         finally:
             if gc_was:
                 gc.enable()
-            backend.client.mput, _host.copy_many, _arena.ArenaMap.populate = saved
+            backend.client.mput_views, _host.copy_many, _arena.ArenaMap.populate = saved
             for attr in ("put_from", "_request", "_send_commit"):
                 server.__dict__.pop(attr, None)
     page_bytes = geom.page_bytes()
