@@ -4,7 +4,11 @@ Both clients have the ``simm.kv`` surface: the real one (SiCL over RDMA) and
 the embedded store that ships with this package. ``connect`` picks one from
 the configuration, sets its flags, and hands back a ``KVClient`` whose batch
 methods are the store's own bound methods, so the adapter adds no work per
-call. Everything that differs between the two lives here.
+call. The zero-copy paths use ``view``, ``mput_views``, ``mget_views`` and
+``mexists_codes``: on SiMM's client, its native views and native store
+(``native_layer``), past the Python layer that wraps and unwraps a view per
+object; on any other, the public calls. Everything that differs between
+the clients lives here.
 """
 
 from __future__ import annotations
