@@ -460,3 +460,42 @@ def test_backups_and_restores_sharing_a_connection_from_two_threads_keep_every_b
     assert client.stats()["commit_failures"] == 0
     other.close()
     client.close()
+
+
+def test_a_put_faults_in_what_it_writes_and_a_little_ahead_not_the_whole_commit_step(host_store_dir):
+    """The client faults the arena in with ``mmap.madvise``, which keeps the
+    GIL: faulting in a whole new commit step at once (64 MiB here) held it
+    for 25-46 ms on the put that first reached the step. A put now faults
+    in what it writes plus ``POPULATE_AHEAD``, once its end passes what is
+    faulted in already. (What is committed when a client connects is
+    faulted in then, at attach, as before.)"""
+    import numpy as np
+
+    from sglang_simm.embedded._arena import COMMIT_STEP_MAX, POPULATE_AHEAD
+
+    s = StoreProc(host_store_dir, f"pop-{uuid.uuid4().hex[:8]}", capacity=2 << 30)  # steps of 64 MiB
+    client = client_of(s)
+    try:
+        src = np.full(OBJECT, 7, dtype=np.uint8)
+        ptr = src.ctypes.data
+        assert client.put_from([("first", ptr, OBJECT)], True) == [OK]
+        arena = client._conn.arena
+        at_connect = arena._populated
+        assert 0 < at_connect <= COMMIT_STEP_MAX + (1 << 20)
+        # fill what was faulted in at connect, then cross into the next step
+        keys = [f"k{i}" for i in range(at_connect // OBJECT + 2)]
+        for i in range(0, len(keys), 64):
+            batch = keys[i:i + 64]
+            assert client.put_from([(k, ptr, OBJECT) for k in batch], True) == [OK] * len(batch)
+        crossed = arena._populated
+        assert at_connect < crossed <= at_connect + POPULATE_AHEAD + 65 * OBJECT, (
+            f"faulted in {crossed - at_connect} bytes past the connect's {at_connect}: "
+            "a whole step again, not the put's own bytes and the margin")
+        # puts within what is faulted in fault in nothing more
+        assert client.put_from([("within", ptr, OBJECT)], True) == [OK]
+        assert arena._populated == crossed
+        got = np.zeros(OBJECT, dtype=np.uint8)
+        assert client.get_into([(keys[-1], got.ctypes.data, OBJECT)]) == [OBJECT] and (got == 7).all()
+    finally:
+        client.close()
+        s.stop()

@@ -57,7 +57,7 @@ from operator import add, gt
 from typing import Any
 
 from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._arena import ArenaMap
+from sglang_simm.embedded._arena import POPULATE_AHEAD, ArenaMap
 from sglang_simm.embedded._copy import copy_many, held_libc, human_bytes
 from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._limits import RateLimitedLog
@@ -678,7 +678,10 @@ class HostServer:
             self._send_one_way(conn, Op.ABORT, lease)
             conn.break_off()
             raise _bad_answer("PUT", "an offset outside the arena")
-        arena.populate(committed)
+        # Fault in what this put writes and a little ahead, not the whole
+        # committed range: a new commit step (up to COMMIT_STEP_MAX) faulted
+        # in at once cost the put that first reached it tens of ms.
+        arena.populate(max(map(int.__add__, offs, sizes)), POPULATE_AHEAD, committed)
         conn.enter()
         try:
             copy_many(copies)
