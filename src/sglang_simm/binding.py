@@ -318,14 +318,14 @@ class PoolBinding:
     def starts(self, host_indices: Any, n: int) -> np.ndarray | list[int] | None:
         """First slot of every page of a batch of ``n``, or None when the
         indices are not ``n`` distinct whole pages inside this pool."""
-        if n == 1 and host_indices.__class__ is torch.Tensor:
-            raw = _raw_indices(host_indices, self.page_size)
-            if raw is not None:  # one page: one integer comparison, no numpy arithmetic
-                first = one_page_start(raw[0], raw[1], self.page_size, self.slots)
-                return None if first is None else [first]
         indices = _as_numpy(host_indices)
         if indices is None:
             return None
+        if (n == 1 and indices.ndim == 1 and indices.shape[0] == self.page_size
+                and indices.dtype in _INDEX_DTYPES):
+            # one page: one integer comparison over its bytes, no numpy arithmetic
+            first = one_page_start(indices.tobytes(), indices.itemsize, self.page_size, self.slots)
+            return None if first is None else [first]
         return page_starts(indices, self.page_size, n, self.slots)
 
     def views(self, starts: Any) -> list[Any]:
@@ -403,21 +403,8 @@ class PoolBinding:
                 self.client.deregister(mr)
 
 
+#: index dtypes the one-page check reads as raw bytes (``one_page_start``)
 _INDEX_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
-
-
-def _raw_indices(t: torch.Tensor, count: int) -> tuple[bytes, int] | None:
-    """The bytes of ``count`` slot indices held by a 1-D CPU integer tensor
-    (what SGLang passes) and their item size, or None for anything else
-    (which takes the numpy check). ``Tensor.numpy()`` checks the device and
-    dtype in C, and ``tobytes`` gives the indices in order from any view."""
-    try:
-        a = t.numpy()
-    except TypeError:  # not on the CPU
-        return None
-    if a.ndim != 1 or a.shape[0] != count or a.dtype not in _INDEX_DTYPES:
-        return None
-    return a.tobytes(), a.itemsize
 
 
 def _as_numpy(host_indices: Any) -> np.ndarray | None:

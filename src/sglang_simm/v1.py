@@ -35,7 +35,7 @@ class V1Path:
             obj_keys = b.keys.of_all(keys, remember=True)
             if obj_keys is None:
                 pages, obj_keys = b.page_object_keys(keys)
-                found = np.asarray(self.client.mexists(obj_keys), dtype=bool)
+                found = np.asarray(self.client.mexists_codes(obj_keys)) == 0
                 if found.size != len(obj_keys):
                     raise RuntimeError(f"mexists answered {found.size} results for {len(obj_keys)} keys")
                 page_ok = np.zeros(n, dtype=bool)

@@ -61,7 +61,7 @@ class V2Path:
             found = np.zeros(0, dtype=bool)
             if all_keys:
                 self.counters.record_exists()
-                found = np.asarray(self.client.mexists(all_keys), dtype=bool)
+                found = np.asarray(self.client.mexists_codes(all_keys)) == 0
                 if found.size != len(all_keys):
                     raise RuntimeError(f"mexists answered {found.size} results for {len(all_keys)} keys")
             queries = []

@@ -45,6 +45,8 @@ def prefault(mm: mmap.mmap, start: int, length: int) -> None:
         mm.madvise(MADV_POPULATE_WRITE, start, length)
     except (OSError, ValueError):
         pass
+
+
 #: Memory is committed in steps of 1/16 of the arena, within these bounds.
 #: (The put that crosses into a new step waits for the store process to
 #: commit it: about 30 ms for 64 MiB on a 2-core VM, off the client's GIL.)

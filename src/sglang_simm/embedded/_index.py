@@ -52,7 +52,6 @@ from typing import Any
 
 from sglang_simm.embedded._allocator import ExtentAllocator, aligned
 from sglang_simm.embedded._limits import StoreLimits, key_ok
-from sglang_simm.keys import warmup_keys
 from sglang_simm.errors import (
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
@@ -65,6 +64,7 @@ from sglang_simm.errors import (
     SEND_RPC_FAILED,
     TARGET_UNAVAILABLE,
 )
+from sglang_simm.keys import warmup_keys
 
 EVICTION_POLICIES = ("fifo", "lru")
 

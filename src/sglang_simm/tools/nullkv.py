@@ -107,21 +107,23 @@ class KVStore:
         self.release_points: list[float] | None = None
         self._single: dict[str, bytes] = {}
 
+    def _released(self) -> None:
+        """A batch call: where SiMM's client lets go of the GIL."""
+        if self.release_points is not None:
+            self.release_points.append(time.perf_counter())
+
     # -- batch: no memory touched --------------------------------------------
 
     def MExists(self, keys: Sequence[str]) -> list[int]:  # noqa: N802 (SiMM's native names)
-        if self.release_points is not None:
-            self.release_points.append(time.perf_counter())
+        self._released()
         return [0 if self.exists_answer else -2101] * len(keys)
 
     def MGet(self, keys: Sequence[str], datas: Sequence[Any]) -> list[int]:  # noqa: N802
-        if self.release_points is not None:
-            self.release_points.append(time.perf_counter())
+        self._released()
         return [d.size for d in datas]
 
     def MPut(self, keys: Sequence[str], datas: Sequence[Any]) -> list[int]:  # noqa: N802
-        if self.release_points is not None:
-            self.release_points.append(time.perf_counter())
+        self._released()
         return [0] * len(keys)
 
     # -- single key: honest, for warm-ups ----------------------------------------
@@ -195,19 +197,16 @@ if _native is not None:
             self._native = _native.KVStore()
 
         def MExists(self, keys: Sequence[str]) -> list[int]:  # noqa: N802
-            if self.release_points is not None:
-                self.release_points.append(time.perf_counter())
+            self._released()
             codes = self._native.MExists(keys)
             return codes if self.exists_answer else [-2101] * len(codes)
 
         def MGet(self, keys: Sequence[str], datas: Sequence[Any]) -> list[int]:  # noqa: N802
-            if self.release_points is not None:
-                self.release_points.append(time.perf_counter())
+            self._released()
             return self._native.MGet(keys, datas)
 
         def MPut(self, keys: Sequence[str], datas: Sequence[Any]) -> list[int]:  # noqa: N802
-            if self.release_points is not None:
-                self.release_points.append(time.perf_counter())
+            self._released()
             return self._native.MPut(keys, datas)
 
     KVStore = _NanobindKVStore  # type: ignore[misc]  # noqa: F811
