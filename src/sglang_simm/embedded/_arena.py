@@ -1,12 +1,13 @@
 """The host store's shared memory: one file on tmpfs, mapped by every client.
 
 The store process creates it sparse, at its full size, and commits memory
-(``posix_fallocate``) only as objects need it, in steps, so a 4 GiB store
-holding 100 MiB uses 100 MiB. Committing before an offset is handed out
-means a client never writes into a hole of the file: on a full tmpfs that
-write would be a SIGBUS, not an error code. A client maps the whole file
-and pre-faults (``MADV_POPULATE_WRITE``) each committed range once, so its
-copies do not take a page fault per 4 KiB on the hot path.
+(``posix_fallocate``) only as objects need it, in steps, one step ahead,
+so a 4 GiB store holding 100 MiB uses about 100 MiB. Committing before an
+offset is handed out means a client never writes into a hole of the file:
+on a full tmpfs that write would be a SIGBUS, not an error code. A client
+maps the whole file and pre-faults (``MADV_POPULATE_WRITE``) what is
+committed once, behind its puts, so its copies do not take a page fault
+per 4 KiB on the hot path.
 
 The file starts with the lease table (``lease_table_bytes``): one int64
 per lease slot, the id of the lease that holds it or 0, written by the
@@ -27,6 +28,7 @@ import logging
 import mmap
 import os
 import threading
+from typing import Any
 
 from sglang_simm.embedded._paths import check_file
 
@@ -40,23 +42,46 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 def prefault(mm: mmap.mmap, start: int, length: int) -> None:
     """Fault ``length`` bytes of ``mm`` from ``start`` in, in one system call
     (a first write to each page is otherwise a page fault apiece, dear in a
-    VM); on an older kernel, nothing: the pages fault in as they are written."""
+    VM); on an older kernel, nothing: the pages fault in as they are written.
+    ``mmap.madvise`` keeps the GIL: for a mapping other threads use, see
+    ``ArenaMap.populate``, which lets it go."""
     try:
         mm.madvise(MADV_POPULATE_WRITE, start, length)
     except (OSError, ValueError):
         pass
 
 
-#: Memory is committed in steps of 1/16 of the arena, within these bounds.
-#: (The put that crosses into a new step waits for the store process to
-#: commit it: about 30 ms for 64 MiB on a 2-core VM, off the client's GIL.)
+def _released_madvise() -> Any:
+    """libc's ``madvise`` as a foreign call that lets the GIL go (None where
+    this process's symbols do not hold it)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - no dlopen(NULL)
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return fn
+
+
+_madvise = _released_madvise()
+
+
+#: Memory is committed in steps of 1/16 of the arena, within these bounds,
+#: and one step ahead of what puts have asked for: committing a step takes
+#: about 30 ms for 64 MiB on a 2-core VM, which a put that found its step
+#: uncommitted used to wait for. Once a put's room is committed, the store
+#: commits the next step on a thread of its own (``ArenaFile.commit``), so
+#: the put that next crosses into it finds it ready. The cost: at most one
+#: step committed that no object uses yet.
 COMMIT_STEP_MIN = 2 << 20
 COMMIT_STEP_MAX = 64 << 20
-#: A client faults in the arena this far past the end of what a put writes
-#: (within what is committed), once that end passes what is faulted in: a
-#: whole step faulted in at once held the caller's GIL for 25-31 ms
-#: (``mmap.madvise`` keeps it), 4 MiB for about 2.
-POPULATE_AHEAD = 4 << 20
+#: A client faults in the committed arena on a thread of its own, this much
+#: at a time (``ArenaMap.populate_behind``), so its puts find their pages
+#: faulted in: faulting in cost this VM about 0.45 ms a MiB, twice the copy
+#: it spares, and a put that faulted in its own pages ran at a third of its
+#: bandwidth. A put that gets there first faults in only its own pages, and
+#: waits at most for the chunk in flight.
+POPULATE_CHUNK = 2 << 20
 
 
 def _page_up(n: int) -> int:
@@ -120,10 +145,31 @@ class ArenaFile:
         self.step = min(max(self.size // 16, COMMIT_STEP_MIN), COMMIT_STEP_MAX)
         self.committed = 0
         self.commit_error: str | None = None
+        # fallocate and hole punching one at a time: the store's loop and the
+        # thread committing ahead (``committed`` is written under it)
+        self._lock = threading.Lock()
+        self._ahead: threading.Thread | None = None
+        #: bumped when memory is given back: a commit ahead planned before
+        #: it must not commit what was just given back
+        self._epoch = 0
+        #: False once the filesystem refused a commit ahead, until memory
+        #: is given back (a full tmpfs is reported by the put that needs it)
+        self._ahead_ok = True
 
     def commit(self, end: int) -> int:
         """Back the file with memory up to at least ``end``; the committed end
-        (short of ``end`` when the filesystem is full)."""
+        (short of ``end`` when the filesystem is full). Then the next step
+        is committed in the background (``_commit_ahead``); a call that
+        needs it before that is done waits for it here."""
+        if end > self.committed:
+            with self._lock:
+                committed = self._commit(end)
+        else:
+            committed = self.committed
+        self._commit_ahead()
+        return committed
+
+    def _commit(self, end: int) -> int:
         if end <= self.committed:
             return self.committed
         want = min(self.size, max(_page_up(end), self.committed + self.step))
@@ -139,6 +185,37 @@ class ArenaFile:
             return target
         logger.error("host store: shared memory is full (%s)", self.commit_error)
         return self.committed
+
+    def _commit_ahead(self) -> None:
+        if not self._ahead_ok or self.committed >= self.size or self._fd < 0:
+            return
+        if self._ahead is not None and self._ahead.is_alive():
+            return
+        self._ahead = threading.Thread(target=self._commit_step, args=(self._epoch,),
+                                       name="sglang-simm-arena-commit", daemon=True)
+        self._ahead.start()
+
+    def _commit_step(self, epoch: int) -> None:
+        """One step past what is committed (``posix_fallocate`` lets the GIL
+        go); nothing when memory was given back since it was asked for."""
+        with self._lock:
+            start = self.committed
+            target = min(self.size, start + self.step)
+            if epoch != self._epoch or self._fd < 0 or target <= start:
+                return
+            try:
+                os.posix_fallocate(self._fd, start, target - start)
+            except OSError as exc:
+                self._ahead_ok = False
+                logger.debug("host store: no commit ahead (%s)", os.strerror(exc.errno))
+                return
+            self.committed = target
+
+    def wait_ahead(self, timeout: float | None = None) -> None:
+        """Until the commit ahead in flight, if any, is done."""
+        ahead = self._ahead
+        if ahead is not None:
+            ahead.join(timeout)
 
     def lease_words(self, nbytes: int) -> memoryview:
         """The lease table (committed and zeroed: no lease of a dead store
@@ -156,12 +233,20 @@ class ArenaFile:
         store taking over a file passes its size); the bytes still
         committed."""
         start = _page_up(end)
-        stop = self.committed if upto is None else max(upto, self.committed)
-        if start < stop and _punch_hole(self._fd, start, stop - start):
-            self.committed = min(self.committed, start)
-        return self.committed
+        with self._lock:
+            self._epoch += 1
+            self._ahead_ok = True
+            stop = self.committed if upto is None else max(upto, self.committed)
+            if start < stop and _punch_hole(self._fd, start, stop - start):
+                self.committed = min(self.committed, start)
+            return self.committed
 
     def close(self, *, unlink: bool = True) -> None:
+        with self._lock:  # a commit ahead in flight ends before its fd does
+            self._epoch += 1
+            self._close(unlink)
+
+    def _close(self, unlink: bool) -> None:
         if self._head is not None:
             try:
                 self._head.close()
@@ -200,29 +285,82 @@ class ArenaMap:
         self.size = size
         self._anchor = ctypes.c_char.from_buffer(self._mm)  # pins the mapping while referenced
         self.base = ctypes.addressof(self._anchor)
-        self._populated = 0
+        self._populated = 0  # faulted in below this, in order
         self._lock = threading.Lock()
+        self._fault_lock = threading.Lock()  # one fault-in at a time, never under an unmap
+        self._target = 0  # what the thread behind faults in up to
+        self._behind: threading.Thread | None = None
         self.users = 0
         self.retired = False
 
-    def populate(self, end: int, ahead: int = 0, limit: int | None = None) -> None:
-        """Fault in the mapping up to ``end`` once, so copies run without page
-        faults; when that is needed, ``ahead`` bytes further too (up to
-        ``limit``), so the next writes find their pages faulted in."""
-        if end <= self._populated:
+    def populate(self, end: int, start: int = 0) -> None:
+        """Fault in ``[start, end)`` of the mapping now, so copies run without
+        page faults; nothing of it that is faulted in already. A range past
+        what is faulted in in order (a put that got ahead of the thread
+        behind) is faulted in alone, leaving the order's end where it is."""
+        done = self._populated
+        if end <= done:
             return
-        end += ahead
-        if limit is not None:
-            end = min(end, limit)
         end = min(_page_up(end), self.size)
-        if end <= self._populated:
+        if start <= done:
+            self._fault_in(end)
             return
-        with self._lock:
-            start = self._populated
-            if end <= start:
-                return
+        start -= start % PAGE
+        with self._fault_lock:
+            if self._anchor is not None and start < end:
+                self._madvise(start, end)
+
+    def _madvise(self, start: int, end: int) -> None:
+        if _madvise is not None:
+            # lets the GIL go: a server's scheduler thread runs on
+            _madvise(self.base + start, end - start, MADV_POPULATE_WRITE)
+        else:  # pragma: no cover - no libc symbols
             prefault(self._mm, start, end - start)
-            self._populated = end
+
+    def populate_behind(self, end: int) -> None:
+        """Fault in the mapping up to ``end`` (what the store has committed)
+        on a thread of its own, a chunk at a time, ahead of the puts."""
+        end = min(_page_up(end), self.size)
+        with self._lock:
+            if end <= self._target or self.retired:
+                return
+            self._target = end
+            if self._behind is not None:
+                return  # running: it reads the new target
+            self._behind = threading.Thread(target=self._fault_in_behind, name="sglang-simm-arena-fault-in",
+                                            daemon=True)
+        self._behind.start()
+
+    def wait_behind(self, timeout: float | None = None) -> None:
+        """Until the thread behind, if any, has faulted in its target."""
+        behind = self._behind
+        if behind is not None:
+            behind.join(timeout)
+
+    def _fault_in_behind(self) -> None:
+        while True:
+            with self._lock:
+                target = self._target
+                if self._populated >= target or self.retired:
+                    self._behind = None
+                    return
+            if not self._fault_in(min(self._populated + POPULATE_CHUNK, target)):
+                with self._lock:
+                    self._behind = None
+                return
+
+    def _fault_in(self, end: int) -> bool:
+        """Up to ``end``, a chunk at a time; False once unmapped."""
+        while True:
+            with self._fault_lock:
+                start = self._populated
+                if end <= start:
+                    return True
+                if self._anchor is None:
+                    return False
+                stop = min(end, start + POPULATE_CHUNK)
+                self._madvise(start, stop)
+                self._populated = stop
 
     def enter(self) -> None:
         with self._lock:
@@ -244,10 +382,11 @@ class ArenaMap:
             self._unmap()
 
     def _unmap(self) -> None:
-        anchor, self._anchor = self._anchor, None
-        if anchor is not None:
-            del anchor
-            try:
-                self._mm.close()
-            except BufferError:  # still exported somewhere: the GC unmaps it later
-                pass
+        with self._fault_lock:  # never under a fault-in in flight
+            anchor, self._anchor = self._anchor, None
+            if anchor is not None:
+                del anchor
+                try:
+                    self._mm.close()
+                except BufferError:  # still exported somewhere: the GC unmaps it later
+                    pass

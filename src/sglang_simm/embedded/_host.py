@@ -57,7 +57,7 @@ from operator import add, gt
 from typing import Any
 
 from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._arena import POPULATE_AHEAD, ArenaMap
+from sglang_simm.embedded._arena import POPULATE_CHUNK, ArenaMap
 from sglang_simm.embedded._copy import copy_many, held_libc, human_bytes
 from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._limits import RateLimitedLog
@@ -515,7 +515,7 @@ class HostServer:
         conn.arena = arena
         conn.data_start = int(info["data_start"])
         self.max_batch = max(1, int(info.get("max_batch", DEFAULT_MAX_BATCH)))
-        arena.populate(int(info.get("committed_bytes", 0)))
+        arena.populate_behind(int(info.get("committed_bytes", 0)))  # a big store's: seconds
         with self._conn_lock:
             old, self._conn = self._conn, conn
         if old is not None:
@@ -678,12 +678,16 @@ class HostServer:
             self._send_one_way(conn, Op.ABORT, lease)
             conn.break_off()
             raise _bad_answer("PUT", "an offset outside the arena")
-        # Fault in what this put writes and a little ahead, not the whole
-        # committed range: a new commit step (up to COMMIT_STEP_MAX) faulted
-        # in at once cost the put that first reached it tens of ms.
-        arena.populate(max(map(int.__add__, offs, sizes)), POPULATE_AHEAD, committed)
         conn.enter()
         try:
+            # What the store committed (a step ahead) is faulted in behind the
+            # puts; this one faults in its own pages where it got there first
+            # (unless they lie scattered among others: its copies fault them).
+            arena.populate_behind(committed)
+            if offs:
+                lo, hi = min(offs), max(map(int.__add__, offs, sizes))
+                if hi - lo <= 2 * sum(sizes) + POPULATE_CHUNK:
+                    arena.populate(hi, lo)
             copy_many(copies)
         except BaseException:
             conn.leave()

@@ -1,0 +1,140 @@
+"""The arena file: memory committed one step ahead of the puts, in the
+background, and given back without a commit ahead taking it again; a
+client's mapping faulted in with the GIL let go."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import threading
+import uuid
+
+import pytest
+
+from sglang_simm.embedded import _arena
+from sglang_simm.embedded._arena import ArenaFile, ArenaMap
+
+STEP = 4 << 20
+
+
+@pytest.fixture
+def arena(host_store_dir):
+    path = os.path.join(host_store_dir, f"arena-{uuid.uuid4().hex[:8]}")
+    a = ArenaFile(path, 16 * STEP)  # steps of STEP
+    assert a.step == STEP
+    yield a
+    a.wait_ahead(10)
+    a.close()
+
+
+def held(a: ArenaFile) -> int:
+    """Bytes of the file backed by memory."""
+    return os.stat(a.path).st_blocks * 512
+
+
+def test_a_commit_is_followed_by_the_next_step_in_the_background(arena):
+    assert arena.commit(STEP // 2) == STEP  # one step, at once
+    arena.wait_ahead(10)
+    # the put that next crosses into step 2 finds it committed already
+    assert arena.committed == 2 * STEP
+    assert held(arena) >= 2 * STEP
+    assert arena.commit(STEP + 1) == 2 * STEP  # nothing to wait for
+    arena.wait_ahead(10)
+    assert arena.committed == 3 * STEP  # and one more step ahead again
+    assert arena.commit(16 * STEP) == 16 * STEP  # up to the end, never past it
+    arena.wait_ahead(10)
+    assert arena.committed == 16 * STEP
+
+
+def test_memory_given_back_is_not_taken_again_by_a_commit_ahead(arena):
+    arena.commit(3 * STEP)
+    # the commit ahead may be in flight now: given back, nothing stays committed
+    assert arena.release_after(0) == 0
+    arena.wait_ahead(10)
+    assert arena.committed == 0
+    assert held(arena) < STEP
+
+
+def test_a_commit_ahead_the_filesystem_refuses_is_quiet_and_the_put_that_needs_it_says_so(arena, monkeypatch, caplog):
+    real = os.posix_fallocate
+
+    def full_past_one_step(fd, offset, length):
+        if offset + length > STEP:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full_past_one_step)
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.embedded"):
+        assert arena.commit(STEP) == STEP
+        arena.wait_ahead(10)
+        assert arena.committed == STEP and not arena._ahead_ok
+        assert not caplog.records  # a refused commit ahead is no error yet
+        assert arena.commit(STEP + 4096) == STEP  # the put that needs it: short, and said
+    assert any("shared memory is full" in r.getMessage() for r in caplog.records)
+    assert arena.commit_error and "committing" in arena.commit_error
+    arena.wait_ahead(10)
+    arena.release_after(0)  # memory given back: commits ahead are tried again
+    assert arena._ahead_ok
+
+
+def test_close_waits_for_a_commit_ahead_in_flight(host_store_dir, monkeypatch):
+    path = os.path.join(host_store_dir, f"arena-{uuid.uuid4().hex[:8]}")
+    a = ArenaFile(path, 16 * STEP)
+    started, go = threading.Event(), threading.Event()
+    real = os.posix_fallocate
+    seen: list[int] = []
+
+    def slow_ahead(fd, offset, length):
+        if offset >= STEP:  # the commit ahead
+            started.set()
+            go.wait(10)
+        seen.append(fd)
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", slow_ahead)
+    a.commit(1)
+    assert started.wait(10)
+    closer = threading.Thread(target=a.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # waits for the fallocate, which still has its fd
+    go.set()
+    closer.join(10)
+    assert not closer.is_alive() and a._fd == -1
+    a.wait_ahead(10)
+    assert not os.path.exists(path)
+    assert len(seen) == 2  # the step asked for, and the one ahead: none after close
+
+
+def _rss_of_mapping(address: int) -> int:
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("mapping not found")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+def test_a_client_faults_its_mapping_in_through_a_call_that_lets_the_gil_go(arena):
+    arena.commit(8 << 20)
+    m = ArenaMap(arena.path, arena.size)
+    try:
+        before = _rss_of_mapping(m.base)
+        m.populate(6 << 20)
+        after = _rss_of_mapping(m.base)
+        assert after - before >= 6 << 20, f"{after - before} bytes faulted in, not 6 MiB"
+        assert m._populated == 6 << 20
+        # ctypes.CDLL, not PyDLL: a server's scheduler thread runs meanwhile
+        assert _arena._madvise is not None
+        assert not _arena._madvise._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    finally:
+        m.retire()
+    m.populate(12 << 20)  # unmapped: nothing is touched
+    assert m._populated == 6 << 20
