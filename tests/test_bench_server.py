@@ -12,8 +12,15 @@ import time
 import pytest
 
 from sglang_simm.tools.bench import server_metrics, server_tap
-from sglang_simm.tools.bench.server import checks, goals, plan_from_args
-from sglang_simm.tools.bench.server_backends import MOONCAKE_INSTALL, Environment, Shape, mooncake_status
+from sglang_simm.tools.bench.server import _error_line, _failure, checks, goals, plan_from_args
+from sglang_simm.tools.bench.server_backends import (
+    MOONCAKE_INSTALL,
+    Environment,
+    MooncakeClient,
+    MooncakeMaster,
+    Shape,
+    mooncake_status,
+)
 from sglang_simm.tools.bench.server_cli import update_docs
 from sglang_simm.tools.bench.server_workloads import (
     Workload,
@@ -69,6 +76,31 @@ def test_each_backend_gets_its_own_l3_and_the_same_shape(tmp_path):
         env.config("x", shape)
 
 
+def test_mooncake_standalone_attaches_to_a_client_process_that_holds_the_segment(tmp_path):
+    env = Environment(tag="t", root=str(tmp_path), tap_dir=str(tmp_path / "tap"),
+                      mooncake=mooncake_status(sys.executable), file_dir=str(tmp_path / "f"))
+    shape = Shape(model_path="m", device_tokens=1024, l3_bytes=3 << 30)
+    assert not env.available("mooncake-standalone") and env.available("ours")
+    env.standalone_why = "no mooncake_client binary"
+    with pytest.raises(RuntimeError, match="standalone client is not available: no mooncake_client binary"):
+        env.config("mooncake-standalone", shape)
+    env.master = MooncakeMaster("/bin/mooncake_master", str(tmp_path / "m.log"))
+    env.master.port = 5001
+    env.client = MooncakeClient("/bin/mooncake_client", str(tmp_path / "c.log"), master=env.master.address,
+                                segment_bytes=shape.l3_bytes)
+    env.client.port = 5002
+    assert env.available("mooncake-standalone") and env.available("mooncake")
+    c = env.config("mooncake-standalone", shape)
+    assert c.route == "mooncake" and c.extra_config["standalone_storage"] is True
+    assert c.extra_config["client_server_address"] == "127.0.0.1:5002"
+    assert c.extra_config["global_segment_size"] == 0  # the segment is the client process's
+    args = env.client.args()
+    assert "--host=127.0.0.1" in args and "--port=5002" in args and "--master_server_address=127.0.0.1:5001" in args
+    assert f"--global_segment_size={3 << 30}" in args
+    inside = env.config("mooncake", shape)
+    assert inside.extra_config["global_segment_size"] == 3 << 30 and "standalone_storage" not in inside.extra_config
+
+
 def test_mooncake_missing_names_the_install_line():
     status = mooncake_status(sys.executable)
     if status.available:
@@ -85,6 +117,12 @@ def test_plan_errors_name_the_flag():
         plan_from_args(argparse.Namespace(preset="gpt-5"))
     quick = plan_from_args(argparse.Namespace(quick=True))
     assert quick.backends == ["ours", "file"] and quick.repeat == 1 and quick.preset == "llama-tiny"
+    for bad in (1.0, 0.5, 100.0):
+        with pytest.raises(ValueError, match="--host-ratio must be above 1"):
+            plan_from_args(argparse.Namespace(small=True, host_ratio=bad))
+    small = plan_from_args(argparse.Namespace(small=True, host_ratio=1.25))
+    assert small.hicache_ratio == 1.25 and small.device_tokens == 2048
+    assert plan_from_args(argparse.Namespace(small=True)).hicache_ratio == 2.5
 
 
 # -- workloads --------------------------------------------------------------------------
@@ -134,6 +172,17 @@ def test_checks_fail_on_a_missed_l3_read_or_a_different_answer():
     assert down["failures"] == ["mooncake did not start: mooncake exited with status 1"]
 
 
+def test_a_server_that_did_not_start_is_reported_by_its_last_exception():
+    tail = ("he\n    tree_cache = create_tree_cache(tree_context)\n  File \"x.py\", line 3, in f\n"
+            "RuntimeError: Failed to register buffer to Mooncake Store, error code: -1\n\n"
+            "I1202 dummy_client.cpp:604] [unregister_shm] client_id=1\n")
+    assert _error_line(tail) == "RuntimeError: Failed to register buffer to Mooncake Store, error code: -1"
+    assert _error_line("x exited with status -9 while starting; log x.log:\nkilled\n").startswith("x exited")
+    assert _error_line("") == "no output"
+    long = _failure(RuntimeError("ours exited with status 1 while starting; log a.log:\n" + "x" * 5000 + "\nOSError: no"))
+    assert long.startswith("ours exited with status 1") and long.endswith("OSError: no") and len(long) < 3100
+
+
 def test_checks_fail_on_backups_that_never_landed_and_on_restart_misses():
     base = {"multi_turn_answers": {}, "answers_vs": "none", "long_prompt": {}}
     late = _long("ours", 496, 496)
@@ -178,6 +227,11 @@ def test_goal_is_ours_over_mooncake_per_batch_size():
     rows = {(g["op"], g["pages"]): g for g in goals(per_op)}
     assert rows[("get", "1-8")]["ratio"] == 4.0 and rows[("get", "1-8")]["met"]
     assert not rows[("set", "9-32")]["met"]
+    per_op["mooncake-standalone"] = {"get": {"1-8": {"median": 2.5}}}
+    rows = {(g["against"], g["op"], g["pages"]): g for g in goals(per_op)}
+    assert rows[("mooncake-standalone", "get", "1-8")]["ratio"] == 1.6
+    assert not rows[("mooncake-standalone", "get", "1-8")]["met"] and rows[("mooncake", "get", "1-8")]["met"]
+    assert ("mooncake-standalone", "set", "9-32") not in rows  # not measured there: no row
 
 
 # -- /metrics histograms ------------------------------------------------------------------

@@ -189,13 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="L3 backends side by side in real CPU SGLang servers: ours, file, Mooncake, host tier "
                             "only, no HiCache (minutes; see docs/benchmarks.md)")
     server = bench.add_argument_group("with --server")
-    server.add_argument("--backends", help="comma list of ours,file,mooncake,host,none (default: all; --quick: ours,file)")
+    server.add_argument("--backends", help="comma list of ours,file,mooncake,mooncake-standalone,host,none "
+                        "(default: all but mooncake-standalone; --quick: ours,file)")
     server.add_argument("--preset", help="model (llama-tiny, llama-demo; default llama-demo, --quick llama-tiny)")
     server.add_argument("--python", help="the Python the servers run (default: this one)")
     server.add_argument("--no-restart", action="store_true", help="skip the restart on the same L3")
     server.add_argument("--small", action="store_true",
                         help="a lighter workload for a loaded machine (1,536-token prompt, 4 clients x 3 rounds "
                              "of 384 tokens, a 2,048-token device pool)")
+    server.add_argument("--host-ratio", type=float, metavar="R",
+                        help="host pool size over the device pool's (default 2.5); below the multi-turn "
+                             "working set, later rounds read from L3")
     server.add_argument("--docs", metavar="PATH", help="write this run's section of a Markdown results file")
     server.add_argument("--label", default="latest", help="the section's name in --docs (default: %(default)s)")
     from sglang_simm.tools.store import add_arguments as add_store_arguments

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import statistics
 import tempfile
@@ -25,7 +26,15 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from sglang_simm.tools.bench.server_backends import BACKENDS, L3_BACKENDS, RESTART_KEEPS_L3, Environment, Shape
+from sglang_simm.tools.bench.server_backends import (
+    BACKENDS,
+    DEFAULT_BACKENDS,
+    L3_BACKENDS,
+    MOONCAKE_BACKENDS,
+    RESTART_KEEPS_L3,
+    Environment,
+    Shape,
+)
 from sglang_simm.tools.bench.server_metrics import scrape, summary
 from sglang_simm.tools.bench.server_tap import RESERVE_ENV, TAP_ENV, by_size, read_ops, write_tap
 from sglang_simm.tools.bench.server_workloads import (
@@ -80,11 +89,12 @@ SMALL_WORKLOAD = Workload(long_tokens=1536, filler_tokens=2048, filler_chunk=102
 
 
 def plan_from_args(args: Any) -> ServerPlan:
-    """``--backends``, ``--repeat``, ``--quick``, ``--preset``, ``--python``, ``--no-restart``."""
+    """``--backends``, ``--repeat``, ``--quick``, ``--preset``, ``--python``, ``--no-restart``,
+    ``--small``, ``--host-ratio``."""
     quick = bool(getattr(args, "quick", False))
     names = getattr(args, "backends", None)
     backends = [b.strip() for b in names.split(",") if b.strip()] if names else (
-        ["ours", "file"] if quick else list(BACKENDS))
+        ["ours", "file"] if quick else list(DEFAULT_BACKENDS))
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
         raise ValueError(f"--backends takes a comma list of {', '.join(BACKENDS)}; got {names!r}")
@@ -101,6 +111,13 @@ def plan_from_args(args: Any) -> ServerPlan:
         plan = replace(plan, workload=QUICK_WORKLOAD, device_tokens=1024)
     elif getattr(args, "small", False):
         plan = replace(plan, workload=SMALL_WORKLOAD, device_tokens=2048)
+    ratio = getattr(args, "host_ratio", None)
+    if ratio is not None:
+        # SGLang refuses a host pool no larger than the device pool
+        if not 1.0 < float(ratio) <= 64.0:
+            raise ValueError(f"--host-ratio must be above 1 (SGLang's host pool must be larger than the "
+                             f"device pool) and at most 64, got {ratio!r}")
+        plan = replace(plan, hicache_ratio=float(ratio))
     return plan
 
 
@@ -172,19 +189,42 @@ def aggregate(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _error_line(why: str) -> str:
+    """What went wrong with a server that did not start, in a line: the
+    last exception in its log's tail, else the message's first line."""
+    lines = [line.strip() for line in why.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:", line):
+            return line
+    return lines[0] if lines else "no output"
+
+
+def _failure(exc: Exception, keep: int = 3000) -> str:
+    """A start failure for the report: its first line (which server, its
+    status, its log's path) and the end of the log tail after it."""
+    text = str(exc)
+    if len(text) <= keep:
+        return text
+    head = text.split("\n", 1)[0]
+    return f"{head}\n...\n{text[-keep:]}"
+
+
 def goals(per_op: dict[str, Any]) -> list[dict[str, Any]]:
-    """Ours against Mooncake, median GiB/s per operation, per batch size
-    class both measured; ``met`` when ours >= ``GOAL_RATIO`` x."""
-    ours, theirs = per_op.get("ours") or {}, per_op.get("mooncake") or {}
+    """Ours against each Mooncake server measured (``against``), median
+    GiB/s per operation, per batch size class both measured; ``met`` when
+    ours >= ``GOAL_RATIO`` x."""
+    ours = per_op.get("ours") or {}
     rows = []
-    for op in ("get", "set"):
-        for size, d in (ours.get(op) or {}).items():
-            other = (theirs.get(op) or {}).get(size)
-            if not d or not other:
-                continue
-            ratio = d["median"] / other["median"] if other["median"] else float("inf")
-            rows.append({"op": op, "pages": size, "ours": d["median"], "mooncake": other["median"], "ratio": ratio,
-                         "met": ratio >= GOAL_RATIO})
+    for against in MOONCAKE_BACKENDS:
+        theirs = per_op.get(against) or {}
+        for op in ("get", "set"):
+            for size, d in (ours.get(op) or {}).items():
+                other = (theirs.get(op) or {}).get(size)
+                if not d or not other:
+                    continue
+                ratio = d["median"] / other["median"] if other["median"] else float("inf")
+                rows.append({"against": against, "op": op, "pages": size, "ours": d["median"],
+                             "mooncake": other["median"], "ratio": ratio, "met": ratio >= GOAL_RATIO})
     return rows
 
 
@@ -213,8 +253,10 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
     model = write_model(_model_dir(plan), plan.preset, seed=plan.seed)
     shape = Shape(model_path=model, page_size=plan.page_size, device_tokens=plan.device_tokens,
                   hicache_ratio=plan.hicache_ratio, python=python)
-    env = Environment.create(python, want_mooncake="mooncake" in plan.backends, workdir=workdir)
-    names = [b for b in plan.backends if b != "mooncake" or env.mooncake.available]
+    env = Environment.create(python, want_mooncake=any(b in MOONCAKE_BACKENDS for b in plan.backends),
+                             want_standalone="mooncake-standalone" in plan.backends, workdir=workdir,
+                             segment_bytes=shape.l3_bytes)
+    names = [b for b in plan.backends if env.available(b)]
     tap = write_tap(os.path.join(workdir, "tap-site"))
     result: dict[str, Any] = {
         "machine": machine(python),
@@ -223,7 +265,8 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
                      "device_tokens": plan.device_tokens, "hicache_ratio": plan.hicache_ratio,
                      "host_memory_reserve_bytes": HOST_RESERVE_BYTES,
                      "workload": asdict(plan.workload)},
-        "mooncake": {"available": env.mooncake.available, "why": env.mooncake.why},
+        "mooncake": {"available": env.mooncake.available, "why": env.mooncake.why,
+                     "standalone_why": env.standalone_why},
         "long_prompt": {n: [] for n in names}, "multi_turn": {n: [] for n in names},
         "server_start_s": {}, "histograms": {}, "per_op": {}, "restart": {}, "failed": {},
     }
@@ -237,7 +280,7 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
             try:
                 server.wait_ready()
             except ServerError as exc:  # the others still run; the report says why this one did not
-                result["failed"][name] = str(exc)[-3000:]
+                result["failed"][name] = _failure(exc)
                 del servers[name]
                 continue
             result["server_start_s"][name] = server.started_in_s
@@ -273,7 +316,7 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
                 try:
                     servers[name].wait_ready()
                 except ServerError as exc:
-                    result["failed"][f"{name} (restarted)"] = str(exc)[-3000:]
+                    result["failed"][f"{name} (restarted)"] = _failure(exc)
                     continue
                 result["restart"][name] = after_restart(servers[name], prompts, before[name], w)
         for name in names:
@@ -304,7 +347,7 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
     prompt gave the first answer; L3 backends served the flushed prompt from
     L3; multi-turn answers agree across backends; restarts gave the same
     answers where they hit."""
-    failures: list[str] = [f"{name} did not start: {why.splitlines()[0]}" for name, why in result.get("failed", {}).items()]
+    failures: list[str] = [f"{name} did not start: {_error_line(why)}" for name, why in result.get("failed", {}).items()]
     for name, reps in result["long_prompt"].items():
         for i, rep in enumerate(reps):
             for r in rep["requests"]:

@@ -7,6 +7,10 @@ the server (a host store, a folder, a Mooncake master).
   the others);
 * ``mooncake``: SGLang's Mooncake Store over TCP, its segment inside the
   server, with a ``mooncake_master`` the bench starts on 127.0.0.1;
+* ``mooncake-standalone``: the same, its segment in a ``mooncake_client``
+  process the bench starts (SGLang's ``standalone_storage``: the host pool
+  in Mooncake's shared memory, the transfers done by that process), the
+  shape that outlives a server's restart, as ours does;
 * ``host``: HiCache with the host tier only (no L3);
 * ``none``: no HiCache (the device prefix cache alone).
 
@@ -27,13 +31,17 @@ from typing import Any
 
 from sglang_simm.tools.sglang_server import ServerConfig, free_port
 
-#: every backend the bench knows, in its default order
-BACKENDS = ("ours", "file", "mooncake", "host", "none")
+#: every backend the bench knows, in its order
+BACKENDS = ("ours", "file", "mooncake", "mooncake-standalone", "host", "none")
+#: what runs when ``--backends`` is not given (one Mooncake server)
+DEFAULT_BACKENDS = ("ours", "file", "mooncake", "host", "none")
+#: the Mooncake servers: both need its master
+MOONCAKE_BACKENDS = ("mooncake", "mooncake-standalone")
 #: the ones with an L3 tier (restarts, L3 reads)
-L3_BACKENDS = ("ours", "file", "mooncake")
+L3_BACKENDS = ("ours", "file", "mooncake", "mooncake-standalone")
 #: those whose L3 outlives the server, so a restart must find its pages
-#: again (Mooncake's segment lives inside the server here: a restart loses it)
-RESTART_KEEPS_L3 = ("ours", "file")
+#: again (``mooncake``'s segment lives inside the server: a restart loses it)
+RESTART_KEEPS_L3 = ("ours", "file", "mooncake-standalone")
 
 #: what to run when Mooncake does not import (the Debian libraries are what
 #: its binaries link against)
@@ -76,6 +84,8 @@ class MooncakeStatus:
     available: bool
     master: str | None = None
     why: str = ""
+    #: the ``mooncake_client`` binary (``mooncake-standalone``), or None
+    client: str | None = None
 
 
 def mooncake_status(python: str) -> MooncakeStatus:
@@ -88,16 +98,23 @@ def mooncake_status(python: str) -> MooncakeStatus:
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
         return MooncakeStatus(False, why=f"{python} cannot import mooncake.store ({last}); install: {MOONCAKE_INSTALL}")
-    master = os.path.join(os.path.dirname(python), "mooncake_master")
-    if not os.access(master, os.X_OK):
-        master = shutil.which("mooncake_master") or ""
+    master, client = (_binary(python, name) for name in ("mooncake_master", "mooncake_client"))
     if not master:
         return MooncakeStatus(False, why=f"mooncake.store imports but no mooncake_master binary; install: {MOONCAKE_INSTALL}")
-    return MooncakeStatus(True, master=master)
+    return MooncakeStatus(True, master=master, client=client or None)
 
 
-class MooncakeMaster:
-    """``mooncake_master`` on 127.0.0.1 with a free port, stopped by its pid."""
+def _binary(python: str, name: str) -> str:
+    """``name`` next to ``python``, else on ``PATH``, else ``""``."""
+    path = os.path.join(os.path.dirname(python), name)
+    return path if os.access(path, os.X_OK) else shutil.which(name) or ""
+
+
+class MooncakeProcess:
+    """A Mooncake binary on 127.0.0.1 with a free port, ready once that port
+    accepts, stopped by its pid."""
+
+    what = "mooncake"
 
     def __init__(self, binary: str, log_path: str) -> None:
         self.binary = binary
@@ -109,26 +126,26 @@ class MooncakeMaster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> MooncakeMaster:
+    def args(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 30.0) -> MooncakeProcess:
         import socket
 
         self.port = free_port()
-        # its HTTP metrics server would take a fixed port on every interface
-        args = [self.binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
-                "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"]
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; log {self.log_path}")
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}; log {self.log_path}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     return self
             except OSError:
                 time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"mooncake_master did not listen on {self.address} within {timeout:.0f} s")
+        raise RuntimeError(f"{self.what} did not listen on {self.address} within {timeout:.0f} s")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -141,6 +158,36 @@ class MooncakeMaster:
         self.proc = None
 
 
+class MooncakeMaster(MooncakeProcess):
+    """``mooncake_master``: the metadata every Mooncake client asks."""
+
+    what = "mooncake_master"
+
+    def args(self) -> list[str]:
+        # its HTTP metrics server would take a fixed port on every interface
+        return [self.binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
+                "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"]
+
+
+class MooncakeClient(MooncakeProcess):
+    """``mooncake_client``: a standalone Mooncake client holding the segment
+    (``segment_bytes``) and doing the transfers for the servers that attach
+    to it (SGLang's ``standalone_storage``). Its transfer engine, like the
+    in-server one, listens on every interface whatever ``--host`` says."""
+
+    what = "mooncake_client"
+
+    def __init__(self, binary: str, log_path: str, *, master: str, segment_bytes: int) -> None:
+        super().__init__(binary, log_path)
+        self.master = master
+        self.segment_bytes = segment_bytes
+
+    def args(self) -> list[str]:
+        return [self.binary, f"--master_server_address={self.master}", "--host=127.0.0.1",
+                f"--port={self.port}", f"--global_segment_size={self.segment_bytes}", "--protocol=tcp",
+                "--metadata_server=P2PHANDSHAKE", "--threads=2"]
+
+
 @dataclass
 class Environment:
     """What the backends need outside their servers; ``close()`` removes it."""
@@ -150,13 +197,17 @@ class Environment:
     tap_dir: str
     mooncake: MooncakeStatus
     master: MooncakeMaster | None = None
+    client: MooncakeClient | None = None
     file_dir: str = ""
     stores: list[str] = field(default_factory=list)
+    #: why ``mooncake-standalone`` cannot run, when it cannot
+    standalone_why: str = ""
     #: the bench's own connection to each host store it started (by name)
     held: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, python: str, *, want_mooncake: bool, workdir: str) -> Environment:
+    def create(cls, python: str, *, want_mooncake: bool, workdir: str, want_standalone: bool = False,
+               segment_bytes: int = 2 << 30) -> Environment:
         tag = f"bench-{os.getpid()}"
         mooncake = mooncake_status(python) if want_mooncake else MooncakeStatus(False, why="not asked for")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -167,7 +218,24 @@ class Environment:
                 env.master = MooncakeMaster(mooncake.master, os.path.join(workdir, "mooncake_master.log")).start()
             except RuntimeError as exc:
                 env.mooncake = MooncakeStatus(False, why=str(exc))
+        if want_standalone and env.master is not None and mooncake.client:
+            try:
+                env.client = MooncakeClient(mooncake.client, os.path.join(workdir, "mooncake_client.log"),
+                                            master=env.master.address, segment_bytes=segment_bytes).start()
+            except RuntimeError as exc:
+                env.client = None
+                env.standalone_why = str(exc)
+        elif want_standalone:
+            env.standalone_why = env.mooncake.why or "no mooncake_client binary next to the servers' Python"
         return env
+
+    def available(self, backend: str) -> bool:
+        """Whether ``backend``'s server can run here (Mooncake's may not)."""
+        if backend == "mooncake":
+            return self.master is not None
+        if backend == "mooncake-standalone":
+            return self.client is not None
+        return True
 
     @property
     def ours_store(self) -> str:
@@ -211,6 +279,15 @@ class Environment:
                 "master_server_address": self.master.address, "protocol": "tcp",
                 "metadata_server": "P2PHANDSHAKE", "global_segment_size": shape.l3_bytes,
                 "local_hostname": "127.0.0.1", "device_name": ""})
+        if backend == "mooncake-standalone":
+            if self.client is None or self.master is None:
+                raise RuntimeError(f"Mooncake's standalone client is not available: {self.standalone_why}")
+            # the segment is the client process's (shape.l3_bytes there)
+            return shape.config(route="mooncake", extra_config={
+                "standalone_storage": True, "client_server_address": self.client.address,
+                "master_server_address": self.master.address, "protocol": "tcp",
+                "metadata_server": "P2PHANDSHAKE", "global_segment_size": 0,
+                "local_hostname": "127.0.0.1", "device_name": ""})
         if backend == "host":
             return shape.config(route=None)
         if backend == "none":
@@ -218,6 +295,9 @@ class Environment:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
     def close(self) -> None:
+        if self.client is not None:
+            self.client.stop()
+            self.client = None
         if self.master is not None:
             self.master.stop()
             self.master = None

@@ -46,20 +46,31 @@ sglang-simm bench --server --json out.json --plot out.png --docs docs/benchmarks
 sglang-simm bench --server --quick                # ours and file, tiny model, one repetition
 ```
 
-Options: `--backends ours,file,mooncake,host,none`, `--repeat N` (default 2),
-`--preset llama-tiny|llama-demo` (16 KiB of KV per token), `--python` (the
-servers' interpreter), `--no-restart`. Without Mooncake importable in the
-servers' Python the bench prints the install line and runs the others. The
-bench starts `mooncake_master` on 127.0.0.1 itself and stops it by its pid;
+Options: `--backends ours,file,mooncake,mooncake-standalone,host,none` (default
+all but `mooncake-standalone`), `--repeat N` (default 2), `--preset
+llama-tiny|llama-demo` (16 KiB of KV per token), `--python` (the servers'
+interpreter), `--no-restart`, `--small` (a lighter workload), `--host-ratio R`
+(the host pool over the device pool, default 2.5: below the multi-turn working
+set, later rounds read from L3). Without Mooncake importable in the servers'
+Python the bench prints the install line and runs the others. The bench
+starts `mooncake_master` (and, for `mooncake-standalone`, a `mooncake_client`
+holding the segment) on 127.0.0.1 itself and stops them by their pids;
 the servers run with `--sleep-on-idle` and with SGLang's 10 GiB host-memory
 reserve lowered to 1 GiB (several servers on one small machine otherwise
 refuse a host pool of megabytes). Exit status 1 when an answer differed or a
 server did not start; goals are reported, not enforced.
 
 Known limits: on this CPU the suffix's prefill hides most of the transfer in
-TTFT, so the per-call bandwidth tables are where backends differ; Mooncake's
-segment lives inside the server here (SGLang's default), so a restart loses
-its pages (a standalone `mooncake_client` would keep them; not measured).
+TTFT, so the per-call bandwidth tables are where backends differ. `mooncake`
+keeps its segment inside the server (SGLang's default), so a restart loses
+its pages, and its reads are a copy within the server's own memory;
+`mooncake-standalone` (SGLang's `standalone_storage`) keeps them in a
+`mooncake_client` process, as ours keeps them in its host store, but with
+SGLang 0.5.23 it does not start on the bench's `page_first` host pool: SGLang
+registers the pool's K and V halves apart, and Mooncake 0.3.13's dummy client
+refuses a buffer smaller than the allocation it mapped ("Invalid buffer
+address or size for registration"); the bench reports that and runs the
+others.
 """
 
 _SECTION = "<!-- bench-server:{label} -->"
@@ -90,7 +101,7 @@ def run_server_bench(console: Any, args: Any) -> int:
     """0 when every answer checked out, 1 if not (goals are reported, not enforced)."""
     plan = plan_from_args(args)
     check_plot_extra(args)
-    if "mooncake" in plan.backends:
+    if any(b.startswith("mooncake") for b in plan.backends):
         console.print("Mooncake is used when the servers' Python imports it")
     result = run_and_report(console, args, "bench --server", lambda progress: run(plan, progress=progress),
                             render, plot)
