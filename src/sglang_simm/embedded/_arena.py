@@ -84,6 +84,16 @@ COMMIT_STEP_MAX = 64 << 20
 POPULATE_CHUNK = 2 << 20
 
 
+def background_priority() -> None:
+    """Lower the calling thread's CPU priority (Linux: nice is per thread):
+    work done ahead, such as faulting memory in, then takes a core only
+    when the threads serving requests leave one free."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
 def _page_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
@@ -198,6 +208,7 @@ class ArenaFile:
     def _commit_step(self, epoch: int) -> None:
         """One step past what is committed (``posix_fallocate`` lets the GIL
         go); nothing when memory was given back since it was asked for."""
+        background_priority()
         with self._lock:
             start = self.committed
             target = min(self.size, start + self.step)
@@ -338,6 +349,7 @@ class ArenaMap:
             behind.join(timeout)
 
     def _fault_in_behind(self) -> None:
+        background_priority()
         while True:
             with self._lock:
                 target = self._target
