@@ -512,3 +512,46 @@ def test_a_put_faults_in_only_its_own_pages_and_the_committed_rest_is_faulted_in
     finally:
         client.close()
         s.stop()
+
+
+def test_a_client_connecting_to_a_full_store_does_not_wait_for_the_arena_to_fault_in(host_store_dir, monkeypatch):
+    """What the store has committed was faulted in at connect, holding the
+    GIL (``mmap.madvise``): seconds on a big store, on a server's scheduler
+    thread when it attached. It is faulted in behind now."""
+    import numpy as np
+
+    from sglang_simm.embedded import _arena
+
+    s = StoreProc(host_store_dir, f"conn-{uuid.uuid4().hex[:8]}", capacity=1 << 30)
+    first = client_of(s)
+    try:
+        src = np.full(OBJECT, 3, dtype=np.uint8)
+        keys = [f"c{i}" for i in range(512)]  # 64 MiB
+        for i in range(0, len(keys), 64):
+            assert first.put_from([(k, src.ctypes.data, OBJECT) for k in keys[i:i + 64]], True) == [OK] * 64
+        go = threading.Event()
+        real = _arena.ArenaMap._fault_in_behind
+
+        def held_back(self):
+            go.wait(30)
+            real(self)
+
+        monkeypatch.setattr(_arena.ArenaMap, "_fault_in_behind", held_back)
+        second = client_of(s)
+        try:
+            arena = second._conn.arena
+            committed = int(second._conn.info["committed_bytes"])
+            assert committed >= 64 << 20
+            # open() returned with nothing faulted in: the thread behind has it
+            assert arena._populated == 0 and arena._target == committed
+            got = np.zeros(OBJECT, dtype=np.uint8)  # and reads work meanwhile
+            assert second.get_into([(keys[-1], got.ctypes.data, OBJECT)]) == [OBJECT] and (got == 3).all()
+            go.set()
+            arena.wait_behind(30)
+            assert arena._populated == committed
+        finally:
+            go.set()
+            second.close()
+    finally:
+        first.close()
+        s.stop()
