@@ -431,6 +431,11 @@ def test_quick_bench_on_file_and_ours(tmp_path):
         assert result["restart"][name]["l3_hits"] == result["restart"][name]["prompts"] == 2
         assert result["restart"][name]["same_answers"] == 2
         assert set(result["per_op"][name]) == {"get", "set"}
+        calls = result["calls"][name]  # every call, as the distributions were made from
+        for op in ("get", "set"):
+            moved = [c for c in calls if c[0] == op and c[2]]
+            assert len(moved) == sum(d["n"] for d in result["per_op"][name][op].values())
+            assert all(0 < c[2] <= c[1] and c[3] > 0 for c in moved)
         rounds = result["multi_turn"][name][0]["rounds"]
         assert rounds[0]["hit_rate"] == 0 and rounds[1]["hit_rate"] > 0
     assert result["histograms"]["ours"]["sglang:backup_bandwidth"]["n"] > 0

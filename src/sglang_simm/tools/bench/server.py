@@ -268,7 +268,7 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
         "mooncake": {"available": env.mooncake.available, "why": env.mooncake.why,
                      "standalone_why": env.standalone_why},
         "long_prompt": {n: [] for n in names}, "multi_turn": {n: [] for n in names},
-        "server_start_s": {}, "histograms": {}, "per_op": {}, "restart": {}, "failed": {},
+        "server_start_s": {}, "histograms": {}, "per_op": {}, "calls": {}, "restart": {}, "failed": {},
     }
     servers: dict[str, SGLangServer] = {}
     try:
@@ -323,6 +323,8 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
             ops = read_ops(os.path.join(env.tap_dir, name))
             if ops:
                 result["per_op"][name] = by_size(ops)
+                # every call, for a look past the quantiles: op, pages, pages that succeeded, µs
+                result["calls"][name] = [[o.op, o.pages, o.ok, round(o.seconds * 1e6)] for o in ops]
     finally:
         for server in servers.values():
             server.stop()
