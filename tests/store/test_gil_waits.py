@@ -472,7 +472,7 @@ def test_a_put_faults_in_only_its_own_pages_and_the_committed_rest_is_faulted_in
     pages it writes."""
     import numpy as np
 
-    from sglang_simm.embedded._arena import COMMIT_STEP_MAX
+    from sglang_simm.embedded._arena import COMMIT_STEP_MAX, HELD_FAULT_MAX
 
     s = StoreProc(host_store_dir, f"pop-{uuid.uuid4().hex[:8]}", capacity=2 << 30)  # steps of 64 MiB
     client = client_of(s)
@@ -483,9 +483,13 @@ def test_a_put_faults_in_only_its_own_pages_and_the_committed_rest_is_faulted_in
         faulted: list[tuple[str, int, int]] = []
         real = arena._madvise
 
-        def recorded(start, end):
+        held: list[tuple[str, int, int]] = []
+
+        def recorded(start, end, hold=False):
             faulted.append((threading.current_thread().name, start, end))
-            real(start, end)
+            if hold:
+                held.append(faulted[-1])
+            real(start, end, hold)
 
         arena._madvise = recorded
         assert client.put_from([("first", ptr, OBJECT)], True) == [OK]
@@ -507,6 +511,10 @@ def test_a_put_faults_in_only_its_own_pages_and_the_committed_rest_is_faulted_in
         # the thread behind faulted in what the store committed, chunk by chunk
         assert behind and {name for name, _, _ in faulted if name != put_thread} == {"sglang-simm-arena-fault-in"}
         assert max(b for _, b in behind) == arena._populated >= at_connect + COMMIT_STEP_MAX
+        # a put's own small fault-in keeps the GIL (getting it back could cost
+        # the 5 ms switch interval); the thread behind always lets it go
+        assert all(name == put_thread and b - a <= HELD_FAULT_MAX for name, a, b in held)
+        assert all((put_thread, a, b) in held for a, b in mine if b - a <= HELD_FAULT_MAX)
         got = np.zeros(OBJECT, dtype=np.uint8)
         assert client.get_into([(keys[-1], got.ctypes.data, OBJECT)]) == [OBJECT] and (got == 7).all()
     finally:

@@ -82,6 +82,11 @@ COMMIT_STEP_MAX = 64 << 20
 #: bandwidth. A put that gets there first faults in only its own pages, and
 #: waits at most for the chunk in flight.
 POPULATE_CHUNK = 2 << 20
+#: A put that faults in its own pages keeps the GIL for up to this much
+#: (about half a millisecond here), as copies do up to ``_copy.HELD_COPY_MAX``:
+#: a thread that lets it go beside a busy scheduler may wait up to the 5 ms
+#: switch interval to get it back. More than this lets it go.
+HELD_FAULT_MAX = 1 << 20
 
 
 def background_priority() -> None:
@@ -314,19 +319,18 @@ class ArenaMap:
             return
         end = min(_page_up(end), self.size)
         if start <= done:
-            self._fault_in(end)
+            self._fault_in(end, HELD_FAULT_MAX)
             return
         start -= start % PAGE
         with self._fault_lock:
             if self._anchor is not None and start < end:
-                self._madvise(start, end)
+                self._madvise(start, end, end - start <= HELD_FAULT_MAX)
 
-    def _madvise(self, start: int, end: int) -> None:
-        if _madvise is not None:
-            # lets the GIL go: a server's scheduler thread runs on
-            _madvise(self.base + start, end - start, MADV_POPULATE_WRITE)
-        else:  # pragma: no cover - no libc symbols
+    def _madvise(self, start: int, end: int, hold: bool = False) -> None:
+        if hold or _madvise is None:
             prefault(self._mm, start, end - start)
+        else:  # lets the GIL go: a server's scheduler thread runs on
+            _madvise(self.base + start, end - start, MADV_POPULATE_WRITE)
 
     def populate_behind(self, end: int) -> None:
         """Fault in the mapping up to ``end`` (what the store has committed)
@@ -361,8 +365,9 @@ class ArenaMap:
                     self._behind = None
                 return
 
-    def _fault_in(self, end: int) -> bool:
-        """Up to ``end``, a chunk at a time; False once unmapped."""
+    def _fault_in(self, end: int, hold_max: int = 0) -> bool:
+        """Up to ``end``, a chunk at a time, chunks up to ``hold_max`` bytes
+        keeping the GIL; False once unmapped."""
         while True:
             with self._fault_lock:
                 start = self._populated
@@ -371,7 +376,7 @@ class ArenaMap:
                 if self._anchor is None:
                     return False
                 stop = min(end, start + POPULATE_CHUNK)
-                self._madvise(start, stop)
+                self._madvise(start, stop, stop - start <= hold_max)
                 self._populated = stop
 
     def enter(self) -> None:
