@@ -132,8 +132,8 @@ def test_a_client_faults_its_mapping_in_through_a_call_that_lets_the_gil_go(aren
         assert after - before >= 6 << 20, f"{after - before} bytes faulted in, not 6 MiB"
         assert m._populated == 6 << 20
         # ctypes.CDLL, not PyDLL: a server's scheduler thread runs meanwhile
-        assert _arena._madvise is not None
-        assert not _arena._madvise._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+        assert _arena._madvise_released is not None
+        assert not _arena._madvise_released._flags_ & ctypes._FUNCFLAG_PYTHONAPI
     finally:
         m.retire()
     m.populate(12 << 20)  # unmapped: nothing is touched

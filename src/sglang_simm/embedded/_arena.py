@@ -29,8 +29,8 @@ import logging
 import mmap
 import os
 import threading
-from typing import Any
 
+from sglang_simm.embedded._copy import HELD_COPY_MAX, released_libc
 from sglang_simm.embedded._paths import check_file
 
 logger = logging.getLogger("sglang_simm.embedded")
@@ -52,19 +52,8 @@ def prefault(mm: mmap.mmap, start: int, length: int) -> None:
         pass
 
 
-def _released_madvise() -> Any:
-    """libc's ``madvise`` as a foreign call that lets the GIL go (None where
-    this process's symbols do not hold it)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):  # pragma: no cover - no dlopen(NULL)
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
-
-
-_madvise = _released_madvise()
+#: libc's ``madvise``, letting the GIL go (None where it cannot be found)
+_madvise_released = released_libc("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 #: Memory is committed in steps of 1/16 of the arena, within these bounds,
@@ -83,11 +72,11 @@ COMMIT_STEP_MAX = 64 << 20
 #: bandwidth. A put that gets there first faults in only its own pages, and
 #: waits at most for the chunk in flight.
 POPULATE_CHUNK = 2 << 20
-#: A put that faults in its own pages keeps the GIL for up to this much
-#: (about half a millisecond here), as copies do up to ``_copy.HELD_COPY_MAX``:
-#: a thread that lets it go beside a busy scheduler may wait up to the 5 ms
-#: switch interval to get it back. More than this lets it go.
-HELD_FAULT_MAX = 1 << 20
+#: A put that faults in its own pages keeps the GIL for up to as much as a
+#: copy does (``_copy.HELD_COPY_MAX``; about half a millisecond of faulting
+#: here): a thread that lets it go beside a busy scheduler may wait up to
+#: the 5 ms switch interval to get it back. More than this lets it go.
+HELD_FAULT_MAX = HELD_COPY_MAX
 
 
 def background_priority() -> None:
@@ -330,10 +319,10 @@ class ArenaMap:
                 self._madvise(start, end, end - start <= HELD_FAULT_MAX)
 
     def _madvise(self, start: int, end: int, hold: bool = False) -> None:
-        if hold or _madvise is None:
+        if hold or _madvise_released is None:
             prefault(self._mm, start, end - start)
         else:  # lets the GIL go: a server's scheduler thread runs on
-            _madvise(self.base + start, end - start, MADV_POPULATE_WRITE)
+            _madvise_released(self.base + start, end - start, MADV_POPULATE_WRITE)
 
     def populate_behind(self, end: int) -> None:
         """Fault in the mapping up to ``end`` (what the store has committed)

@@ -44,8 +44,17 @@ def held_libc(name: str, restype: Any, *argtypes: Any) -> Any:
     """libc's ``name`` through ``ctypes.PyDLL``: a foreign call that keeps
     the GIL, errno kept for ``ctypes.get_errno`` (None where this process's
     symbols do not hold it)."""
+    return _libc_function(ctypes.PyDLL, name, restype, argtypes)
+
+
+def released_libc(name: str, restype: Any, *argtypes: Any) -> Any:
+    """``held_libc``'s twin through ``ctypes.CDLL``: the call lets the GIL go."""
+    return _libc_function(ctypes.CDLL, name, restype, argtypes)
+
+
+def _libc_function(dll: Any, name: str, restype: Any, argtypes: tuple[Any, ...]) -> Any:
     try:
-        fn = getattr(ctypes.PyDLL(None, use_errno=True), name)
+        fn = getattr(dll(None, use_errno=True), name)
     except (OSError, AttributeError):  # pragma: no cover - no dlopen(NULL) or no libc symbols
         return None
     fn.restype = restype
