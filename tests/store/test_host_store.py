@@ -305,7 +305,9 @@ def _stop_all(root: str) -> None:
 
 
 def test_shared_memory_full_fails_puts_with_out_of_memory_and_nothing_else_breaks(small_tmpfs):
-    server = HostServer("full", root=small_tmpfs, capacity=256 << 20, timeout_s=5.0)
+    # without rooms: every backup asks for its own room, so the first that
+    # finds no memory is the one told
+    server = HostServer("full", root=small_tmpfs, capacity=256 << 20, timeout_s=5.0, limits={"room_bytes": 0})
     server.open()
     data = Buf(1 << 20, fill=4)
     codes = [put(server, f"k{i}", data) for i in range(40)]
@@ -318,6 +320,27 @@ def test_shared_memory_full_fails_puts_with_out_of_memory_and_nothing_else_break
     # the store goes on within the memory it has: later puts evict, reads work
     assert codes[first_oom + 1:] == [OK] * (len(codes) - first_oom - 1)
     assert get(server, "k39", 1 << 20) == (1 << 20, b"\x04" * (1 << 20))
+    server.stop()
+
+
+def test_shared_memory_full_while_reserving_a_room_fails_nothing_but_puts_that_find_no_memory(small_tmpfs):
+    """With rooms (the default) the memory may run out while the store
+    reserves a room ahead of the backups: the room is what fits, and every
+    backup is stored or told OUT_OF_MEMORY, never lost."""
+    server = HostServer("full-rooms", root=small_tmpfs, capacity=256 << 20, timeout_s=5.0)
+    server.open()
+    data = Buf(1 << 20, fill=5)
+    codes = [put(server, f"k{i}", data) for i in range(40)]
+    assert set(codes) <= {OK, OUT_OF_MEMORY} and codes[-10:] == [OK] * 10, codes
+    server.settle()
+    status = server.status()
+    assert status["rooms_granted"] >= 1 and status["memory_limited"] and status["capacity_bytes"] < 24 << 20
+    stored = [f"k{i}" for i, code in enumerate(codes) if code == OK]
+    assert server.stats()["commit_failures"] == 0
+    # what is still there reads back whole; the newest ten are all there
+    assert server.lookup(stored[-10:]) == [OK] * 10
+    for key in stored[-10:]:
+        assert get(server, key, 1 << 20) == (1 << 20, b"\x05" * (1 << 20))
     server.stop()
 
 

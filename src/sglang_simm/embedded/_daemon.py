@@ -54,7 +54,7 @@ from sglang_simm.embedded._limits import REFUSALS, RateLimitedLog, StoreLimits
 from sglang_simm.embedded._paths import StorePaths, ensure_dir
 from sglang_simm.embedded._protocol import Op, ProtocolError, Reader, frame, pack_ints, pack_json
 from sglang_simm.embedded._table import IndexTable
-from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, TARGET_UNAVAILABLE
+from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, MAX_VALUE_BYTES, TARGET_UNAVAILABLE
 
 logger = logging.getLogger("sglang_simm.embedded.daemon")
 
@@ -65,6 +65,10 @@ _FD_RESERVE = 32
 _ACCEPT_BACKOFF_S = 0.1
 #: Owner id of a dead store's unfinished puts, quarantined after a takeover.
 _TAKEOVER_OWNER = 0
+#: rooms one connection may hold: the one it fills and the next, asked for in advance
+ROOMS_PER_CONNECTION = 2
+#: extents in one room at most (a backup of up to 128 two-object pages fits)
+ROOM_MAX_ENTRIES = 256
 #: The operator commands that walk every object, and may take a while.
 _SLOW_ADMIN = frozenset({"clear", "keys"})
 
@@ -326,7 +330,7 @@ class StoreDaemon:
         if not any(c.started for c in self.conns.values()):
             self.idle_since = time.monotonic()
 
-    def _read(self, conn: _Conn) -> None:
+    def _read(self, conn: _Conn, sweep: bool = True) -> None:
         try:
             got = conn.sock.recv_into(self._scratch)
         except (BlockingIOError, InterruptedError):
@@ -338,7 +342,22 @@ class StoreDaemon:
             self._drop(conn, "closed")
             return
         conn.inbuf += self._scratch_view[:got]
+        if sweep and _asks_for_objects(conn.inbuf):
+            self._sweep(conn)
         self._process(conn)
+
+    def _sweep(self, asking: _Conn) -> None:
+        """Before a read is served, serve what the other connections have
+        sent already. A backup's COMMIT is not waited for: it is in the
+        store's socket before the put returns, so any read sent after it
+        must see it; but the poller hands ready sockets out in no order
+        that says which was sent first (a socket just served comes back
+        first), so a read could otherwise pass a commit sent before it."""
+        for key, events in self.sel.select(0):
+            other = key.data
+            if other is None or other is asking or not events & selectors.EVENT_READ or other.id not in self.conns:
+                continue
+            self._read(other, sweep=False)
 
     def _process(self, conn: _Conn) -> None:
         """Serve the whole frames buffered for ``conn``, as long as its
@@ -470,6 +489,37 @@ class StoreDaemon:
             r.done()
             done = index.commit_put(lease, owner=conn.id)
             return frame(op, pack_ints([code for _, code in done]))
+        if op == Op.RESERVE:
+            size, count = r.i64(), r.i64()
+            r.done()
+            room = self.room_bytes()
+            entries = self.room_entries()
+            if not (0 < size <= MAX_VALUE_BYTES and 0 < count <= entries and size * count <= room):
+                self._refuse("room", "client pid %d: RESERVE of %d x %d bytes (room %d bytes): refused",
+                             conn.pid, count, size, room)
+                raise _Refused(INVALID_ARGUMENT, f"a room of {count} x {size} bytes: this store grants rooms of "
+                               f"up to {room} bytes (room_bytes, at most a sixteenth of the capacity) and "
+                               f"{entries} entries")
+            if index.open_rooms(conn.id) >= ROOMS_PER_CONNECTION:
+                self._refuse("room", "client pid %d: RESERVE with %d rooms open: refused", conn.pid,
+                             ROOMS_PER_CONNECTION)
+                raise _Refused(INVALID_ARGUMENT, f"this connection holds {ROOMS_PER_CONNECTION} rooms already: "
+                               "use or ABORT one first")
+            lease, offsets = index.reserve_room(conn.id, size, count)
+            return frame(op, pack_ints([lease, self.arena.committed]), pack_ints(offsets))
+        if op == Op.COMMIT_ROOM:
+            lease = r.i64()
+            keys = self._keys(r)
+            offsets = r.ints()
+            r.done()
+            if len(keys) != len(offsets):
+                raise ProtocolError("COMMIT_ROOM with keys and offsets of different lengths")
+            codes = index.commit_room(lease, conn.id, keys, offsets)
+            refused = codes.count(INVALID_ARGUMENT)
+            if refused:
+                self._refuse("room", "client pid %d: COMMIT_ROOM of room %d: %d of %d entries named no extent of "
+                             "the room or a key past 256 bytes: refused", conn.pid, lease, refused, len(keys))
+            return frame(op, pack_ints(codes))
         if op in (Op.ABORT, Op.RELEASE):
             lease = r.i64()
             r.done()
@@ -509,6 +559,15 @@ class StoreDaemon:
             return frame(op, pack_json(self._admin(cmd, conn)))
         raise ProtocolError(f"op {op.name} is not a request")
 
+    def room_bytes(self) -> int:
+        """The largest room a connection may hold (``RESERVE``)."""
+        return min(self.limits.room_bytes, self.index.capacity // 16)
+
+    def room_entries(self) -> int:
+        """The most extents in one room: a room is for small backups, and
+        its extents hold entries of the object cap."""
+        return max(0, min(ROOM_MAX_ENTRIES, self.limits.max_batch, self.index.max_objects // 64))
+
     def _count_entry_refusals(self) -> None:
         stats = self.index.stats
         for reason in ("key", "size", "leases"):
@@ -531,6 +590,8 @@ class StoreDaemon:
             "policy": self.index.policy,
             "max_batch": self.limits.max_batch,
             "lease_timeout_s": self.limits.lease_timeout_s,
+            "room_bytes": self.room_bytes(),
+            "room_entries": self.room_entries(),
             "idle_exit_s": self.limits.idle_exit_s,
             "started_by": self.settings.started_by,
             "version": wire.PROTOCOL_VERSION,
@@ -612,6 +673,20 @@ class StoreDaemon:
                 os.unlink(self.paths.settings)
             except FileNotFoundError:
                 pass
+
+
+_READS = (Op.LOOKUP, Op.GET)
+
+
+def _asks_for_objects(buf: bytearray) -> bool:
+    """Whether the whole frames in ``buf`` hold a LOOKUP or a GET."""
+    pos, end = 0, len(buf)
+    while end - pos >= wire.HEADER.size:
+        length, op = wire.HEADER.unpack_from(buf, pos)
+        if op in _READS:
+            return True
+        pos += wire.HEADER.size + length
+    return False
 
 
 class _Refused(Exception):

@@ -63,6 +63,7 @@ from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._limits import RateLimitedLog
 from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, read_pid, store_dir
 from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
+from sglang_simm.embedded._room import Ask, Room, Rooms
 from sglang_simm.errors import (
     BUILD_CONNECTION_FAILED,
     DS_KEY_NOT_FOUND,
@@ -186,9 +187,14 @@ class _Connection:
     def __init__(self, paths: StorePaths, timeout_s: float,
                  on_commit: Callable[[int, bytes, int], None] | None = None) -> None:
         self.timeout_s = timeout_s
-        #: sent COMMITs whose replies are not read yet, oldest first: the
-        #: entries each publishes (replies come in request order)
-        self.pending: deque[int] = deque()
+        #: sent COMMITs and COMMIT_ROOMs whose replies are not read yet,
+        #: oldest first: the entries each publishes, or the room asked for
+        #: (an ``Ask``: a RESERVE); replies come in request order
+        self.pending: deque[int | Ask] = deque()
+        #: this connection's rooms (set after the handshake: the store's
+        #: room size and lease time limit)
+        self.rooms = Rooms(0, 1, 1.0)
+        self.committed = 0  # the store's committed arena bytes, as last announced
         #: what to do with a COMMIT's reply: ``on_commit(op, body, entries)``
         self.on_commit = on_commit
         self._unread = b""  # bytes received past the last reply read
@@ -299,8 +305,30 @@ class _Connection:
         while self.pending and (not received_only or _whole_frame(self._unread)):
             op, body = self._read_frame()
             entries = self.pending.popleft()
-            if self.on_commit is not None:
+            if isinstance(entries, Ask):
+                self._room_answer(entries, op, body)
+            elif self.on_commit is not None:
                 self.on_commit(op, body, entries)
+
+    def _room_answer(self, ask: Ask, op: int, body: bytes) -> None:
+        """The reply to a RESERVE: a room, none (the store is full), or a
+        refusal (rooms are then asked for again later)."""
+        if op != Op.RESERVE:
+            self.rooms.refused()
+            return
+        try:
+            r = Reader(body)
+            head, offsets = r.ints(), r.ints()
+            r.done()
+        except wire.ProtocolError as exc:
+            raise ConnectionResetError(f"the store process answered RESERVE with {exc}") from exc
+        if len(head) != 2:
+            raise ConnectionResetError("the store process answered RESERVE without its lease")
+        lease, committed = head
+        if len(offsets) > ask.count or not _in_arena(self, offsets, [ask.size] * len(offsets)):
+            raise ConnectionResetError("the store process answered RESERVE with room outside the arena")
+        self.committed = max(self.committed, committed)
+        self.rooms.granted(ask, lease, offsets)
 
     def exchange(self, data: bytes, *, reply: bool = True, timeout_s: float | None = None) -> tuple[int, bytes]:
         """Send a frame and read the reply (the caller holds ``lock``); the
@@ -334,7 +362,7 @@ class _Connection:
             self._settle(received_only=True)
         except OSError:
             pass
-        return sum(self.pending)
+        return sum(e for e in self.pending if not isinstance(e, Ask))
 
     # -- copies in flight, and closing ------------------------------------------
 
@@ -515,6 +543,9 @@ class HostServer:
         conn.arena = arena
         conn.data_start = int(info["data_start"])
         self.max_batch = max(1, int(info.get("max_batch", DEFAULT_MAX_BATCH)))
+        conn.committed = int(info.get("committed_bytes", 0))
+        conn.rooms = Rooms(max(0, int(info.get("room_bytes", 0))), max(0, int(info.get("room_entries", 0))),
+                           float(info.get("lease_timeout_s", 30.0)))
         arena.populate_behind(int(info.get("committed_bytes", 0)))  # a big store's: seconds
         with self._conn_lock:
             old, self._conn = self._conn, conn
@@ -659,6 +690,12 @@ class HostServer:
 
     def _put_batch(self, items: Sequence[tuple[str, int, int]], overwrite: bool) -> list[int]:
         n = len(items)
+        size = items[0][2] if n else 0
+        uniform = overwrite and n > 0 and all(s == size for _, _, s in items)
+        if uniform:
+            codes = self._put_in_room(items, size)
+            if codes is not None:
+                return codes
         part = encode_keys([k for k, _, _ in items])
         conn, r = self._request(Op.PUT, bytes((int(overwrite),)), part, pack_ints([s for _, _, s in items]))
         lease, committed = _ints(r, 2)
@@ -671,35 +708,22 @@ class HostServer:
         offs = _pick(offsets, reserved)
         sizes = _pick([s for _, _, s in items], reserved)
         ptrs = _pick([p for _, p, _ in items], reserved)
-        arena = conn.arena
-        base = arena.base
-        copies = list(zip([base + o for o in offs], ptrs, sizes))
         if not _in_arena(conn, offs, sizes):
             self._send_one_way(conn, Op.ABORT, lease)
             conn.break_off()
             raise _bad_answer("PUT", "an offset outside the arena")
-        conn.enter()
+        conn.committed = max(conn.committed, committed)
         try:
-            # What the store committed (a step ahead) is faulted in behind the
-            # puts; this one faults in its own pages where it got there first
-            # (unless they lie scattered among others: its copies fault them).
-            arena.populate_behind(committed)
-            if offs:
-                lo, hi = min(offs), max(map(int.__add__, offs, sizes))
-                if hi - lo <= 2 * sum(sizes) + POPULATE_CHUNK:
-                    arena.populate(hi, lo)
-            copy_many(copies)
+            self._copy_in(conn, offs, sizes, ptrs)
         except BaseException:
-            conn.leave()
             self._send_one_way(conn, Op.ABORT, lease)
             raise
-        conn.leave()
         if overwrite:
             # Then the COMMIT publishes every entry, unless the lease expired
             # or the connection is lost: its reply is not waited for (read
             # with the next one, ``_commit_settled``).
             try:
-                self._send_commit(conn, lease, len(reserved))
+                self._send_commit(conn, lease, len(reserved), ask_size=size if uniform else 0)
             except StoreUnreachable as exc:
                 for i in reserved:
                     codes[i] = exc.code
@@ -713,15 +737,108 @@ class HostServer:
             codes[i] = code
         return codes
 
-    def _send_commit(self, conn: _Connection, lease: int, entries: int) -> None:
+    def _copy_in(self, conn: _Connection, offs: list[int], sizes: list[int], ptrs: list[int]) -> None:
+        """Copy a put's objects into its room in the arena."""
+        arena = conn.arena
+        base = arena.base
+        conn.enter()
+        try:
+            # What the store committed (a step ahead) is faulted in behind the
+            # puts; this one faults in its own pages where it got there first
+            # (unless they lie scattered among others: its copies fault them).
+            arena.populate_behind(conn.committed)
+            if offs:
+                lo, hi = min(offs), max(map(int.__add__, offs, sizes))
+                if hi - lo <= 2 * sum(sizes) + POPULATE_CHUNK:
+                    arena.populate(hi, lo)
+            copy_many(list(zip([base + o for o in offs], ptrs, sizes)))
+        finally:
+            conn.leave()
+
+    def _put_in_room(self, items: Sequence[tuple[str, int, int]], size: int) -> list[int] | None:
+        """A backup of objects of one size into the room this connection
+        holds, published by a COMMIT_ROOM whose reply is read later: no
+        wait. None where no room has space for it (the caller asks the
+        store, and a room is asked for on the way)."""
+        conn = self._conn
+        if conn is None or conn.broken or not conn.rooms.count_for(size):
+            return None
+        n = len(items)
+        with conn.lock:
+            if conn.broken:
+                return None
+            try:  # a room granted meanwhile, and COMMIT replies, if here
+                conn._take_received()
+                conn._settle(received_only=True)
+            except OSError:
+                conn.break_off()
+                return None
+            for old in conn.rooms.stale():
+                self._abort_room(conn, old)
+            got = conn.rooms.take(size, n)
+            if got is None:
+                return None
+            room, offs = got
+        try:
+            self._copy_in(conn, offs, [size] * n, [p for _, p, _ in items])
+        except BaseException:
+            with conn.lock:  # its extents are neither filled nor free: the whole room goes
+                if room in conn.rooms.rooms:
+                    conn.rooms.rooms.remove(room)
+                self._abort_room(conn, room)
+            raise
+        return self._send_commit_room(conn, room, [k for k, _, _ in items], offs)
+
+    def _send_commit_room(self, conn: _Connection, room: Room, keys: list[str], offs: list[int]) -> list[int]:
+        """Publish a backup copied into ``room`` without waiting for the
+        reply (read with a later one, ``_commit_settled``); and ask for
+        the next room, if one is due."""
+        n = len(keys)
+        body = frame(Op.COMMIT_ROOM, pack_i64(room.lease), encode_keys(keys), pack_ints(offs))
+        try:
+            with conn.lock:
+                if conn.broken:
+                    return [SEND_RPC_FAILED] * n
+                sent = time.monotonic()
+                conn.exchange(body, reply=False)
+                conn.pending.append(n)
+                conn.rooms.renewed(room, sent)
+                self._ask_room(conn, room.size)
+        except OSError:
+            conn.break_off()
+            return [SEND_RPC_FAILED] * n
+        return [OK] * n
+
+    def _ask_room(self, conn: _Connection, size: int) -> None:
+        """Send a RESERVE for objects of ``size`` bytes if one is due (the
+        caller holds ``conn.lock``); its reply is read with a later one."""
+        ask, drop = conn.rooms.ask(size)
+        for room in drop:
+            self._abort_room(conn, room)
+        if ask is not None:
+            conn.exchange(frame(Op.RESERVE, pack_i64(ask.size), pack_i64(ask.count)), reply=False)
+            conn.pending.append(ask)
+
+    def _abort_room(self, conn: _Connection, room: Room) -> None:
+        """Give a room back (the caller holds ``conn.lock``)."""
+        try:
+            if not conn.broken:
+                conn.exchange(frame(Op.ABORT, pack_i64(room.lease)), reply=False)
+        except OSError:
+            conn.break_off()
+
+    def _send_commit(self, conn: _Connection, lease: int, entries: int, ask_size: int = 0) -> None:
         """Send the COMMIT of ``lease`` (``entries`` reserved) without
-        waiting for its reply."""
+        waiting for its reply; and a RESERVE for objects of ``ask_size``
+        bytes, if one is due."""
         try:
             with conn.lock:
                 if conn.broken:
                     raise StoreUnreachable(SEND_RPC_FAILED, "the connection to the store process was lost")
                 conn.exchange(frame(Op.COMMIT, pack_i64(lease)), reply=False)
                 conn.pending.append(entries)
+                if ask_size:
+                    self._ask_room(conn, ask_size)
         except OSError as exc:
             conn.break_off()  # the store drops the lease with the connection
             raise StoreUnreachable(SEND_RPC_FAILED, f"the connection to the store process was lost ({exc})") from exc
@@ -734,7 +851,7 @@ class HostServer:
             logger.debug("host store %r: %d backed-up entries' publish not confirmed (connection closed)",
                          self.name, entries)
             return
-        if op == Op.COMMIT:
+        if op in (Op.COMMIT, Op.COMMIT_ROOM):
             try:
                 codes = Reader(body).ints()
             except wire.ProtocolError as exc:

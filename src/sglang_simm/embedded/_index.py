@@ -10,6 +10,11 @@ themselves, between their own memory and the shared arena, inside
   the objects. Until then nobody can see them, so a writer killed in the
   middle of a batch leaves nothing torn behind: ``drop_owner`` (its
   connection closed) returns the reserved extents.
+* a *room* is a put lease whose keys come later (``reserve_room``): the
+  client copies a backup into some of its extents and publishes them with
+  ``commit_room``, which needs no reply, so a small backup waits for no
+  round trip. The rest of the room stays reserved for the next backups;
+  each commit renews the lease.
 * a get pins the objects it hands out (``begin_get``); ``release`` unpins
   them after the client's copy. An object deleted, overwritten or evicted
   while pinned disappears from the index at once but keeps its extent until
@@ -95,6 +100,8 @@ STAT_NAMES = (
     "refused_leases",  # batches refused because max_leases were open
     "refused_lease_owner",  # COMMIT/ABORT/RELEASE of another connection's lease
     "refused_lease_expired",  # leases that outlived the lease time limit
+    "rooms_granted",  # rooms granted (put room a client holds for its next backups)
+    "refused_room",  # room entries naming an extent not in the room, or a bad key
     # Of the puts and hits, those of warm-up keys (``keys.WARMUP_KEY_PREFIX``):
     # a backend's start-up round trip, so that pages counted from these
     # counters (puts minus these, over objects per page) leave it out.
@@ -134,6 +141,8 @@ class _Lease:
     is_put: bool = True
     started: float = 0.0
     slot: int = 0  # its word in the lease table
+    #: a room: put extents with no keys yet, published a few at a time (``commit_room``)
+    room: bool = False
 
 
 class _NoTable:
@@ -473,8 +482,16 @@ class StoreIndex:
         entry (OK, or DS_DATA_ALREADY_EXISTS when another put of the key,
         without overwrite, was published first). ``owner``: the connection
         asking, refused (``LeaseError``) unless the lease is its own."""
+        lease = self._leases.get(lease_id)
+        if lease is not None and lease.room and (owner is None or lease.owner == owner):
+            raise LeaseError(INVALID_ARGUMENT, f"lease {lease_id} is a room: its extents are published with "
+                             "COMMIT_ROOM, naming a key for each")
         lease = self._end_lease(lease_id, is_put=True, owner=owner)
-        items = lease.items
+        return self._publish(lease.items, lease.overwrite)
+
+    def _publish(self, items: list[tuple[int, bytes, _Object]], overwrite: bool) -> list[tuple[int, int]]:
+        """Put reserved ``(entry index, key, object)`` items in the index and
+        the table: ``(entry index, code)`` each."""
         objects = self.objects
         reserved = sum([obj.size for _, _, obj in items])
         self.reserved -= reserved
@@ -486,7 +503,7 @@ class StoreIndex:
             published, published_bytes = len(items), reserved
             warmups = warmup_keys(keys)
         else:
-            out = self._publish_one_by_one(items, lease.overwrite)
+            out = self._publish_one_by_one(items, overwrite)
             won = [obj for (_, _, obj), (_, code) in zip(items, out) if code == OK]
             # (a key named twice: the later entry replaced the earlier, counted in and out as two puts)
             published, published_bytes = len(won), sum([obj.size for obj in won])
@@ -501,6 +518,64 @@ class StoreIndex:
         self.stats["bytes_in"] += published_bytes
         self.stats["warmup_puts"] += warmups
         return out
+
+    # -- rooms ----------------------------------------------------------------
+
+    def open_rooms(self, owner: int) -> int:
+        return sum(1 for lease_id in self._by_owner.get(owner, ()) if self._leases[lease_id].room)
+
+    def reserve_room(self, owner: int, size: int, count: int) -> tuple[int, list[int]]:
+        """Up to ``count`` extents of ``size`` bytes held for ``owner``'s
+        later backups (``commit_room``), placed and evicted for as a put's
+        are: ``(lease, offsets)``, lease 0 when none could be placed. The
+        caller bounds ``size`` and ``count`` (the daemon: ``room_bytes``)."""
+        lease_id, codes, offsets = self.begin_put(owner, [b""] * count, [size] * count, True)
+        if not lease_id:
+            return 0, []
+        self._leases[lease_id].room = True
+        self.stats["rooms_granted"] += 1
+        return lease_id, [offset for offset, code in zip(offsets, codes) if code == OK]
+
+    def commit_room(self, lease_id: int, owner: int, keys: Sequence[bytes],
+                    offsets: Sequence[int]) -> list[int]:
+        """Publish the room's extents at ``offsets`` under ``keys`` (an
+        overwriting put each): a code per entry. An offset that is not a free
+        extent of this room, or a key past SiMM's limit, is refused
+        (INVALID_ARGUMENT) and harms nothing else; a refused key's extent
+        is given back. The room's lease is renewed; it ends once every
+        extent is used."""
+        lease = self._leases.get(lease_id)
+        if lease is None or not lease.room:
+            raise LeaseError(SEND_RPC_FAILED, f"no open room {lease_id} (expired, or never granted)")
+        if lease.owner != owner:
+            self.stats["refused_lease_owner"] += 1
+            raise LeaseError(INVALID_ARGUMENT, f"room {lease_id} belongs to another connection")
+        spare = {item[2].offset: item for item in lease.items}
+        codes = [INVALID_ARGUMENT] * len(keys)
+        taken: list[tuple[int, bytes, _Object]] = []
+        dropped: list[_Object] = []
+        for i, (key, offset) in enumerate(zip(keys, offsets)):
+            item = spare.pop(offset, None)
+            if item is None:
+                self.stats["refused_room"] += 1
+            elif not key_ok(key):
+                self.stats["refused_room"] += 1
+                self.stats["refused_key"] += 1
+                dropped.append(item[2])
+            else:
+                taken.append((i, key, item[2]))
+        for obj in dropped:
+            self.reserved -= obj.size
+            self.alloc.free(obj.offset, obj.size)
+            self._table.free([obj.slot])
+            self._slots.append(obj.slot)
+        lease.items = list(spare.values())
+        lease.started = self._clock()
+        if not lease.items:
+            self._end_lease(lease_id, is_put=True, owner=owner)
+        for i, code in self._publish(taken, True):
+            codes[i] = code
+        return codes
 
     def _publish_one_by_one(self, items: list, overwrite: bool) -> list[tuple[int, int]]:
         """A put lease whose keys were published meanwhile, or that names one
@@ -715,18 +790,23 @@ class StoreIndex:
 
     def snapshot(self) -> dict[str, int]:
         out = dict(self.stats)
+        rooms = [lease for lease in self._leases.values() if lease.room]
+        room_bytes = sum([obj.size for lease in rooms for _, _, obj in lease.items])
         out.update(
             objects=len(self.objects),
             max_objects=self.max_objects,
             used_bytes=self.used,
-            reserved_bytes=self.reserved,
+            reserved_bytes=self.reserved - room_bytes,
+            rooms_open=len(rooms),
+            room_extents=sum(len(lease.items) for lease in rooms),
+            room_reserved_bytes=room_bytes,
             quarantined_bytes=self.quarantined_bytes,
             capacity_bytes=self.capacity,
             arena_bytes=self.alloc.size,
             arena_free_bytes=self.alloc.free_bytes,
             arena_high_water=self.alloc.high_water(),
             pinned_objects=sum(len(lease.items) for lease in self._leases.values() if not lease.is_put),
-            open_leases=len(self._leases),
+            open_leases=len(self._leases) - len(rooms),
             memory_limited=self.memory_limited or 0,
         )
         return out

@@ -48,6 +48,7 @@ REFUSALS = (
     "lease_owner",  # COMMIT/RELEASE/ABORT of another connection's lease
     "leases",  # max_leases open leases
     "lease_expired",  # a lease that outlived lease_timeout_s
+    "room",  # a RESERVE past room_bytes, or a COMMIT_ROOM naming extents not in its room
     "bad_frame",  # a malformed frame (connection dropped)
 )
 
@@ -83,6 +84,11 @@ class StoreLimits:
     copy then reads as a miss) and its room is quarantined until its
     connection closes."""
 
+    room_bytes: int = 16 << 20
+    """Put room one connection may hold for backups that wait for no reply
+    (``RESERVE``; two rooms at most, and no more than a sixteenth of the
+    capacity); 0: none, every backup asks for its room."""
+
     idle_exit_s: float = 0.0
     """Exit (freeing the shared memory) after this long with no client; 0: never."""
 
@@ -91,7 +97,7 @@ class StoreLimits:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"store limit {f.name} must be a number, got {value!r}")
-            floor = 0 if f.name in ("max_objects", "idle_exit_s") else 1
+            floor = 0 if f.name in ("max_objects", "idle_exit_s", "room_bytes") else 1
             if value < floor:
                 raise ValueError(f"store limit {f.name} must be >= {floor}, got {value!r}")
         if self.max_frame_bytes < 1 << 16:

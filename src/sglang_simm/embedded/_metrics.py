@@ -25,6 +25,8 @@ _FAMILIES = (
     ("quarantined_bytes", "quarantined_bytes", "gauge", "Bytes held by expired writers until they disconnect"),
     ("open_leases", "leases", "gauge", "Open leases (batches being copied)"),
     ("pinned_objects", "pinned_objects", "gauge", "Objects pinned by readers"),
+    ("rooms_open", "rooms", "gauge", "Rooms held by clients for their next backups"),
+    ("room_reserved_bytes", "room_reserved_bytes", "gauge", "Bytes held in rooms, not yet written"),
     ("connections", "connections", "gauge", "Client connections open"),
     ("clients", "clients", "gauge", "Client processes connected"),
     ("puts", "puts_total", "counter", "Objects published"),

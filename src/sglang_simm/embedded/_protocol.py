@@ -4,7 +4,9 @@ Control messages only, one request per batch: keys, sizes and offsets,
 never object bytes (clients copy those through the shared arena). A frame
 is a header ``<u32 body length><u8 op>`` and a body. Requests and replies
 alternate on a connection in order, except ``RELEASE`` and ``ABORT``, which
-get no reply (a reader does not wait to unpin).
+get no reply (a reader does not wait to unpin). A backup that fits the
+room its connection holds (``RESERVE``) is one ``COMMIT_ROOM``, whose
+reply the client reads with a later one.
 
 Bodies are made of:
 * key lists: ``<u32 n><u32 bytes><keys joined by NUL>``, UTF-8 with
@@ -26,7 +28,7 @@ from enum import IntEnum
 from typing import Any, Sequence
 
 #: Bumped on any change a client and a store process must agree on.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 HEADER = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
@@ -44,6 +46,8 @@ class Op(IntEnum):
     DELETE = 8  # keys (one) -> codes
     DELETE_PREFIX = 9  # keys (one prefix) -> ints [count]
     ADMIN = 10  # JSON -> JSON (stats, clear, keys, set_capacity, stop)
+    RESERVE = 11  # i64 size, i64 count -> [lease, committed end], offsets (a room)
+    COMMIT_ROOM = 12  # i64 lease, keys, offsets -> codes (one per entry)
     ERROR = 255  # reply: JSON {"error": text, "code": SiMM code}
 
 
