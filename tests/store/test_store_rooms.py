@@ -120,6 +120,16 @@ def test_an_expired_room_is_quarantined_until_its_connection_closes(index):
     assert index.quarantined_bytes == 0 and index.lookup(ks("a")) == [OK]
 
 
+def test_a_capacity_change_ends_every_room_into_quarantine(index):
+    lease, offsets = index.reserve_room(A, 1000, 8)
+    index.set_capacity(5000)
+    assert index.reserved == 0 and index.quarantined_bytes == 8000 and index.snapshot()["rooms_open"] == 0
+    with pytest.raises(LeaseError):
+        index.commit_room(lease, A, ks("k"), offsets[:1])
+    index.drop_owner(A)
+    assert index.quarantined_bytes == 0
+
+
 # -- the client's bookkeeping -------------------------------------------------------
 
 
@@ -301,3 +311,31 @@ def test_a_client_stopped_while_its_room_expires_publishes_nothing_into_reused_m
         assert buf.raw == b"\x09" * (1 << 20)
     assert other.lookup(["late"]) == [DS_KEY_NOT_FOUND]
     other.close()
+
+
+def test_a_lowered_capacity_ends_the_rooms_and_their_clients_go_the_other_way(store):
+    """Rooms sized for the old capacity could hold all of a smaller one: a
+    capacity change ends them (quarantined until their connections close).
+    The client's next backup into its room is refused (one miss, counted),
+    the room is dropped, and the backups after it are stored."""
+    client = client_of(store)
+    other = client_of(store)
+    size = 64 << 10
+    buf = ctypes.create_string_buffer(b"\x03" * size, size)
+    assert client.put_from([("warm", ctypes.addressof(buf), size)], True) == [OK]
+    client.settle()
+    assert store.status()["rooms_open"] == 1
+    other.set_capacity(32 << 20)
+    status = store.status()
+    assert status["rooms_open"] == 0 and status["reserved_bytes"] == 0 and status["quarantined_bytes"] > 0
+    assert client.put_from([("into-the-ended-room", ctypes.addressof(buf), size)], True) == [OK]
+    client.settle()
+    assert client.commit_failures == 1 and other.lookup(["into-the-ended-room"]) == [DS_KEY_NOT_FOUND]
+    for i in range(3):
+        assert client.put_from([(f"after-{i}", ctypes.addressof(buf), size)], True) == [OK]
+    assert other.lookup([f"after-{i}" for i in range(3)]) == [OK] * 3
+    client.settle()
+    assert client.commit_failures == 1
+    other.close()
+    client.close()
+    wait_for(lambda: store.status()["quarantined_bytes"] == 0, what="the quarantine to go with the connection")

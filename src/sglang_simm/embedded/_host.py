@@ -63,7 +63,7 @@ from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._limits import RateLimitedLog
 from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, read_pid, store_dir
 from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
-from sglang_simm.embedded._room import Ask, Room, Rooms
+from sglang_simm.embedded._room import Ask, Room, RoomCommit, Rooms, entries_due
 from sglang_simm.errors import (
     BUILD_CONNECTION_FAILED,
     DS_KEY_NOT_FOUND,
@@ -190,7 +190,7 @@ class _Connection:
         #: sent COMMITs and COMMIT_ROOMs whose replies are not read yet,
         #: oldest first: the entries each publishes, or the room asked for
         #: (an ``Ask``: a RESERVE); replies come in request order
-        self.pending: deque[int | Ask] = deque()
+        self.pending: deque[int | Ask | RoomCommit] = deque()
         #: this connection's rooms (set after the handshake: the store's
         #: room size and lease time limit)
         self.rooms = Rooms(0, 1, 1.0)
@@ -307,7 +307,12 @@ class _Connection:
             entries = self.pending.popleft()
             if isinstance(entries, Ask):
                 self._room_answer(entries, op, body)
-            elif self.on_commit is not None:
+                continue
+            if isinstance(entries, RoomCommit):
+                if op == Op.ERROR:  # the room ended under it: backups go the other way
+                    self.rooms.lost(entries.room)
+                entries = entries.entries
+            if self.on_commit is not None:
                 self.on_commit(op, body, entries)
 
     def _room_answer(self, ask: Ask, op: int, body: bytes) -> None:
@@ -362,7 +367,7 @@ class _Connection:
             self._settle(received_only=True)
         except OSError:
             pass
-        return sum(e for e in self.pending if not isinstance(e, Ask))
+        return sum(map(entries_due, self.pending))
 
     # -- copies in flight, and closing ------------------------------------------
 
@@ -801,7 +806,7 @@ class HostServer:
                     return [SEND_RPC_FAILED] * n
                 sent = time.monotonic()
                 conn.exchange(body, reply=False)
-                conn.pending.append(n)
+                conn.pending.append(RoomCommit(n, room))
                 conn.rooms.renewed(room, sent)
                 self._ask_room(conn, room.size)
         except OSError:

@@ -712,15 +712,18 @@ class StoreIndex:
         cutoff = self._clock() - limit
         old = [lid for lid, lease in self._leases.items() if lease.started <= cutoff]
         for lease_id in old:
-            lease = self._end_lease(lease_id, is_put=self._leases[lease_id].is_put)
-            if lease.is_put:
-                for _, _, obj in lease.items:
-                    self.reserved -= obj.size  # room no longer held against capacity
-                self._quarantine.setdefault(lease.owner, []).extend(obj for _, _, obj in lease.items)
-            else:
-                self._undo(lease)
+            self._expire_lease(lease_id)
         self.stats["refused_lease_expired"] += len(old)
         return len(old)
+
+    def _expire_lease(self, lease_id: int) -> None:
+        lease = self._end_lease(lease_id, is_put=self._leases[lease_id].is_put)
+        if lease.is_put:
+            for _, _, obj in lease.items:
+                self.reserved -= obj.size  # room no longer held against capacity
+            self._quarantine.setdefault(lease.owner, []).extend(obj for _, _, obj in lease.items)
+        else:
+            self._undo(lease)
 
     def drop_owner(self, owner: int) -> int:
         """A client is gone: abort its puts, unpin its gets and free its
@@ -782,9 +785,14 @@ class StoreIndex:
 
     def set_capacity(self, capacity: int) -> None:
         """Change the capacity now, evicting the oldest objects until the
-        stored bytes fit."""
+        stored bytes fit. Rooms end (sized for the old capacity, they
+        could hold all of a smaller one): their extents are quarantined
+        until their connections close, as an expired room's are, and
+        their clients' next commits into them read as misses."""
         self.capacity = self._check_capacity(capacity)
         self.memory_limited = None
+        for lease_id in [lid for lid, lease in self._leases.items() if lease.room]:
+            self._expire_lease(lease_id)
         while self.used + self.reserved > self.capacity and self._evict_one():
             pass
 

@@ -49,6 +49,22 @@ class Ask:
     sent: float
 
 
+@dataclass(frozen=True)
+class RoomCommit:
+    """A COMMIT_ROOM sent, its reply not read yet: how many entries it
+    publishes, into which room."""
+
+    entries: int
+    room: Room
+
+
+def entries_due(pending: object) -> int:
+    """Entries a reply due publishes (an ``Ask`` publishes none)."""
+    if isinstance(pending, RoomCommit):
+        return pending.entries
+    return 0 if isinstance(pending, Ask) else int(pending)  # type: ignore[call-overload]
+
+
 @dataclass
 class Rooms:
     """One connection's rooms. ``room_bytes``: the largest room the store
@@ -85,6 +101,12 @@ class Rooms:
         gone (the store ended its lease)."""
         room.fresh_until = sent + self.lease_timeout_s / 2
         if not room.free:
+            self.rooms.remove(room)
+
+    def lost(self, room: Room) -> None:
+        """The store refused a commit into ``room`` (it ended: expired, or
+        the capacity changed): not used again."""
+        if room in self.rooms:
             self.rooms.remove(room)
 
     def stale(self) -> list[Room]:
