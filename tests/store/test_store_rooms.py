@@ -91,13 +91,24 @@ def test_a_room_is_its_connections_alone_and_not_a_put_lease(index):
     assert index.commit_room(lease, A, ks("k"), offsets[:1]) == [OK]  # still open after all that
 
 
-def test_a_room_counts_against_the_capacity_and_goes_with_its_connection(index):
-    lease, offsets = index.reserve_room(A, 10_000, 8)
-    assert index.reserved == 80_000
-    codes = [index.begin_put(B, [f"p{i}".encode()], [10_000], True)[1][0] for i in range(3)]
-    assert codes[:2] == [OK, OK] and codes[2] != OK  # 80k held + 20k: the capacity is full
+def test_a_room_counts_against_the_capacity_and_goes_with_its_connection():
+    index = StoreIndex(capacity=800_000, arena_bytes=1 << 21)
+    lease, offsets = index.reserve_room(A, 100_000, 1)
+    assert index.reserved == 100_000
+    codes = [index.begin_put(B, [f"p{i}".encode()], [100_000], True)[1][0] for i in range(8)]
+    assert codes[:7] == [OK] * 7 and codes[7] != OK  # 100k held + 700k: the capacity is full
     assert index.drop_owner(A) == 1
-    assert index.reserved == 20_000 and index.snapshot()["room_extents"] == 0
+    assert index.reserved == 700_000 and index.snapshot()["room_extents"] == 0
+
+
+def test_all_rooms_together_hold_at_most_an_eighth_of_the_capacity(index):
+    """However many connections ask, rooms never evict the cache for room
+    nobody writes: past the share a room is smaller, then none."""
+    granted = [index.reserve_room(owner, 1000, 8) for owner in range(1, 6)]
+    assert [len(offsets) for _, offsets in granted] == [8, 4, 0, 0, 0]  # 12,500 bytes of 100,000
+    assert granted[2][0] == 0 and index.room_bytes_held() == 12_000
+    index.commit_room(granted[0][0], 1, ks(*"abcdefgh"), granted[0][1])  # published: no longer held
+    assert len(index.reserve_room(9, 1000, 8)[1]) == 8
 
 
 def test_an_expired_room_is_quarantined_until_its_connection_closes(index):

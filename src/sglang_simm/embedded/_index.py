@@ -72,6 +72,8 @@ from sglang_simm.errors import (
 from sglang_simm.keys import warmup_keys
 
 EVICTION_POLICIES = ("fifo", "lru")
+#: All rooms together hold at most this fraction of the capacity (1 / it).
+ROOMS_SHARE = 8
 
 
 def check_policy(policy: object) -> str:
@@ -193,6 +195,7 @@ class StoreIndex:
         self.used = 0  # bytes of published objects
         self.reserved = 0  # bytes of puts between begin and commit
         self._leases: dict[int, _Lease] = {}
+        self._rooms: set[int] = set()  # the leases that are rooms
         self._by_owner: dict[int, set[int]] = {}
         self._ids = itertools.count(1)
         self._next_seq = 1  # publish order, kept in the table
@@ -522,16 +525,28 @@ class StoreIndex:
     # -- rooms ----------------------------------------------------------------
 
     def open_rooms(self, owner: int) -> int:
-        return sum(1 for lease_id in self._by_owner.get(owner, ()) if self._leases[lease_id].room)
+        return sum(1 for lease_id in self._by_owner.get(owner, ()) if lease_id in self._rooms)
+
+    def room_bytes_held(self) -> int:
+        """Bytes held in every room, not yet published."""
+        return sum([obj.size for lease_id in self._rooms for _, _, obj in self._leases[lease_id].items])
 
     def reserve_room(self, owner: int, size: int, count: int) -> tuple[int, list[int]]:
         """Up to ``count`` extents of ``size`` bytes held for ``owner``'s
         later backups (``commit_room``), placed and evicted for as a put's
         are: ``(lease, offsets)``, lease 0 when none could be placed. The
-        caller bounds ``size`` and ``count`` (the daemon: ``room_bytes``)."""
+        caller bounds one room (the daemon: ``room_bytes``); all rooms
+        together hold at most ``1 / ROOMS_SHARE`` of the capacity, so that
+        however many connections hold rooms, they never evict the cache
+        for room nobody writes: past it, fewer extents or none (lease 0)."""
+        share = self.capacity // ROOMS_SHARE - self.room_bytes_held()
+        count = min(count, max(share, 0) // max(size, 1))
+        if count < 1:
+            return 0, []
         lease_id, codes, offsets = self.begin_put(owner, [b""] * count, [size] * count, True)
         if not lease_id:
             return 0, []
+        self._rooms.add(lease_id)
         self._leases[lease_id].room = True
         self.stats["rooms_granted"] += 1
         return lease_id, [offset for offset, code in zip(offsets, codes) if code == OK]
@@ -696,6 +711,7 @@ class StoreIndex:
             self.stats["refused_lease_owner"] += 1
             raise LeaseError(INVALID_ARGUMENT, f"lease {lease_id} belongs to another connection")
         del self._leases[lease_id]
+        self._rooms.discard(lease_id)
         self._lease_words[lease.slot] = 0
         self._lease_slots.append(lease.slot)
         owned = self._by_owner[lease.owner]
@@ -731,6 +747,7 @@ class StoreIndex:
         lease_ids = self._by_owner.pop(owner, set())
         for lease_id in lease_ids:
             lease = self._leases.pop(lease_id)
+            self._rooms.discard(lease_id)
             self._lease_words[lease.slot] = 0
             self._lease_slots.append(lease.slot)
             self._undo(lease)
@@ -791,14 +808,14 @@ class StoreIndex:
         their clients' next commits into them read as misses."""
         self.capacity = self._check_capacity(capacity)
         self.memory_limited = None
-        for lease_id in [lid for lid, lease in self._leases.items() if lease.room]:
+        for lease_id in list(self._rooms):
             self._expire_lease(lease_id)
         while self.used + self.reserved > self.capacity and self._evict_one():
             pass
 
     def snapshot(self) -> dict[str, int]:
         out = dict(self.stats)
-        rooms = [lease for lease in self._leases.values() if lease.room]
+        rooms = [self._leases[lease_id] for lease_id in self._rooms]
         room_bytes = sum([obj.size for lease in rooms for _, _, obj in lease.items])
         out.update(
             objects=len(self.objects),
