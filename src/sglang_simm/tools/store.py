@@ -301,7 +301,8 @@ def _print_status(console: Any, root: str, statuses: list[dict[str, Any]]) -> No
                      f"{s['rejected'] + s['out_of_memory']} refused"),
             ("clients", ", ".join(map(str, s["clients"])) or "none connected"),
             ("leases", f"{s['open_leases']} open"
-                       + (f", {s['rooms_open']} rooms holding {_human(s['room_reserved_bytes'])}"
+                       + (f", {s['rooms_open']} room{'s' if s['rooms_open'] != 1 else ''} holding "
+                          f"{_human(s['room_reserved_bytes'])} for backups"
                           if s.get("rooms_open") else "")
                        + (f", {_human(s['quarantined_bytes'])} quarantined" if s.get("quarantined_bytes") else "")),
             ("refused", ", ".join(f"{k[len('refused_'):]} {v}" for k, v in sorted(s.items())
