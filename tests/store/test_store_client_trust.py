@@ -113,7 +113,10 @@ class FakeStore:
             return
         with conn:
             while True:
-                head = conn.recv(wire.HEADER.size, socket.MSG_WAITALL)
+                try:
+                    head = conn.recv(wire.HEADER.size, socket.MSG_WAITALL)
+                except ConnectionResetError:  # the client dropped a connection it no longer trusts
+                    return
                 if len(head) < wire.HEADER.size:
                     return
                 length, op = wire.HEADER.unpack(head)
