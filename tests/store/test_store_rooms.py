@@ -157,13 +157,14 @@ def test_rooms_are_asked_for_when_half_used_and_used_only_while_fresh():
     assert r.ask(1 << 14) == (None, [])  # one in flight
     r.granted(ask, 7, list(range(64 * (1 << 14), 0, -(1 << 14))))
     room, offsets = r.take(1 << 14, 30)
-    assert offsets == sorted(offsets) and room.lease == 7
+    assert offsets == sorted(offsets) and room.lease == 7 and room.copying == 1
+    assert r.renewed(room, 100.0) == [] and room.copying == 0
     assert r.take(1 << 15, 1) is None  # another size
     assert r.ask(1 << 14) == (None, [])  # 34 of 64 left
-    r.take(1 << 14, 4)
+    r.renewed(r.take(1 << 14, 4)[0], 100.0)
     assert r.ask(1 << 14)[0] is not None  # 30 left: the next is asked for
     now[0] = 100.0 + 15.0
-    assert r.take(1 << 14, 1) is None  # past half the lease time limit since it was asked for
+    assert r.take(1 << 14, 1) is None  # past half the lease time limit since its last commit
     assert r.stale() == [room] and r.rooms == []
 
 
@@ -177,8 +178,29 @@ def test_a_commit_renews_a_room_and_an_empty_room_is_gone():
     r.renewed(room, 14.0)
     now[0] = 28.0
     room, _ = r.take(4096, 1)  # fresh until 29
-    r.renewed(room, 28.0)
+    assert r.renewed(room, 28.0) == []  # used up: the store ends it, nothing to give back
     assert r.rooms == []
+
+
+def test_a_room_is_given_back_only_once_no_copy_into_it_is_in_flight():
+    """Giving a room back frees every extent it has not published, those
+    another thread is copying into included: a room that goes stale, gives
+    way or fails while a copy is in flight waits for that copy."""
+    now = [0.0]
+    r = rooms(now)
+    ask, _ = r.ask(4096)
+    r.granted(ask, 1, [i * 4096 for i in range(1, 9)])
+    room, _ = r.take(4096, 2)  # thread A copies
+    now[0] = 15.0
+    assert r.stale() == [] and r.rooms == [] and room.retired  # no new backups into it, not given back yet
+    assert r.renewed(room, 15.0) == [room]  # A's commit is sent: now it goes
+    ask, _ = r.ask(4096)
+    r.granted(ask, 2, [i * 4096 for i in range(10, 18)])
+    room2, _ = r.take(4096, 1)
+    other, _ = r.take(4096, 1)  # two copies in flight
+    assert other is room2 and r.failed(room2) == []  # one fails: the room goes, after the other
+    assert r.take(4096, 1) is None
+    assert r.renewed(room2, 15.5) == [room2]
 
 
 def test_a_room_of_another_size_gives_way_and_a_refusal_waits_before_asking_again():

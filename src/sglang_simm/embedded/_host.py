@@ -787,10 +787,9 @@ class HostServer:
         try:
             self._copy_in(conn, offs, [size] * n, [p for _, p, _ in items])
         except BaseException:
-            with conn.lock:  # its extents are neither filled nor free: the whole room goes
-                if room in conn.rooms.rooms:
-                    conn.rooms.rooms.remove(room)
-                self._abort_room(conn, room)
+            with conn.lock:
+                for old in conn.rooms.failed(room):
+                    self._abort_room(conn, old)
             raise
         return self._send_commit_room(conn, room, [k for k, _, _ in items], offs)
 
@@ -807,7 +806,8 @@ class HostServer:
                 sent = time.monotonic()
                 conn.exchange(body, reply=False)
                 conn.pending.append(RoomCommit(n, room))
-                conn.rooms.renewed(room, sent)
+                for old in conn.rooms.renewed(room, sent):
+                    self._abort_room(conn, old)
                 self._ask_room(conn, room.size)
         except OSError:
             conn.break_off()

@@ -37,6 +37,11 @@ class Room:
     size: int  # every extent's size: objects of exactly this size go here
     free: list[int]  # offsets not used yet, lowest first
     fresh_until: float  # monotonic time past which the store may have ended it
+    #: backups copying into it now: it is given back (ABORT frees all its
+    #: unpublished extents) only once none is
+    copying: int = 0
+    #: taken out of use: given back when the last copy into it is done
+    retired: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,29 +98,51 @@ class Rooms:
             if room.size == size and len(room.free) >= n and now < room.fresh_until:
                 offsets = room.free[:n]
                 del room.free[:n]
+                room.copying += 1
                 return room, offsets
         return None
 
-    def renewed(self, room: Room, sent: float) -> None:
-        """A COMMIT_ROOM of ``room`` was sent at ``sent``; an empty room is
-        gone (the store ended its lease)."""
+    def renewed(self, room: Room, sent: float) -> list[Room]:
+        """A copy into ``room`` is done and its COMMIT_ROOM was sent at
+        ``sent``: the rooms to give back now. A used-up room is gone (the
+        store ends its lease at its last commit)."""
+        room.copying -= 1
         room.fresh_until = sent + self.lease_timeout_s / 2
-        if not room.free:
+        if room.retired:
+            return [room] if room.copying == 0 else []
+        if not room.free and room in self.rooms:
             self.rooms.remove(room)
+        return []
+
+    def failed(self, room: Room) -> list[Room]:
+        """A copy into ``room`` failed: its extents are neither filled nor
+        free, so the room goes (given back once no other copy is in it)."""
+        room.copying -= 1
+        return self._retire(room)
 
     def lost(self, room: Room) -> None:
         """The store refused a commit into ``room`` (it ended: expired, or
         the capacity changed): not used again."""
         if room in self.rooms:
             self.rooms.remove(room)
+        room.retired = True
 
     def stale(self) -> list[Room]:
-        """Rooms too old to use, taken out (to be aborted)."""
+        """Rooms too old to use are taken out: those to give back now."""
         now = self.clock()
-        old = [room for room in self.rooms if now >= room.fresh_until]
-        for room in old:
+        out: list[Room] = []
+        for room in [room for room in self.rooms if now >= room.fresh_until]:
+            out += self._retire(room)
+        return out
+
+    def _retire(self, room: Room) -> list[Room]:
+        """No more backups into ``room``; ``[room]`` when it can be given
+        back now: another thread's copy into it may be in flight, and
+        giving it back frees every extent it has not published."""
+        if room in self.rooms:
             self.rooms.remove(room)
-        return old
+        room.retired = True
+        return [room] if room.copying == 0 else []
 
     def ask(self, size: int) -> tuple[Ask | None, list[Room]]:
         """A RESERVE to send now for objects of ``size`` bytes (None: one is
@@ -136,8 +163,7 @@ class Rooms:
         drop: list[Room] = []
         if len(self.rooms) >= MAX_ROOMS:
             others = [room for room in self.rooms if room.size != size]
-            drop = [min(others or self.rooms, key=lambda room: len(room.free))]
-            self.rooms.remove(drop[0])
+            drop = self._retire(min(others or self.rooms, key=lambda room: len(room.free)))
         self.asking = Ask(size, count, now)
         return self.asking, drop
 
