@@ -156,13 +156,15 @@ def test_rooms_are_asked_for_when_half_used_and_used_only_while_fresh():
     assert ask == Ask(1 << 14, 64, 100.0) and drop == []
     assert r.ask(1 << 14) == (None, [])  # one in flight
     r.granted(ask, 7, list(range(64 * (1 << 14), 0, -(1 << 14))))
-    room, offsets = r.take(1 << 14, 30)
+    assert r.take(1 << 14, 17) is None  # over a quarter of a room: a batch that asks for its own
+    room, offsets = r.take(1 << 14, 16)
     assert offsets == sorted(offsets) and room.lease == 7 and room.copying == 1
     assert r.renewed(room, 100.0) == [] and room.copying == 0
     assert r.take(1 << 15, 1) is None  # another size
-    assert r.ask(1 << 14) == (None, [])  # 34 of 64 left
+    r.renewed(r.take(1 << 14, 16)[0], 100.0)
+    assert r.ask(1 << 14) == (None, [])  # 32 of 64 left
     r.renewed(r.take(1 << 14, 4)[0], 100.0)
-    assert r.ask(1 << 14)[0] is not None  # 30 left: the next is asked for
+    assert r.ask(1 << 14)[0] is not None  # 28 left: the next is asked for
     now[0] = 100.0 + 15.0
     assert r.take(1 << 14, 1) is None  # past half the lease time limit since its last commit
     assert r.stale() == [room] and r.rooms == []

@@ -67,7 +67,8 @@ _ACCEPT_BACKOFF_S = 0.1
 _TAKEOVER_OWNER = 0
 #: rooms one connection may hold: the one it fills and the next, asked for in advance
 ROOMS_PER_CONNECTION = 2
-#: extents in one room at most (a backup of up to 128 two-object pages fits)
+#: extents in one room at most (a client puts backups of up to a quarter
+#: of a room there: 32 two-object pages)
 ROOM_MAX_ENTRIES = 256
 #: The operator commands that walk every object, and may take a while.
 _SLOW_ADMIN = frozenset({"clear", "keys"})

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 MAX_ROOMS = 2
 #: After the store granted no room (full, or refused), ask again after this.
 ASK_AGAIN_S = 1.0
+#: A batch goes into a room only if it needs at most 1 / this of one.
+ROOM_SHARE_PER_BATCH = 4
 
 
 @dataclass
@@ -92,7 +94,12 @@ class Rooms:
         return count if count >= 2 else 0
 
     def take(self, size: int, n: int) -> tuple[Room, list[int]] | None:
-        """``n`` extents of ``size`` bytes from one fresh room, or None."""
+        """``n`` extents of ``size`` bytes from one fresh room, or None. A
+        batch of more than a quarter of a room asks for its own: its copy
+        outweighs the round trip, and a room drained by big backups would
+        send the small ones, whose time is the round trip, the slow way."""
+        if n * ROOM_SHARE_PER_BATCH > self.count_for(size):
+            return None
         now = self.clock()
         for room in self.rooms:
             if room.size == size and len(room.free) >= n and now < room.fresh_until:
