@@ -149,3 +149,40 @@ def test_a_demo_ended_by_sigterm_stops_the_store_it_started(host_store_dir):
             proc.wait()
         if store_pid and pid_alive(store_pid):
             os.kill(store_pid, signal.SIGKILL)
+
+
+def test_a_stopped_server_leaves_no_load_report_file_in_dev_shm(tmp_path):
+    """SGLang's schedulers map a load-report file in /dev/shm and leave it
+    there when they end by a signal (SGLang sweeps them only in its own CI):
+    ``stop`` removes what the server's processes had mapped. A child of the
+    launched process maps one here, as a scheduler does."""
+    import uuid
+
+    from sglang_simm.tools.sglang_server import SGLANG_SHM_PREFIX, ServerConfig, SGLangServer
+
+    path = f"{SGLANG_SHM_PREFIX}test_{uuid.uuid4().hex[:8]}.shm"
+    other = f"{SGLANG_SHM_PREFIX}test_{uuid.uuid4().hex[:8]}.shm"  # another server's: not ours to remove
+    open(other, "wb").close()
+    child = textwrap.dedent(f"""
+        import mmap, os, subprocess, sys, time
+        code = "import mmap, os, time; fd = os.open({path!r}, os.O_CREAT | os.O_RDWR, 0o600); os.ftruncate(fd, 16384); " \\
+               "m = mmap.mmap(fd, 16384); print('mapped', flush=True); time.sleep(600)"
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "mapped"
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    server = SGLangServer(ServerConfig(model_path="unused"), tmp_path, name="stand-in")
+    server.proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+    try:
+        assert server.proc.stdout.readline().strip() == "ready"
+        assert os.path.exists(path)
+        server.stop(timeout=5, grace=5)
+        assert not os.path.exists(path) and os.path.exists(other)
+    finally:
+        for leftover in (path, other):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+        if server.proc is not None:
+            server.stop(timeout=5, grace=5)

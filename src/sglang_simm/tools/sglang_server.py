@@ -364,6 +364,9 @@ class SGLangServer:
         if proc is None:
             return
         pgid = proc.pid  # start_new_session: the group is named by the leader's pid
+        # SGLang's processes leave their load-report files in /dev/shm when
+        # they end by a signal (SGLang sweeps them only in its own CI)
+        shm_files = _mapped_files([proc.pid, *_descendants(proc.pid)], SGLANG_SHM_PREFIX)
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -377,6 +380,11 @@ class SGLangServer:
             except ProcessLookupError:
                 pass
             _wait_group_gone(pgid, grace)
+        for path in shm_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
         self.proc = None
         counter, self._l3 = self._l3, None
         if counter is not None:
@@ -632,6 +640,25 @@ def _descendants(pid: int) -> list[int]:
         for child in children.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
+    return out
+
+
+#: what a server's processes leave in /dev/shm (``load_snapshot.shm_path_for``)
+SGLANG_SHM_PREFIX = "/dev/shm/sglang_loads_"
+
+
+def _mapped_files(pids: list[int], prefix: str) -> set[str]:
+    """The files under ``prefix`` that any of ``pids`` has mapped."""
+    out: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(maxsplit=5)[-1]
+                    if path.startswith(prefix):
+                        out.add(path.removesuffix(" (deleted)"))
+        except OSError:
+            continue
     return out
 
 
