@@ -17,6 +17,7 @@ import pytest
 
 from raw_peer import Peer, StoreProc, wait_for
 from test_host_store import kill, start_child, wait_ready
+from test_store_index import A, B, ks
 
 from sglang_simm.embedded import _host
 from sglang_simm.embedded._host import HostServer
@@ -24,13 +25,6 @@ from sglang_simm.embedded._index import LeaseError, StoreIndex
 from sglang_simm.embedded._protocol import Op
 from sglang_simm.embedded._room import MAX_ROOMS, Ask, Rooms
 from sglang_simm.errors import DS_KEY_NOT_FOUND, INVALID_ARGUMENT, OK, SEND_RPC_FAILED
-
-A, B = 1, 2
-
-
-def ks(*names):
-    return [n.encode() for n in names]
-
 
 # -- the index ----------------------------------------------------------------
 

@@ -359,6 +359,13 @@ class _Connection:
             if timeout_s is not None:
                 _kernel_timeout(self.sock, self.timeout_s)
 
+    def end_lease(self, op: Op, lease: int) -> None:
+        """Send ABORT or RELEASE of ``lease``, which get no reply, unless the
+        connection is broken (the store then ends the lease with it; the
+        caller holds ``lock``)."""
+        if not self.broken:
+            self.exchange(frame(op, pack_i64(lease)), reply=False)
+
     def settle_now(self) -> int:
         """Settle the COMMIT replies already received, without waiting for
         more (the caller holds ``lock``); the entries of those still unread."""
@@ -665,8 +672,7 @@ class HostServer:
     def _send_one_way(self, conn: _Connection, op: Op, lease: int) -> None:
         try:
             with conn.lock:
-                if not conn.broken:
-                    conn.exchange(frame(op, pack_i64(lease)), reply=False)
+                conn.end_lease(op, lease)
         except OSError:
             conn.break_off()  # the store releases the lease when it sees the close
 
@@ -827,8 +833,7 @@ class HostServer:
     def _abort_room(self, conn: _Connection, room: Room) -> None:
         """Give a room back (the caller holds ``conn.lock``)."""
         try:
-            if not conn.broken:
-                conn.exchange(frame(Op.ABORT, pack_i64(room.lease)), reply=False)
+            conn.end_lease(Op.ABORT, room.lease)
         except OSError:
             conn.break_off()
 

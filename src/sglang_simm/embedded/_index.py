@@ -143,8 +143,6 @@ class _Lease:
     is_put: bool = True
     started: float = 0.0
     slot: int = 0  # its word in the lease table
-    #: a room: put extents with no keys yet, published a few at a time (``commit_room``)
-    room: bool = False
 
 
 class _NoTable:
@@ -195,7 +193,9 @@ class StoreIndex:
         self.used = 0  # bytes of published objects
         self.reserved = 0  # bytes of puts between begin and commit
         self._leases: dict[int, _Lease] = {}
-        self._rooms: set[int] = set()  # the leases that are rooms
+        #: the put leases that are rooms: extents with no keys yet, published
+        #: a few at a time (``commit_room``)
+        self._rooms: set[int] = set()
         self._by_owner: dict[int, set[int]] = {}
         self._ids = itertools.count(1)
         self._next_seq = 1  # publish order, kept in the table
@@ -486,7 +486,7 @@ class StoreIndex:
         without overwrite, was published first). ``owner``: the connection
         asking, refused (``LeaseError``) unless the lease is its own."""
         lease = self._leases.get(lease_id)
-        if lease is not None and lease.room and (owner is None or lease.owner == owner):
+        if lease_id in self._rooms and (owner is None or lease.owner == owner):
             raise LeaseError(INVALID_ARGUMENT, f"lease {lease_id} is a room: its extents are published with "
                              "COMMIT_ROOM, naming a key for each")
         lease = self._end_lease(lease_id, is_put=True, owner=owner)
@@ -547,7 +547,6 @@ class StoreIndex:
         if not lease_id:
             return 0, []
         self._rooms.add(lease_id)
-        self._leases[lease_id].room = True
         self.stats["rooms_granted"] += 1
         return lease_id, [offset for offset, code in zip(offsets, codes) if code == OK]
 
@@ -559,9 +558,9 @@ class StoreIndex:
         (INVALID_ARGUMENT) and harms nothing else; a refused key's extent
         is given back. The room's lease is renewed; it ends once every
         extent is used."""
-        lease = self._leases.get(lease_id)
-        if lease is None or not lease.room:
+        if lease_id not in self._rooms:
             raise LeaseError(SEND_RPC_FAILED, f"no open room {lease_id} (expired, or never granted)")
+        lease = self._leases[lease_id]
         if lease.owner != owner:
             self.stats["refused_lease_owner"] += 1
             raise LeaseError(INVALID_ARGUMENT, f"room {lease_id} belongs to another connection")
@@ -582,8 +581,7 @@ class StoreIndex:
         for obj in dropped:
             self.reserved -= obj.size
             self.alloc.free(obj.offset, obj.size)
-            self._table.free([obj.slot])
-            self._slots.append(obj.slot)
+            self._release_slot(obj)
         lease.items = list(spare.values())
         lease.started = self._clock()
         if not lease.items:
@@ -816,7 +814,7 @@ class StoreIndex:
     def snapshot(self) -> dict[str, int]:
         out = dict(self.stats)
         rooms = [self._leases[lease_id] for lease_id in self._rooms]
-        room_bytes = sum([obj.size for lease in rooms for _, _, obj in lease.items])
+        room_bytes = self.room_bytes_held()
         out.update(
             objects=len(self.objects),
             max_objects=self.max_objects,

@@ -130,9 +130,7 @@ class Rooms:
     def lost(self, room: Room) -> None:
         """The store refused a commit into ``room`` (it ended: expired, or
         the capacity changed): not used again."""
-        if room in self.rooms:
-            self.rooms.remove(room)
-        room.retired = True
+        self._retire(room)  # nothing to give back: the store ended it
 
     def stale(self) -> list[Room]:
         """Rooms too old to use are taken out: those to give back now."""
