@@ -8,34 +8,11 @@ at the end of the session is stopped by its pid."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
-import tempfile
-import time
 import uuid
 
 import pytest
-
-
-def _stop_store_processes(root: str) -> None:
-    from sglang_simm.embedded._host import pid_alive
-
-    pids = []
-    for entry in os.listdir(root):
-        if entry.endswith(".pid"):
-            try:
-                with open(os.path.join(root, entry)) as f:
-                    pids.append(int(f.read().strip()))
-            except (OSError, ValueError):
-                continue
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            if pid_alive(pid):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + 5
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.02)
 
 
 #: Markers given to every test of a file or folder (relative to tests/), so
@@ -132,21 +109,12 @@ def pytest_configure(config):
 @pytest.fixture(scope="session", autouse=True)
 def host_store_dir():
     """A private store directory for the whole session (exported, so store
-    processes and SGLang servers started by tests use it too)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    root = tempfile.mkdtemp(prefix="sglang-simm-tests-", dir=base)
-    os.chmod(root, 0o700)
-    previous = os.environ.get("SGLANG_SIMM_STORE_DIR")
-    os.environ["SGLANG_SIMM_STORE_DIR"] = root
-    try:
+    processes and SGLang servers started by tests use it too); its store
+    processes are stopped and it is removed at the end."""
+    from sglang_simm.embedded._paths import private_store_dir
+
+    with private_store_dir("sglang-simm-tests-") as root:
         yield root
-    finally:
-        _stop_store_processes(root)
-        if previous is None:
-            os.environ.pop("SGLANG_SIMM_STORE_DIR", None)
-        else:
-            os.environ["SGLANG_SIMM_STORE_DIR"] = previous
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 
 import pytest
@@ -88,6 +89,13 @@ def test_results_were_verified(tiny_run):
 def test_no_simm_alias_left_behind(tiny_run):
     assert "simm.kv" not in sys.modules or not getattr(sys.modules["simm.kv"], "__simm_null__", False)
     assert bench.INTREE_MODULE not in sys.modules or sys.modules[bench.INTREE_MODULE] is not None
+
+
+def test_the_stores_a_run_starts_leave_nothing_in_the_store_directory(tiny_run, host_store_dir):
+    """Its host stores live in a directory of the run's own, removed with
+    their lock and log files when it ends."""
+    left = [e for e in os.listdir(host_store_dir) if e.startswith(("bench-", "sglang-simm-bench-"))]
+    assert left == []
 
 
 def test_checks_catch_wrong_results():

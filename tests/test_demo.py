@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import uuid
 
 import pytest
@@ -264,6 +265,20 @@ def test_demo_leaves_a_host_store_it_did_not_start_running(tmp_path, host_store_
         assert pid_alive(running.pid) and running.status()["objects"] > 0
     finally:
         running.stop()
+
+
+def test_demo_on_its_own_store_leaves_nothing_in_the_store_directory(tmp_path, host_store_dir):
+    """The store the demo starts for itself goes with it, lock and log too
+    (a store's own stop keeps those), so runs do not pile files up in the
+    operator's store directory."""
+    before = set(os.listdir(host_store_dir))
+    args = cli.build_parser().parse_args(["demo", "--model", "tiny", "--pages", "4", "--direct",
+                                          "--json", str(tmp_path / "own.json")])
+    console = Console(file=io.StringIO(), width=120, force_terminal=False)
+    assert demo.run_demo(console, args, {}) == 0
+    data = json.loads((tmp_path / "own.json").read_text())
+    assert data["ok"] and data["manager_address"].startswith("local://demo-")
+    assert set(os.listdir(host_store_dir)) - before == set()
 
 
 def test_demo_default_store_is_its_own(tmp_path):

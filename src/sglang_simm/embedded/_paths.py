@@ -14,10 +14,15 @@ others could open, is refused with a message saying what to do.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import signal
 import stat
 import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 STORE_DIR_ENV = "SGLANG_SIMM_STORE_DIR"
@@ -185,3 +190,70 @@ def read_pid(paths: StorePaths) -> int | None:
     except (FileNotFoundError, PermissionError):
         return None
     return int(text) if text.isdigit() else None
+
+
+#: How long ``private_store_dir`` waits for its stores to stop after each
+#: signal (SIGTERM, then SIGKILL).
+STOP_WAIT_S = 5.0
+
+
+@contextlib.contextmanager
+def private_store_dir(prefix: str) -> Iterator[str]:
+    """A store directory of one run's own (a benchmark's, a test session's),
+    made private under the directory stores would use (``store_dir``'s
+    parent: ``$SGLANG_SIMM_STORE_DIR``'s when set, else /dev/shm) and
+    exported as ``$SGLANG_SIMM_STORE_DIR`` meanwhile, so store processes and
+    SGLang servers started in it use it too. At the end every store process
+    with a pid file in it is stopped (SIGTERM, then SIGKILL) and the
+    directory removed.
+
+    Why: a store's stop keeps its lock and log files by design (the log is
+    what an operator reads after a fault, the lock is what one process per
+    name rests on), so tools that start stores under fresh names would
+    otherwise leave a pair behind in the operator's directory on every run.
+    Removing a lock file is safe only where no other process can start a
+    store of that name: a directory nobody else knows of."""
+    explicit = os.environ.get(STORE_DIR_ENV)
+    base = explicit if explicit and os.path.isdir(explicit) else os.path.dirname(default_dir())
+    root = tempfile.mkdtemp(prefix=prefix, dir=base)
+    os.chmod(root, 0o700)
+    os.environ[STORE_DIR_ENV] = root
+    try:
+        yield root
+    finally:
+        if explicit is None:
+            os.environ.pop(STORE_DIR_ENV, None)
+        else:
+            os.environ[STORE_DIR_ENV] = explicit
+        stop_store_processes(root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def stop_store_processes(root: str, wait_s: float = STOP_WAIT_S) -> list[int]:
+    """Stop every store process with a pid file in ``root`` by its pid:
+    SIGTERM, then SIGKILL for those still running after ``wait_s``. The
+    pids signalled. A pid is signalled only while its name's lock is held,
+    so a pid file left by a store that died never names a process that
+    reused its pid."""
+    from sglang_simm.embedded._host import lock_held, pid_alive
+
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    pids = []
+    for entry in entries:
+        if entry.endswith(".pid") and NAME_RE.match(entry[: -len(".pid")]):
+            paths = StorePaths(root, entry[: -len(".pid")])
+            pid = read_pid(paths)
+            if pid and pid != os.getpid() and pid_alive(pid) and lock_held(paths):
+                pids.append(pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            if pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return pids

@@ -257,16 +257,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     args.page_size = args.page_size or DEFAULT_PAGE_SIZE
-    own_store = None
-    if not args.manager:
-        own_store = f"server-demo-{os.getpid()}"
-        args.manager = f"local://{own_store}"
-    try:
+    if args.manager:
         return _run(args)
-    finally:
-        if own_store is not None:
-            from sglang_simm.embedded._host import HostServer, StoreUnreachable
+    from sglang_simm.embedded._host import HostServer, StoreUnreachable
+    from sglang_simm.embedded._paths import private_store_dir
 
+    own_store = f"server-demo-{os.getpid()}"
+    args.manager = f"local://{own_store}"
+    # the demo's own store lives in, and goes with, a directory of this run's
+    with private_store_dir("sglang-simm-demo-"):
+        try:
+            return _run(args)
+        finally:
             try:
                 HostServer(own_store, capacity=1, spawn=False).stop()
             except (StoreUnreachable, OSError):

@@ -282,16 +282,20 @@ def run_bench(console: Any, args: Any) -> int:
 
     Goals are reported, not enforced (a noisy machine should not fail a run).
     """
-    if getattr(args, "store", False):
-        return run_store_bench(console, args)
-    if getattr(args, "server", False):
-        from sglang_simm.tools.bench.server_cli import run_server_bench
+    from sglang_simm.embedded._paths import private_store_dir
 
-        return run_server_bench(console, args)
-    plan = plan_from_args(args)
-    check_plot_extra(args)
-    result = run_and_report(console, args, "bench", lambda progress: run(plan, progress=progress), render, plot)
-    return 0 if result["checks"]["ok"] else 1
+    # the host stores it starts (and its servers' stores) live and go with it
+    with private_store_dir("sglang-simm-bench-"):
+        if getattr(args, "store", False):
+            return run_store_bench(console, args)
+        if getattr(args, "server", False):
+            from sglang_simm.tools.bench.server_cli import run_server_bench
+
+            return run_server_bench(console, args)
+        plan = plan_from_args(args)
+        check_plot_extra(args)
+        result = run_and_report(console, args, "bench", lambda progress: run(plan, progress=progress), render, plot)
+        return 0 if result["checks"]["ok"] else 1
 
 
 def run_store_bench(console: Any, args: Any) -> int:

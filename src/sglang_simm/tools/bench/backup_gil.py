@@ -45,6 +45,8 @@ import sys
 import tempfile
 from typing import Any, Callable
 
+from sglang_simm.embedded._paths import private_store_dir
+
 DEFAULT_SIZES = (1, 4, 8, 32, 128)
 OPS = ("backup", "restore")
 
@@ -332,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(result, f)
         return 0
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    with tempfile.TemporaryDirectory(prefix="backup-gil-") as tmp:
+    # the children's stores live in, and go with, a directory of this run's
+    with tempfile.TemporaryDirectory(prefix="backup-gil-") as tmp, private_store_dir("sglang-simm-bench-"):
         trees: dict[str, str] = {}
         revs = [] if args.before == "none" else [r.strip() for r in args.before.split(",") if r.strip()]
         for i, rev in enumerate(revs):

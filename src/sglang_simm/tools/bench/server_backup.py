@@ -48,6 +48,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
+from sglang_simm.embedded._paths import private_store_dir
+
 #: the layers, outermost first, each with what it covers
 LAYERS = {
     "backend": "HiCacheSiMM.batch_set_v1 less Store.mput (v1, transfer, binding)",
@@ -325,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--pages takes a comma list of page counts, got {args.pages!r}")
     if not sizes or min(sizes) < 1 or args.repeat < 1:
         parser.error("--pages needs counts >= 1 and --repeat a count >= 1")
-    result = measure(sizes, args.repeat, busy=args.busy)
+    with private_store_dir("sglang-simm-bench-"):  # its store's files go with it
+        result = measure(sizes, args.repeat, busy=args.busy)
     print(render(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_simm.tools.demo import hybrid, kv
-from sglang_simm.tools.demo.common import EXIT_OK, EXIT_SETUP, DemoOptions
+from sglang_simm.tools.demo.common import EXIT_OK, EXIT_SETUP, DemoOptions, names_own_store
 
 
 def preset_names() -> list[str]:
@@ -31,6 +31,16 @@ def run_demo(console: Any, args: Any, extra: dict[str, Any]) -> int:
         console.print(f"[red]error:[/red] unknown model preset {opts.model!r}; choose one of: "
                       f"{', '.join(preset_names())} (--list-models shows them)", soft_wrap=True)
         return EXIT_SETUP
+    if not names_own_store(extra):
+        return _run(console, opts, extra)
+    from sglang_simm.embedded._paths import private_store_dir
+
+    # the demo's own store lives in, and goes with, a directory of this run's
+    with private_store_dir("sglang-simm-demo-"):
+        return _run(console, opts, extra)
+
+
+def _run(console: Any, opts: DemoOptions, extra: dict[str, Any]) -> int:
     if hybrid.is_hybrid_preset(opts.model):  # a KV pool plus a Mamba state pool (v2)
         return hybrid.run(console, opts, extra)
     return kv.run(console, opts, extra)

@@ -353,16 +353,25 @@ def resolve_extra(extra: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     from sglang_simm import config as cfg
 
     extra = dict(extra)
-    if "manager_address" not in extra:
-        named = False
-        for _name, source in cfg.SOURCES:
-            try:
-                named = named or "manager_address" in source(extra, os.environ)
-            except Exception:
-                named = True  # a broken source: let load_config report it
-        if not named:
-            extra["manager_address"] = f"local://demo-{os.getpid()}"
+    if names_own_store(extra):
+        extra["manager_address"] = f"local://demo-{os.getpid()}"
     return extra, cfg.load_config(extra)
+
+
+def names_own_store(extra: dict[str, Any]) -> bool:
+    """True when no config source names a ``manager_address``: the demo then
+    runs on a host store of its own (``resolve_extra``)."""
+    from sglang_simm import config as cfg
+
+    if "manager_address" in extra:
+        return False
+    for _name, source in cfg.SOURCES:
+        try:
+            if "manager_address" in source(extra, os.environ):
+                return False
+        except Exception:
+            return False  # a broken source: let load_config report it
+    return True
 
 
 @contextlib.contextmanager
