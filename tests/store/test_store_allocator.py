@@ -87,6 +87,33 @@ def test_truncate_drops_the_tail_for_good():
     assert list(a._start_len.items()) == [(0, 8192)]
 
 
+def test_truncate_below_an_extent_still_held_drops_the_free_extents_under_it_too():
+    """After a clear gives back the memory under a room, the store may
+    have to truncate below that room: no free byte past the cut may be
+    handed out, not only the free tail's."""
+    a = ExtentAllocator(1 << 16)
+    x = a.alloc(4096)
+    hole = a.alloc(8192)
+    held = a.alloc(4096)  # a room, still held above the cut
+    a.free(hole, 8192)
+    a.truncate(8192)
+    assert a.size == 8192
+    assert a.free_extents() == [(4096, 8192)]
+    assert a.alloc(4096) == 4096 and a.alloc(64) is None
+    a.free(held, 4096)  # past the cut: gone for good
+    assert a.alloc(64) is None
+    assert x == 0
+
+
+def test_free_extents_below_the_high_water():
+    a = ExtentAllocator(1 << 16)
+    first, second, third = a.alloc(4096), a.alloc(4096), a.alloc(4096)
+    a.free(first, 4096)
+    a.free(second, 4096)
+    assert a.free_extents(below=a.high_water()) == [(0, 8192)]
+    assert a.free_extents() == [(0, 8192), (third + 4096, 1 << 16)]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_churn_keeps_the_arena_tiled(seed):
     rng = random.Random(seed)

@@ -158,17 +158,29 @@ def test_clear_gives_the_committed_memory_back(host_store_dir, capsys):
         held = held_bytes(store.paths)
         assert held >= 32 << 20
         # The room a connected client holds for its next backups lies above
-        # these objects and keeps the memory below it committed (the arena
-        # commits a prefix): it goes back with the connection.
+        # these objects: the memory under it goes back all the same, and the
+        # room stays the client's.
         assert client.status()["rooms_open"] == 1
-        client.close()
         assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
         assert "removed 32 objects" in capsys.readouterr().out
         assert held_bytes(store.paths) < held - (30 << 20)
-        client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
-        assert client.put_from([("again", ctypes.addressof(buf), 1 << 20)], True) == [OK]  # and it still serves
+        assert client.status()["rooms_open"] == 1
+        # and it still serves, every byte: a backup into the room (whose
+        # memory stayed), one the PUT way into memory given back and
+        # committed again, and a second client's
+        ctypes.memset(buf, 0x5A, 1 << 20)
+        small = ctypes.create_string_buffer(b"\xa5" * 65536, 65536)
+        assert client.put_from([("small", ctypes.addressof(small), 65536)], True) == [OK]
+        assert client.put_from([(f"again{i}", ctypes.addressof(buf), 1 << 20) for i in range(8)], True) == [OK] * 8
+        other = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
         out = ctypes.create_string_buffer(1 << 20)
-        assert client.get_into([("again", ctypes.addressof(out), 1 << 20)]) == [1 << 20]
+        for i in range(8):
+            ctypes.memset(out, 0, 1 << 20)
+            assert other.get_into([(f"again{i}", ctypes.addressof(out), 1 << 20)]) == [1 << 20]
+            assert out.raw == buf.raw
+        assert other.get_into([("small", ctypes.addressof(out), 65536)]) == [65536]
+        assert out.raw[:65536] == small.raw
+        other.close()
         client.close()
     finally:
         store.stop()

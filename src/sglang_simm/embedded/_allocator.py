@@ -155,18 +155,25 @@ class ExtentAllocator:
         return best
 
     def truncate(self, end: int) -> None:
-        """Stop handing out bytes at ``end`` (rounded down to ``align``): the
-        free tail past it is dropped. Allocated extents past it stay valid
-        until freed; they are not returned to the free set afterwards."""
+        """Stop handing out bytes at ``end`` (rounded down to ``align``):
+        every free byte past it is dropped (the free tail, and free extents
+        between extents still allocated past it). Allocated extents past it
+        stay valid until freed; they are not returned to the free set
+        afterwards."""
         end -= end % self.align
         if end >= self.size:
             return
-        tail = self._end_start.get(self.size)
-        if tail is not None:
-            self._remove(tail)
-            if tail < end:
-                self._add(tail, end - tail)
+        for start in [s for s, length in self._start_len.items() if s + length > end]:
+            length = self._remove(start)
+            if start < end:
+                self._add(start, end - start)
         self.size = end
+
+    def free_extents(self, below: int | None = None) -> list[tuple[int, int]]:
+        """``(start, end)`` of every free extent starting below ``below``
+        (default: all), sorted, cut at ``below``."""
+        limit = self.size if below is None else below
+        return sorted((s, min(s + n, limit)) for s, n in self._start_len.items() if s < limit)
 
     @property
     def largest_free(self) -> int:

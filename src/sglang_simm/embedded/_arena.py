@@ -247,6 +247,25 @@ class ArenaFile:
                 self.committed = min(self.committed, start)
             return self.committed
 
+    def release_holes(self, extents: list[tuple[int, int]]) -> int:
+        """Give back the memory of free ``(start, end)`` extents below the
+        high water (nobody holds them: the store's allocator says so), each
+        cut inward to whole pages; the bytes still committed, which drop to
+        the first hole. Committing is a prefix: everything from the first
+        hole up is committed again (``posix_fallocate`` skips the pages
+        still backed, such as a room's) before any of it is handed out."""
+        with self._lock:
+            first = None
+            for start, end in extents:
+                lo, hi = _page_up(start), end - end % PAGE
+                if lo < hi and lo < self.committed and _punch_hole(self._fd, lo, min(hi, self.committed) - lo):
+                    first = lo if first is None else min(first, lo)
+            if first is not None:
+                self._epoch += 1
+                self._ahead_ok = True
+                self.committed = min(self.committed, first)
+            return self.committed
+
     def close(self, *, unlink: bool = True) -> None:
         with self._lock:  # a commit ahead in flight ends before its fd does
             self._epoch += 1

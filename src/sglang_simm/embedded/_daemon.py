@@ -626,8 +626,12 @@ class StoreDaemon:
             return self.status(conn)
         if what == "clear":
             removed = index.clear()
-            # Give the shared memory back: nothing lies past the high water now.
-            index.memory_released(self.arena.release_after(index.alloc.high_water()))
+            # Give the shared memory back: nothing lies past the high water
+            # now, and below it only what is still held (rooms, puts being
+            # copied, pinned reads, quarantine) and the lease table.
+            high = index.alloc.high_water()
+            self.arena.release_after(high)
+            index.memory_released(self.arena.release_holes(index.alloc.free_extents(below=high)))
             return {"removed": removed, "committed_bytes": self.arena.committed}
         if what == "keys":
             return {"keys": [k.decode("utf-8", "surrogatepass") for k in index.objects]}
