@@ -4,6 +4,7 @@ so only the death signal set at launch reaches it."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -136,13 +137,15 @@ def test_a_demo_ended_by_sigterm_stops_the_store_it_started(host_store_dir):
             out.append(line)
             if line.startswith("READY"):
                 break
-        paths = StorePaths(host_store_dir, f"demo-{proc.pid}")
-        store_pid = read_pid(paths)
+        # its store lives in a directory of the run's own, under the one it was given
+        (root,) = glob.glob(os.path.join(host_store_dir, "sglang-simm-demo-*"))
+        store_pid = read_pid(StorePaths(root, f"demo-{proc.pid}"))
         assert pid_alive(store_pid), "".join(out)
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
         assert proc.returncode == 128 + signal.SIGTERM
         assert _wait(lambda: not pid_alive(store_pid), 10), "the demo's own store outlived it"
+        assert not os.path.exists(root), "the demo's store directory is still there"
     finally:
         if proc.poll() is None:
             proc.kill()

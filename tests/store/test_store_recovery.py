@@ -181,7 +181,34 @@ def test_clear_gives_the_committed_memory_back(host_store_dir, capsys):
         assert other.get_into([("small", ctypes.addressof(out), 65536)]) == [65536]
         assert out.raw[:65536] == small.raw
         other.close()
+        # once the room's connection is gone, the next clear gives back the
+        # memory the room held too (it lay past the prefix counted committed)
         client.close()
+        assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
+        out = capsys.readouterr().out
+        assert held_bytes(store.paths) < 4 << 20
+        assert "512.0 KiB of shared memory still held" in out  # the lease table
+    finally:
+        store.stop()
+
+
+def test_a_client_that_moves_no_data_faults_nothing_in(host_store_dir):
+    """``store status`` and ``clear`` connect with ``fault_in=False``; a
+    server's client faults the committed arena in behind from its connect."""
+    n = name()
+    store = StoreProc(host_store_dir, n, capacity=64 << 20)
+    try:
+        writer = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
+        buf = ctypes.create_string_buffer(1 << 20)
+        assert writer.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(8)], True) == [OK] * 8
+        for fault_in, faulted in ((False, False), (True, True)):
+            client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5, fault_in=fault_in)
+            client.open()
+            arena = client._conn.arena
+            arena.wait_behind(10)
+            assert (arena._populated > 0) is faulted
+            client.close()
+        writer.close()
     finally:
         store.stop()
 

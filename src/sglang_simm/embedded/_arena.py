@@ -149,6 +149,10 @@ class ArenaFile:
         self._head: mmap.mmap | None = None
         self.step = min(max(self.size // 16, COMMIT_STEP_MIN), COMMIT_STEP_MAX)
         self.committed = 0
+        #: the end of what may still be backed: ``committed`` drops to the
+        #: first hole ``release_holes`` punches while what lies past it (a
+        #: room) stays backed, and ``release_after`` must give that back too
+        self._backed = 0
         self.commit_error: str | None = None
         # fallocate and hole punching one at a time: the store's loop and the
         # thread committing ahead (``committed`` is written under it)
@@ -187,6 +191,7 @@ class ArenaFile:
                 self.commit_error = f"{os.strerror(exc.errno)} committing {target} bytes of {self.path}"
                 continue
             self.committed = target
+            self._backed = max(self._backed, target)
             return target
         logger.error("host store: shared memory is full (%s)", self.commit_error)
         return self.committed
@@ -216,6 +221,7 @@ class ArenaFile:
                 logger.debug("host store: no commit ahead (%s)", os.strerror(exc.errno))
                 return
             self.committed = target
+            self._backed = max(self._backed, target)
 
     def wait_ahead(self, timeout: float | None = None) -> None:
         """Until the commit ahead in flight, if any, is done."""
@@ -242,10 +248,18 @@ class ArenaFile:
         with self._lock:
             self._epoch += 1
             self._ahead_ok = True
-            stop = self.committed if upto is None else max(upto, self.committed)
+            backed = max(self.committed, self._backed)
+            stop = backed if upto is None else max(upto, backed)
             if start < stop and _punch_hole(self._fd, start, stop - start):
                 self.committed = min(self.committed, start)
+                self._backed = min(self._backed, start)
             return self.committed
+
+    def held_bytes(self) -> int:
+        """The memory the file holds now (what is committed, and what lies
+        past it still backed, such as a room's after a clear)."""
+        with self._lock:
+            return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else 0
 
     def release_holes(self, extents: list[tuple[int, int]]) -> int:
         """Give back the memory of free ``(start, end)`` extents below the
@@ -255,10 +269,10 @@ class ArenaFile:
         hole up is committed again (``posix_fallocate`` skips the pages
         still backed, such as a room's) before any of it is handed out."""
         with self._lock:
-            first = None
+            first, backed = None, max(self.committed, self._backed)
             for start, end in extents:
-                lo, hi = _page_up(start), end - end % PAGE
-                if lo < hi and lo < self.committed and _punch_hole(self._fd, lo, min(hi, self.committed) - lo):
+                lo, hi = _page_up(start), min(end - end % PAGE, backed)
+                if lo < hi and _punch_hole(self._fd, lo, hi - lo):
                     first = lo if first is None else min(first, lo)
             if first is not None:
                 self._epoch += 1

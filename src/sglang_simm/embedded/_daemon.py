@@ -632,7 +632,7 @@ class StoreDaemon:
             high = index.alloc.high_water()
             self.arena.release_after(high)
             index.memory_released(self.arena.release_holes(index.alloc.free_extents(below=high)))
-            return {"removed": removed, "committed_bytes": self.arena.committed}
+            return {"removed": removed, "committed_bytes": self.arena.committed, "held_bytes": self.arena.held_bytes()}
         if what == "keys":
             return {"keys": [k.decode("utf-8", "surrogatepass") for k in index.objects]}
         if what == "set_capacity":

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import logging
 import os
 import socket
@@ -61,7 +60,7 @@ from sglang_simm.embedded._arena import POPULATE_CHUNK, ArenaMap
 from sglang_simm.embedded._copy import copy_many, held_libc, human_bytes
 from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._limits import RateLimitedLog
-from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, read_pid, store_dir
+from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, lock_held, pid_alive, read_pid, store_dir
 from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
 from sglang_simm.embedded._room import Ask, Room, RoomCommit, Rooms, entries_due
 from sglang_simm.errors import (
@@ -108,22 +107,6 @@ class StoreUnreachable(ConnectionError):
         self.code = code
         self.no_store = no_store
         self.refused = refused
-
-
-def lock_held(paths: StorePaths) -> bool:
-    """True while a store process holds the name's lock (running, starting,
-    stopping or stalled): then nobody may start another."""
-    try:
-        fd = os.open(paths.lock, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-    finally:
-        os.close(fd)
-    return False
 
 
 class _PollFd(ctypes.Structure):
@@ -441,8 +424,13 @@ class HostServer:
         idle_exit_s: float = DEFAULT_IDLE_EXIT_S,
         started_by: str = "client",
         limits: dict[str, Any] | None = None,
+        fault_in: bool = True,
     ) -> None:
         self.paths = StorePaths(store_dir(root), name)  # a bad name or path fails before anything is made
+        #: fault the committed arena in behind, from the connect on (a client
+        #: that moves no data, such as ``store status`` or ``clear``, does
+        #: not: it would take back, page by page, memory a clear gives up)
+        self.fault_in = fault_in
         self.root = ensure_dir(self.paths.root, create=spawn)
         self.name = name
         self.capacity_requested = capacity
@@ -558,7 +546,8 @@ class HostServer:
         conn.committed = int(info.get("committed_bytes", 0))
         conn.rooms = Rooms(max(0, int(info.get("room_bytes", 0))), max(0, int(info.get("room_entries", 0))),
                            float(info.get("lease_timeout_s", 30.0)))
-        arena.populate_behind(int(info.get("committed_bytes", 0)))  # a big store's: seconds
+        if self.fault_in:
+            arena.populate_behind(int(info.get("committed_bytes", 0)))  # a big store's: seconds
         with self._conn_lock:
             old, self._conn = self._conn, conn
         if old is not None:
@@ -1101,23 +1090,6 @@ def _log_tail(path: str, lines: int = 3) -> str:
             return " | ".join(line.strip() for line in f.readlines()[-lines:])
     except OSError:
         return ""
-
-
-def pid_alive(pid: int | None) -> bool:
-    """True while process ``pid`` runs (a zombie waiting to be reaped does not)."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def wait_gone(paths: StorePaths, pid: int | None, wait_s: float) -> bool:

@@ -15,6 +15,8 @@ others could open, is refused with a message saying what to do.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import re
 import shutil
@@ -183,6 +185,39 @@ def held_bytes(paths: StorePaths) -> int:
     return total
 
 
+def lock_held(paths: StorePaths) -> bool:
+    """True while a store process holds the name's lock (running, starting,
+    stopping or stalled): then nobody may start another."""
+    try:
+        fd = os.open(paths.lock, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)
+    return False
+
+
+def pid_alive(pid: int | None) -> bool:
+    """True while process ``pid`` runs (a zombie waiting to be reaped does not)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def read_pid(paths: StorePaths) -> int | None:
     try:
         with open(paths.pid) as f:
@@ -235,8 +270,6 @@ def stop_store_processes(root: str, wait_s: float = STOP_WAIT_S) -> list[int]:
     pids signalled. A pid is signalled only while its name's lock is held,
     so a pid file left by a store that died never names a process that
     reused its pid."""
-    from sglang_simm.embedded._host import lock_held, pid_alive
-
     try:
         entries = os.listdir(root)
     except FileNotFoundError:

@@ -109,7 +109,8 @@ class StoreCounter:
         from sglang_simm.embedded._host import HostServer
 
         if self._handle is None:
-            handle = HostServer(self.name, root=self.root, capacity=1, spawn=False, timeout_s=self.timeout_s)
+            handle = HostServer(self.name, root=self.root, capacity=1, spawn=False, timeout_s=self.timeout_s,
+                                fault_in=False)
             handle.open(wait_s=self.timeout_s)
             self._handle = handle
         try:

@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
             return _run(args)
         finally:
             try:
-                HostServer(own_store, capacity=1, spawn=False).stop()
+                HostServer(own_store, capacity=1, spawn=False, fault_in=False).stop()
             except (StoreUnreachable, OSError):
                 pass
 

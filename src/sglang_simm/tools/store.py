@@ -63,7 +63,7 @@ def add_arguments(sub: Any) -> None:
 
 
 def _handle(root: str, name: str) -> HostServer:
-    server = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5.0)
+    server = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5.0, fault_in=False)
     if not os.path.exists(server.paths.socket) and not lock_held(server.paths):
         # nothing runs and nothing starts: say so now (status walks every name of the directory)
         raise StoreUnreachable(BUILD_CONNECTION_FAILED, "no store process is running", no_store=True)
@@ -153,7 +153,7 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
         finally:
             server.close()
         console.print(f"store {args.name!r}: removed {done['removed']} objects; "
-                      f"{_human(done.get('committed_bytes', 0))} of shared memory still committed")
+                      f"{_human(done.get('held_bytes', done.get('committed_bytes', 0)))} of shared memory still held")
         return 0
     if what == "stop":
         if not args.all and not args.name:

@@ -305,7 +305,7 @@ class Environment:
 
         for store in self.stores:
             try:
-                (self.held.pop(store, None) or HostServer(store, capacity=1, spawn=False)).stop()
+                (self.held.pop(store, None) or HostServer(store, capacity=1, spawn=False, fault_in=False)).stop()
             except (StoreUnreachable, OSError):
                 pass
         shutil.rmtree(self.file_dir, ignore_errors=True)
