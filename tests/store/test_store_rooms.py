@@ -305,6 +305,30 @@ def test_a_backup_into_a_room_waits_for_no_reply_and_is_seen_at_once_elsewhere(s
     wait_for(lambda: store.status()["rooms_open"] == 0, what="the rooms to go with the connection")
 
 
+def test_status_and_clear_from_another_connection_see_every_backup_sent_before_them(store):
+    """A backup into a room is one frame the store has not answered when
+    put_from returns: a status asked for after it counts it, and a clear
+    asked for after it removes it (the store reads the other connections
+    before an admin request as it does before a read)."""
+    client = client_of(store)
+    admin = client_of(store)
+    size = 16 << 10
+    data = ctypes.create_string_buffer(b"\x07" * size, size)
+    assert client.put_from([("warm", ctypes.addressof(data), size)], True) == [OK]  # asks for a room
+    client.settle()
+    for i in range(100):
+        before = admin.status()["objects"]
+        assert client.put_from([(f"b{i}", ctypes.addressof(data), size)], True) == [OK]
+        assert admin.status()["objects"] == before + 1
+        if i % 10 == 9:
+            assert client.put_from([(f"c{i}", ctypes.addressof(data), size)], True) == [OK]
+            admin.clear()
+            assert admin.lookup([f"c{i}"]) == [DS_KEY_NOT_FOUND]
+    assert client.commit_failures == 0
+    admin.close()
+    client.close()
+
+
 def test_a_client_killed_holding_a_room_leaves_nothing_behind(store):
     proc = start_child("room", root=store.paths.root, name=store.paths.name, size=64 << 10)
     wait_ready(proc)

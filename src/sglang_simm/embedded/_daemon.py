@@ -348,7 +348,7 @@ class StoreDaemon:
         self._process(conn)
 
     def _sweep(self, asking: _Conn) -> None:
-        """Before a read is served, serve what the other connections have
+        """Before a read (or an admin request) is served, serve what the other connections have
         sent already. A backup's COMMIT is not waited for: it is in the
         store's socket before the put returns, so any read sent after it
         must see it; but the poller hands ready sockets out in no order
@@ -680,11 +680,14 @@ class StoreDaemon:
                 pass
 
 
-_READS = (Op.LOOKUP, Op.GET)
+#: Requests that must see every commit sent before them (``_sweep``): reads,
+#: and ADMIN, whose status counts the objects and whose clear must remove
+#: a backup committed before it was asked for.
+_READS = (Op.LOOKUP, Op.GET, Op.ADMIN)
 
 
 def _asks_for_objects(buf: bytearray) -> bool:
-    """Whether the whole frames in ``buf`` hold a LOOKUP or a GET."""
+    """Whether the whole frames in ``buf`` hold a LOOKUP, a GET or an ADMIN."""
     pos, end = 0, len(buf)
     while end - pos >= wire.HEADER.size:
         length, op = wire.HEADER.unpack_from(buf, pos)
