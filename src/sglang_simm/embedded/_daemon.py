@@ -604,6 +604,7 @@ class StoreDaemon:
         out = self.describe()
         out.update(self.index.snapshot())
         out["committed_bytes"] = self.arena.committed
+        out["held_bytes"] = self.arena.held_bytes()
         out["clients"] = sorted({c.pid for c in self.conns.values() if c.started and c is not asking})
         out["connections"] = len(self.conns)
         out["max_connections"] = self.max_connections

@@ -85,6 +85,9 @@ START_GRACE_S = 45.0
 MAX_SPAWNS = 3
 RESPAWN_AFTER_S = 1.0
 #: Between reconnection attempts from the data path, at first and at most.
+#: How long ``close`` waits for the thread faulting the arena in to stop
+#: (it stops after the chunk in flight, ``_arena.POPULATE_CHUNK``).
+CLOSE_FAULT_IN_WAIT_S = 1.0
 RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 2.0
 #: Operator commands (clear, stop, status) may take longer than a batch.
@@ -1013,11 +1016,19 @@ class HostServer:
             conn.break_off()
 
     def close(self) -> None:
-        """Drop this handle's connection (the store keeps running)."""
+        """Drop this handle's connection (the store keeps running) and its
+        mapping of the arena, once no copy into it is in flight. The thread
+        faulting the arena in behind stops at its next chunk; it is waited
+        for (briefly), so a closed handle no longer takes memory back that
+        the store gives up (a clear)."""
         self.closed = True
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.break_off()
+            arena = conn.arena
+            if arena is not None:
+                arena.retire()
+                arena.wait_behind(CLOSE_FAULT_IN_WAIT_S)
 
     def __len__(self) -> int:
         return int(self.status()["objects"])

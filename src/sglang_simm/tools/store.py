@@ -294,7 +294,8 @@ def _print_status(console: Any, root: str, statuses: list[dict[str, Any]]) -> No
             ("capacity", f"{capacity}, {s['policy']} eviction"),
             ("used", f"{_human(s['used_bytes'])} in {s['objects']} objects"
                      + (f", {_human(s['reserved_bytes'])} being written" if s["reserved_bytes"] else "")),
-            ("shared memory", f"{_human(s['committed_bytes'])} committed of a {_human(s['arena_bytes'])} arena"),
+            ("shared memory", f"{_human(s.get('held_bytes', s['committed_bytes']))} held "
+                              f"({_human(s['committed_bytes'])} committed) of a {_human(s['arena_bytes'])} arena"),
             ("gets", f"{s['hits']} hits, {s['misses']} misses"
                      + (f" ({s['hits'] / total:.0%} hit rate)" if total else "")),
             ("puts", f"{s['puts']} stored ({_human(s['bytes_in'])}), {s['evictions']} evicted, "
