@@ -10,6 +10,10 @@ index and settings outlive a store process that dies, so the next one takes
 its objects over. Only the owning user can
 reach any of it; anything in the way that belongs to someone else, or that
 others could open, is refused with a message saying what to do.
+
+Also what the files say of the process behind them (``read_pid``,
+``pid_alive``, ``lock_held``), and ``private_store_dir``: a directory of
+one run's own, removed with its stores at the end.
 """
 
 from __future__ import annotations
