@@ -255,12 +255,6 @@ class ArenaFile:
                 self._backed = min(self._backed, start)
             return self.committed
 
-    def held_bytes(self) -> int:
-        """The memory the file holds now (what is committed, and what lies
-        past it still backed, such as a room's after a clear)."""
-        with self._lock:
-            return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else 0
-
     def release_holes(self, extents: list[tuple[int, int]]) -> int:
         """Give back the memory of free ``(start, end)`` extents below the
         high water (nobody holds them: the store's allocator says so), each

@@ -604,7 +604,6 @@ class StoreDaemon:
         out = self.describe()
         out.update(self.index.snapshot())
         out["committed_bytes"] = self.arena.committed
-        out["held_bytes"] = self.arena.held_bytes()
         out["clients"] = sorted({c.pid for c in self.conns.values() if c.started and c is not asking})
         out["connections"] = len(self.conns)
         out["max_connections"] = self.max_connections
@@ -633,7 +632,7 @@ class StoreDaemon:
             high = index.alloc.high_water()
             self.arena.release_after(high)
             index.memory_released(self.arena.release_holes(index.alloc.free_extents(below=high)))
-            return {"removed": removed, "committed_bytes": self.arena.committed, "held_bytes": self.arena.held_bytes()}
+            return {"removed": removed, "committed_bytes": self.arena.committed}
         if what == "keys":
             return {"keys": [k.decode("utf-8", "surrogatepass") for k in index.objects]}
         if what == "set_capacity":

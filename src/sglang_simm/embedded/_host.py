@@ -84,10 +84,10 @@ START_GRACE_S = 45.0
 #: times at most, no sooner than ``RESPAWN_AFTER_S`` after the last.
 MAX_SPAWNS = 3
 RESPAWN_AFTER_S = 1.0
-#: Between reconnection attempts from the data path, at first and at most.
 #: How long ``close`` waits for the thread faulting the arena in to stop
 #: (it stops after the chunk in flight, ``_arena.POPULATE_CHUNK``).
 CLOSE_FAULT_IN_WAIT_S = 1.0
+#: Between reconnection attempts from the data path, at first and at most.
 RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 2.0
 #: Operator commands (clear, stop, status) may take longer than a batch.

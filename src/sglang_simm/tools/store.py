@@ -152,8 +152,9 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
             done = server.admin("clear")
         finally:
             server.close()
+        # what the files hold: after a clear with a room open, more than the committed prefix
         console.print(f"store {args.name!r}: removed {done['removed']} objects; "
-                      f"{_human(done.get('held_bytes', done.get('committed_bytes', 0)))} of shared memory still held")
+                      f"{_human(held_bytes(server.paths))} of shared memory still held")
         return 0
     if what == "stop":
         if not args.all and not args.name:
@@ -294,7 +295,7 @@ def _print_status(console: Any, root: str, statuses: list[dict[str, Any]]) -> No
             ("capacity", f"{capacity}, {s['policy']} eviction"),
             ("used", f"{_human(s['used_bytes'])} in {s['objects']} objects"
                      + (f", {_human(s['reserved_bytes'])} being written" if s["reserved_bytes"] else "")),
-            ("shared memory", f"{_human(s.get('held_bytes', s['committed_bytes']))} held "
+            ("shared memory", f"{_human(s['held_bytes'])} held "
                               f"({_human(s['committed_bytes'])} committed) of a {_human(s['arena_bytes'])} arena"),
             ("gets", f"{s['hits']} hits, {s['misses']} misses"
                      + (f" ({s['hits'] / total:.0%} hit rate)" if total else "")),
