@@ -138,3 +138,52 @@ def test_a_client_faults_its_mapping_in_through_a_call_that_lets_the_gil_go(aren
         m.retire()
     m.populate(12 << 20)  # unmapped: nothing is touched
     assert m._populated == 6 << 20
+
+
+def test_memory_a_client_faults_in_past_the_committed_arena_is_given_back(arena):
+    """A client's thread faulting in behind its puts may run on a target set
+    before a clear gave that memory back: touching a page of the shared file
+    backs it again, past anything the store committed."""
+    arena.commit(2 * STEP)
+    arena.wait_ahead(10)
+    m = ArenaMap(arena.path, arena.size)
+    try:
+        ctypes.memset(m.base, 0x5A, STEP)  # an object's bytes, below what stays committed
+        m.populate(8 * STEP)  # the client's target: everything committed before the clear
+        # the clear: nothing lies past the first step (what this process
+        # committed, and what clients faulted in past it)
+        assert arena.release_after(STEP, upto=arena.size) == STEP
+        assert held(arena) < 2 * STEP
+        assert arena.release_stale() == 0  # nothing past it yet
+        m._populated = STEP
+        m.populate(8 * STEP)  # the lagging thread, after the clear
+        assert held(arena) >= 7 * STEP
+        assert arena.release_stale() >= 6 * STEP
+        assert held(arena) <= STEP + (64 << 10)
+        assert ctypes.string_at(m.base, STEP) == b"\x5a" * STEP  # what the store handed out is untouched
+    finally:
+        m.retire()
+
+
+def test_a_taken_over_file_keeps_the_objects_below_its_high_water(host_store_dir):
+    """A store taking over a file never committed the memory its objects
+    lie in: giving back what lies past their high water must leave them."""
+    path = os.path.join(host_store_dir, f"arena-{uuid.uuid4().hex[:8]}")
+    first = ArenaFile(path, 16 * STEP)
+    first.commit(4 * STEP)
+    first.wait_ahead(10)
+    m = ArenaMap(path, first.size)
+    try:
+        ctypes.memset(m.base + STEP, 0xA5, 2 * STEP)
+        first._close(unlink=False)  # the store died; its file stays
+        taken = ArenaFile(path, 16 * STEP, reuse=True)
+        try:
+            assert taken.reused and taken.committed == 0
+            taken.release_after(3 * STEP, upto=taken.size)  # the objects' high water
+            assert taken.release_stale() == 0
+            assert held(taken) >= 3 * STEP
+            assert ctypes.string_at(m.base + STEP, 2 * STEP) == b"\xa5" * (2 * STEP)
+        finally:
+            taken.close()
+    finally:
+        m.retire()

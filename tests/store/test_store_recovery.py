@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("rich")
 
+from sglang_simm.embedded._arena import ArenaMap  # noqa: E402
 from sglang_simm.embedded._host import HostServer, pid_alive  # noqa: E402
 from sglang_simm.embedded._paths import StorePaths, check_name, held_bytes  # noqa: E402
 from sglang_simm.errors import OK  # noqa: E402
@@ -191,6 +192,40 @@ def test_clear_gives_the_committed_memory_back(host_store_dir, capsys):
         out = capsys.readouterr().out
         assert held_bytes(store.paths) < 4 << 20
         assert "of shared memory still held" in out
+    finally:
+        store.stop()
+
+
+def test_memory_a_lagging_client_faults_in_after_a_clear_goes_back(host_store_dir, capsys):
+    """A client's thread faulting the arena in behind its puts may still run
+    on a target set before the clear; the pages it touches past what the
+    store committed are backed again. The store gives them back."""
+    n = name()
+    store = StoreProc(host_store_dir, n, capacity=64 << 20)
+    try:
+        client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5, fault_in=False)
+        buf = ctypes.create_string_buffer(b"\x5a" * (1 << 20), 1 << 20)
+        assert client.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(32)], True) == [OK] * 32
+        client.close()
+        assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
+        assert held_bytes(store.paths) < 4 << 20
+        status = HostServer(n, root=host_store_dir, capacity=1, spawn=False, fault_in=False).status()
+        lag = ArenaMap(status["arena"], status["arena_bytes"])
+        try:
+            lag.populate(32 << 20)  # the target it had: what was committed before the clear
+            assert held_bytes(store.paths) >= 30 << 20
+            wait_for(lambda: held_bytes(store.paths) < 4 << 20, timeout=30, what="the memory to go back")
+        finally:
+            lag.retire()
+        # and the store still serves, every byte
+        client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
+        assert client.put_from([("after", ctypes.addressof(buf), 1 << 20)], True) == [OK]
+        out = ctypes.create_string_buffer(1 << 20)
+        assert client.get_into([("after", ctypes.addressof(out), 1 << 20)]) == [1 << 20]
+        assert out.raw == buf.raw
+        client.close()
+        with open(store.paths.log) as f:
+            assert "a client faulted in past the committed arena" in f.read()
     finally:
         store.stop()
 

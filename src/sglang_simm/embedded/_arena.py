@@ -252,8 +252,35 @@ class ArenaFile:
             stop = backed if upto is None else max(upto, backed)
             if start < stop and _punch_hole(self._fd, start, stop - start):
                 self.committed = min(self.committed, start)
-                self._backed = min(self._backed, start)
+                # below ``start`` memory may be backed (a taken-over file's
+                # objects, which this process never committed): past it
+                # nothing is, which ``release_stale`` relies on
+                self._backed = start
             return self.committed
+
+    def release_stale(self) -> int:
+        """Give back memory backed past what this process committed (the
+        bytes given back; 0 when there were none). Only a client can put
+        it there: its thread faulting in the committed arena behind its
+        puts (``ArenaMap.populate_behind``) may still run on a target set
+        before a ``store clear`` gave that memory back, and touching a
+        page of a shared file backs it again. Nothing the store handed out
+        lies there, so the housekeeping gives it back."""
+        with self._lock:
+            if self._fd < 0:
+                return 0
+            end = _page_up(max(self.committed, self._backed))
+            if end >= self.size:
+                return 0
+            try:  # pages a client faulted in are data; none: ENXIO
+                first = os.lseek(self._fd, end, os.SEEK_DATA)
+            except OSError:
+                return 0
+            first -= first % PAGE
+            before = os.fstat(self._fd).st_blocks * 512
+            if first >= self.size or not _punch_hole(self._fd, first, self.size - first):
+                return 0
+            return max(before - os.fstat(self._fd).st_blocks * 512, 0)
 
     def release_holes(self, extents: list[tuple[int, int]]) -> int:
         """Give back the memory of free ``(start, end)`` extents below the

@@ -233,6 +233,10 @@ class StoreDaemon:
                 self.log.warning("lease_expired", "%d leases outlived the %g s lease time limit: ended "
                                  "(readers' copies read as misses, writers' room quarantined until they close)",
                                  expired, self.limits.lease_timeout_s)
+            stale = self.arena.release_stale()
+            if stale:
+                self.log.info("stale_memory", "gave back %d bytes a client faulted in past the committed "
+                              "arena after memory was given back", stale)
         idle = self.limits.idle_exit_s
         if idle and self.idle_since is not None and now - self.idle_since >= idle:
             logger.info("no client for %g s (idle exit): stopping", idle)
@@ -630,7 +634,7 @@ class StoreDaemon:
             # now, and below it only what is still held (rooms, puts being
             # copied, pinned reads, quarantine) and the lease table.
             high = index.alloc.high_water()
-            self.arena.release_after(high)
+            self.arena.release_after(high, upto=self.arena.size)  # and what clients faulted in past it
             index.memory_released(self.arena.release_holes(index.alloc.free_extents(below=high)))
             return {"removed": removed, "committed_bytes": self.arena.committed}
         if what == "keys":

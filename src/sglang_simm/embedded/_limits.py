@@ -135,6 +135,12 @@ class RateLimitedLog:
         self._quiet: dict[str, int] = {}
 
     def warning(self, reason: str, msg: str, *args: object) -> None:
+        self._log(logging.WARNING, reason, msg, *args)
+
+    def info(self, reason: str, msg: str, *args: object) -> None:
+        self._log(logging.INFO, reason, msg, *args)
+
+    def _log(self, level: int, reason: str, msg: str, *args: object) -> None:
         now = time.monotonic()
         if now - self._last.get(reason, -self._every) < self._every:
             self._quiet[reason] = self._quiet.get(reason, 0) + 1
@@ -143,4 +149,4 @@ class RateLimitedLog:
         quiet = self._quiet.pop(reason, 0)
         if quiet:
             msg += f" ({quiet} more like it in the last {self._every:.0f} s)"
-        self._logger.warning(msg, *args)
+        self._logger.log(level, msg, *args)
