@@ -21,10 +21,12 @@ from sglang_simm.config import (
     SOURCES,
     ResolvedConfig,
     SiMMConfig,
+    client_flag,
     default_log_file,
     load_config,
     log_resolved,
     parse_byte_size,
+    with_client_flag,
 )
 
 ADDR = "10.0.0.1:30001"
@@ -146,6 +148,23 @@ def test_client_flags_merge_per_flag(write_file):
     resolved = load_config({"manager_address": ADDR, "client_flags": {"a": "extra"}}, environ)
     assert dict(resolved.config.client_flags) == {"a": "extra", "b": "file", "c": "3", "d": "true"}
     assert resolved.sources["client_flags"] == f"extra_config, file:{path}, env:SGLANG_SIMM_CLIENT_FLAGS"
+
+
+def test_one_client_flag_as_the_highest_source_sets_it(write_file):
+    environ, _path = write_file({"client_flags": {"a": "file", "b": "file"}})
+    environ["SGLANG_SIMM_CLIENT_FLAGS"] = json.dumps({"b": "env", "c": "env"})
+    extra = {"client_flags": json.dumps({"a": "extra"})}
+    assert [client_flag(extra, f, environ) for f in "abcd"] == ["extra", "file", "env", None]
+    # a broken source is load_config's to report, not this lookup's
+    assert client_flag({"client_flags": "[1]"}, "a", environ) is None
+
+
+def test_a_client_flag_set_in_the_extra_config_keeps_the_others():
+    extra = {"manager_address": ADDR, "client_flags": json.dumps({"a": 1, "embedded_store_dir": "/old"})}
+    out = with_client_flag(extra, "embedded_store_dir", "/new")
+    assert out["client_flags"] == {"a": "1", "embedded_store_dir": "/new"} and out["manager_address"] == ADDR
+    assert dict(load_config(out, {}).config.client_flags) == {"a": "1", "embedded_store_dir": "/new"}
+    assert json.loads(extra["client_flags"])["embedded_store_dir"] == "/old"  # the caller's is left alone
 
 
 def test_caller_dict_not_mutated():

@@ -281,6 +281,22 @@ def test_demo_on_its_own_store_leaves_nothing_in_the_store_directory(tmp_path, h
     assert set(os.listdir(host_store_dir)) - before == set()
 
 
+def test_demo_on_its_own_store_in_a_configured_directory_leaves_nothing_there(tmp_path, host_store_dir):
+    """A config naming ``embedded_store_dir`` (and no ``manager_address``):
+    the demo's own store lives in a private directory under that one, and
+    goes with it."""
+    chosen = os.path.join(host_store_dir, f"chosen-{os.getpid()}")
+    os.makedirs(chosen, mode=0o700)
+    args = cli.build_parser().parse_args(["demo", "--model", "tiny", "--pages", "4", "--direct",
+                                          "--json", str(tmp_path / "own.json")])
+    console = Console(file=io.StringIO(), width=120, force_terminal=False)
+    extra = {"client_flags": {"embedded_store_dir": chosen}}
+    assert demo.run_demo(console, args, extra) == 0
+    data = json.loads((tmp_path / "own.json").read_text())
+    assert data["ok"] and data["manager_address"].startswith("local://demo-")
+    assert os.listdir(chosen) == []
+
+
 def test_demo_default_store_is_its_own(tmp_path):
     extra, resolved = common.resolve_extra({})
     assert resolved.config.embedded_scope == "host" and resolved.config.embedded_name.startswith("demo-")

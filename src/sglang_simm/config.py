@@ -422,7 +422,7 @@ def _merge(partials: list[Sourced]) -> Sourced:
         for name, (value, source) in partial.items():
             if name == "client_flags":
                 try:
-                    flag_parts.append((_parse_client_flags(value), source))
+                    flag_parts.append((parse_client_flags(value), source))
                 except InvalidValue as exc:
                     raise ValueError(_problem(name, value, source, exc)) from None
             elif name not in merged:
@@ -433,6 +433,30 @@ def _merge(partials: list[Sourced]) -> Sourced:
             flags.update(part)
         merged["client_flags"] = (FlagMap(flags), ", ".join(s for _p, s in flag_parts))
     return merged
+
+
+def client_flag(extra_config: Mapping[str, Any] | None, name: str,
+                environ: Mapping[str, str] | None = None) -> str | None:
+    """The client flag ``name`` as the highest config source that sets it
+    gives it (None: none does, or a source is broken, which ``load_config``
+    then reports), without resolving the rest of the config."""
+    env = os.environ if environ is None else environ
+    for _source, read in SOURCES:
+        try:
+            flags = read(extra_config or {}, env).get("client_flags")
+            value = parse_client_flags(flags[0]).get(name) if flags else None
+        except Exception:
+            return None
+        if value:
+            return value
+    return None
+
+
+def with_client_flag(extra_config: Mapping[str, Any], name: str, value: str) -> dict[str, Any]:
+    """``extra_config`` with client flag ``name`` set to ``value``: the extra
+    config is the highest source, so it wins over every other."""
+    flags = parse_client_flags(extra_config.get("client_flags"))
+    return {**extra_config, "client_flags": {**flags, name: value}}
 
 
 def load_config(
@@ -536,7 +560,7 @@ def _parse_log_file(value: Any) -> str | None:
     return value.strip()
 
 
-def _parse_client_flags(value: Any) -> dict[str, str]:
+def parse_client_flags(value: Any) -> dict[str, str]:
     """A flag dict (or a JSON object string) -> ``{name: text}``."""
     accepted = 'a JSON object of SiMM client flags, e.g. {"clnt_syncreq_enable_retry": true}'
 
@@ -644,7 +668,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "numa_node": _parse_optional_node,
     "request_timeout_ms": lambda v: _parse_int(v, 1, 3_600_000),
     "log_file": _parse_log_file,
-    "client_flags": lambda v: FlagMap(_parse_client_flags(v)),
+    "client_flags": lambda v: FlagMap(parse_client_flags(v)),
     "embedded_capacity_bytes": parse_byte_size,
     "key_scheme": _parse_key_scheme,
     "warmup": parse_bool,

@@ -237,12 +237,14 @@ STOP_WAIT_S = 5.0
 
 
 @contextlib.contextmanager
-def private_store_dir(prefix: str) -> Iterator[str]:
+def private_store_dir(prefix: str, parent: str | None = None) -> Iterator[str]:
     """A store directory of one run's own (a benchmark's, a test session's),
     made private under the directory stores would use (``store_dir``'s
     parent: ``$SGLANG_SIMM_STORE_DIR``'s when set, else /dev/shm) and
     exported as ``$SGLANG_SIMM_STORE_DIR`` meanwhile, so store processes and
-    SGLang servers started in it use it too. At the end every store process
+    SGLang servers started in it use it too; ``parent``, when given (a
+    config's ``embedded_store_dir``), is where it is made instead, and the
+    caller points its config at it. At the end every store process
     with a pid file in it is stopped (SIGTERM, then SIGKILL) and the
     directory removed.
 
@@ -253,7 +255,11 @@ def private_store_dir(prefix: str) -> Iterator[str]:
     Removing a lock file is safe only where no other process can start a
     store of that name: a directory nobody else knows of."""
     explicit = os.environ.get(STORE_DIR_ENV)
-    base = explicit if explicit and os.path.isdir(explicit) else os.path.dirname(default_dir())
+    if parent:
+        base = os.path.abspath(parent)
+        os.makedirs(base, mode=0o700, exist_ok=True)
+    else:
+        base = explicit if explicit and os.path.isdir(explicit) else os.path.dirname(default_dir())
     root = tempfile.mkdtemp(prefix=prefix, dir=base)
     os.chmod(root, 0o700)
     os.environ[STORE_DIR_ENV] = root

@@ -259,18 +259,21 @@ def run(args: argparse.Namespace) -> int:
     args.page_size = args.page_size or DEFAULT_PAGE_SIZE
     if args.manager:
         return _run(args)
+    from sglang_simm.config import client_flag, with_client_flag
     from sglang_simm.embedded._host import HostServer, StoreUnreachable
     from sglang_simm.embedded._paths import private_store_dir
 
     own_store = f"server-demo-{os.getpid()}"
     args.manager = f"local://{own_store}"
     # the demo's own store lives in, and goes with, a directory of this run's
-    with private_store_dir("sglang-simm-demo-"):
+    # (under the one a config names, and named to the server in its place)
+    with private_store_dir("sglang-simm-demo-", parent=client_flag({}, "embedded_store_dir")) as root:
+        args.extra_config = with_client_flag({}, "embedded_store_dir", root)
         try:
             return _run(args)
         finally:
             try:
-                HostServer(own_store, capacity=1, spawn=False, fault_in=False).stop()
+                HostServer(own_store, root=root, capacity=1, spawn=False, fault_in=False).stop()
             except (StoreUnreachable, OSError):
                 pass
 
@@ -286,7 +289,7 @@ def _run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         model_path=model_dir,
         route=args.route,
-        extra_config={"manager_address": args.manager},
+        extra_config={**getattr(args, "extra_config", {}), "manager_address": args.manager},
         page_size=args.page_size,
         # the device pool holds one prompt (and a little), the host pool four
         max_total_tokens=system_and_question + 4 * args.page_size,

@@ -33,11 +33,13 @@ def run_demo(console: Any, args: Any, extra: dict[str, Any]) -> int:
         return EXIT_SETUP
     if not names_own_store(extra):
         return _run(console, opts, extra)
+    from sglang_simm.config import client_flag, with_client_flag
     from sglang_simm.embedded._paths import private_store_dir
 
     # the demo's own store lives in, and goes with, a directory of this run's
-    with private_store_dir("sglang-simm-demo-"):
-        return _run(console, opts, extra)
+    # (under the one a config names, and named to the store in its place)
+    with private_store_dir("sglang-simm-demo-", parent=client_flag(extra, "embedded_store_dir")) as root:
+        return _run(console, opts, with_client_flag(extra, "embedded_store_dir", root))
 
 
 def _run(console: Any, opts: DemoOptions, extra: dict[str, Any]) -> int:
