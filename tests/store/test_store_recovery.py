@@ -217,6 +217,7 @@ def test_memory_a_lagging_client_faults_in_after_a_clear_goes_back(host_store_di
             wait_for(lambda: held_bytes(store.paths) < 4 << 20, timeout=30, what="the memory to go back")
         finally:
             lag.retire()
+        assert store.status()["stale_released_bytes"] >= 28 << 20  # counted, for a scrape
         # and the store still serves, every byte
         client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
         assert client.put_from([("after", ctypes.addressof(buf), 1 << 20)], True) == [OK]
@@ -268,6 +269,7 @@ def test_prometheus_text_names_the_stores_counters(host_store_dir, capsys):
     label = f'store="{n}"'
     for line in (f"sglang_simm:store_up{{{label}}} 1", f"sglang_simm:store_objects{{{label}}} 1",
                  f"sglang_simm:store_hits_total{{{label}}} 1", f"sglang_simm:store_misses_total{{{label}}} 1",
+                 f"sglang_simm:store_stale_released_bytes_total{{{label}}} 0",
                  f'sglang_simm:store_refusals_total{{{label},reason="batch"}} 0'):
         assert line in text, line
     assert "# TYPE sglang_simm:store_hits_total counter" in text

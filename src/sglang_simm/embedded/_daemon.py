@@ -157,6 +157,8 @@ class StoreDaemon:
             lease_words=self.arena.lease_words(self.data_start), table=self.table,
         )
         self.recovered = self.dropped = 0
+        #: memory clients faulted in past the committed arena, given back
+        self.stale_released = 0
         self.takeover_s = 0.0
         if self.arena.reused:
             t0 = time.monotonic()
@@ -235,6 +237,7 @@ class StoreDaemon:
                                  expired, self.limits.lease_timeout_s)
             stale = self.arena.release_stale()
             if stale:
+                self.stale_released += stale
                 self.log.info("stale_memory", "gave back %d bytes a client faulted in past the committed "
                               "arena after memory was given back", stale)
         idle = self.limits.idle_exit_s
@@ -616,6 +619,7 @@ class StoreDaemon:
         out["uptime_s"] = round(time.time() - self.started, 3)
         out["memory_error"] = self.arena.commit_error or ""
         out["recovered"] = self.recovered
+        out["stale_released_bytes"] = self.stale_released
         out["recovery_dropped"] = self.dropped
         out["takeover_s"] = round(self.takeover_s, 4)
         out["limits"] = self.limits.as_dict()

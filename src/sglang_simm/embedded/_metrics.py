@@ -37,6 +37,8 @@ _FAMILIES = (
     ("evictions", "evictions_total", "counter", "Objects evicted to make room"),
     ("bytes_in", "bytes_in_total", "counter", "Bytes published"),
     ("bytes_out", "bytes_out_total", "counter", "Bytes handed out to readers"),
+    ("stale_released_bytes", "stale_released_bytes_total", "counter",
+     "Shared memory clients faulted in past the committed arena after a clear, given back"),
     ("recovered", "recovered_objects", "gauge", "Objects taken over from a store process that died"),
     ("uptime_s", "uptime_seconds", "gauge", "Seconds since the store process started"),
 )
