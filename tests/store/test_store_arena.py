@@ -165,9 +165,11 @@ def test_memory_a_client_faults_in_past_the_committed_arena_is_given_back(arena)
         m.retire()
 
 
-def test_a_taken_over_file_keeps_the_objects_below_its_high_water(host_store_dir):
+@pytest.mark.parametrize("punch", ["works", "fails"])
+def test_a_taken_over_file_keeps_the_objects_below_its_high_water(host_store_dir, monkeypatch, punch):
     """A store taking over a file never committed the memory its objects
-    lie in: giving back what lies past their high water must leave them."""
+    lie in: giving back what lies past their high water must leave them,
+    and so must a later trim where that first punch failed."""
     path = os.path.join(host_store_dir, f"arena-{uuid.uuid4().hex[:8]}")
     first = ArenaFile(path, 16 * STEP)
     first.commit(4 * STEP)
@@ -179,7 +181,11 @@ def test_a_taken_over_file_keeps_the_objects_below_its_high_water(host_store_dir
         taken = ArenaFile(path, 16 * STEP, reuse=True)
         try:
             assert taken.reused and taken.committed == 0
+            real_punch = _arena._punch_hole
+            if punch == "fails":
+                monkeypatch.setattr(_arena, "_punch_hole", lambda *a: False)
             taken.release_after(3 * STEP, upto=taken.size)  # the objects' high water
+            monkeypatch.setattr(_arena, "_punch_hole", real_punch)
             assert taken.release_stale() == 0
             assert held(taken) >= 3 * STEP
             assert ctypes.string_at(m.base + STEP, 2 * STEP) == b"\xa5" * (2 * STEP)

@@ -250,12 +250,15 @@ class ArenaFile:
             self._ahead_ok = True
             backed = max(self.committed, self._backed)
             stop = backed if upto is None else max(upto, backed)
+            # ``_backed`` is what ``release_stale`` leaves alone: below
+            # ``start`` memory may be backed (a taken-over file's objects,
+            # which this process never committed), and where the punch
+            # failed, everything below ``stop`` may be
             if start < stop and _punch_hole(self._fd, start, stop - start):
                 self.committed = min(self.committed, start)
-                # below ``start`` memory may be backed (a taken-over file's
-                # objects, which this process never committed): past it
-                # nothing is, which ``release_stale`` relies on
                 self._backed = start
+            else:
+                self._backed = min(max(self._backed, start, stop), self.size)
             return self.committed
 
     def release_stale(self) -> int:
