@@ -235,6 +235,44 @@ def test_memory_a_lagging_client_faults_in_after_a_clear_goes_back(host_store_di
         store.stop()
 
 
+def test_memory_a_lagging_client_backs_below_a_room_after_a_clear_goes_back(host_store_dir):
+    """Where a connected client's room lies above the objects a clear
+    removed, the free memory below it is past the committed prefix but
+    below what the store backs: what a lagging fault-in backs there goes
+    back too, and the room keeps serving."""
+    n = name()
+    store = StoreProc(host_store_dir, n, capacity=64 << 20)
+    try:
+        client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5, fault_in=False)
+        buf = ctypes.create_string_buffer(b"\x5a" * (1 << 20), 1 << 20)
+        assert client.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(32)], True) == [OK] * 32
+        assert client.status()["rooms_open"] == 1
+        assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
+        status = client.status()
+        assert status["rooms_open"] == 1 and status["committed_bytes"] < 4 << 20
+        cleared = held_bytes(store.paths)
+        assert cleared < 12 << 20
+        lag = ArenaMap(status["arena"], status["arena_bytes"])
+        try:
+            lag.populate(32 << 20)  # below the room, which lies above the 32 MiB of objects
+            assert held_bytes(store.paths) >= cleared + (24 << 20)
+            wait_for(lambda: held_bytes(store.paths) <= cleared + (1 << 20), timeout=30,
+                     what="the memory below the room to go back")
+        finally:
+            lag.retire()
+        # the room still serves: a backup into it, read back by another client
+        small = ctypes.create_string_buffer(b"\xa5" * 65536, 65536)
+        assert client.put_from([("small", ctypes.addressof(small), 65536)], True) == [OK]
+        other = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5, fault_in=False)
+        out = ctypes.create_string_buffer(65536)
+        assert other.get_into([("small", ctypes.addressof(out), 65536)]) == [65536]
+        assert out.raw == small.raw
+        other.close()
+        client.close()
+    finally:
+        store.stop()
+
+
 def test_a_client_that_moves_no_data_faults_nothing_in(host_store_dir):
     """``store status`` and ``clear`` connect with ``fault_in=False``; a
     server's client faults the committed arena in behind from its connect."""

@@ -285,6 +285,31 @@ class ArenaFile:
                 return 0
             return max(before - os.fstat(self._fd).st_blocks * 512, 0)
 
+    def release_refaulted(self, extents: list[tuple[int, int]]) -> int:
+        """Give back the memory backed in free ``(start, end)`` extents past
+        the committed prefix (the bytes given back). Nothing is handed out
+        there, so after a clear only a client's lagging fault-in can have
+        backed it: where a room or a pinned object lies high, the clear
+        leaves free memory below it that ``release_stale`` does not reach.
+        Only extents with data are punched, so a tick with nothing to give
+        back unmaps nothing in the clients."""
+        with self._lock:
+            if self._fd < 0:
+                return 0
+            before = os.fstat(self._fd).st_blocks * 512
+            for start, end in extents:
+                lo, hi = max(_page_up(start), _page_up(self.committed)), end - end % PAGE
+                if lo >= hi:
+                    continue
+                try:
+                    data = os.lseek(self._fd, lo, os.SEEK_DATA)
+                except OSError:  # no data past lo at all
+                    break
+                data -= data % PAGE
+                if data < hi:
+                    _punch_hole(self._fd, data, hi - data)
+            return max(before - os.fstat(self._fd).st_blocks * 512, 0)
+
     def release_holes(self, extents: list[tuple[int, int]]) -> int:
         """Give back the memory of free ``(start, end)`` extents below the
         high water (nobody holds them: the store's allocator says so), each

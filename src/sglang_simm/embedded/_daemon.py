@@ -70,6 +70,12 @@ ROOMS_PER_CONNECTION = 2
 #: extents in one room at most (a client puts backups of up to a quarter
 #: of a room there: 32 two-object pages)
 ROOM_MAX_ENTRIES = 256
+#: After a clear, free memory past the committed prefix is looked at each
+#: housekeeping tick until this long after the last tick that gave some
+#: back: a client's thread faulting the arena in may still be on its way
+#: to a target set before the clear (at 0.45 ms a MiB and the lowest CPU
+#: priority, a big store's arena takes it seconds to minutes).
+REFAULT_WINDOW_S = 60.0
 #: The operator commands that walk every object, and may take a while.
 _SLOW_ADMIN = frozenset({"clear", "keys"})
 
@@ -159,6 +165,9 @@ class StoreDaemon:
         self.recovered = self.dropped = 0
         #: memory clients faulted in past the committed arena, given back
         self.stale_released = 0
+        #: until when free memory past the committed prefix is looked at each
+        #: tick (``_release_refaulted``; 0: no clear since the window closed)
+        self._refault_until = 0.0
         self.takeover_s = 0.0
         if self.arena.reused:
             t0 = time.monotonic()
@@ -236,6 +245,8 @@ class StoreDaemon:
                                  "(readers' copies read as misses, writers' room quarantined until they close)",
                                  expired, self.limits.lease_timeout_s)
             stale = self.arena.release_stale()
+            if self._refault_until:
+                stale += self._release_refaulted(now)
             if stale:
                 self.stale_released += stale
                 self.log.info("stale_memory", "gave back %d bytes a client faulted in past the committed "
@@ -245,6 +256,20 @@ class StoreDaemon:
             logger.info("no client for %g s (idle exit): stopping", idle)
             self.stop_reason = "idle"
             self.running = False
+
+    def _release_refaulted(self, now: float) -> int:
+        """After a clear, memory a client's fault-in backs again in free
+        extents past the committed prefix, given back; the window stays
+        open ``REFAULT_WINDOW_S`` past the last tick that found some."""
+        if now >= self._refault_until:
+            self._refault_until = 0.0
+            return 0
+        committed = self.arena.committed
+        extents = [e for e in self.index.alloc.free_extents(below=self.index.alloc.high_water()) if e[1] > committed]
+        freed = self.arena.release_refaulted(extents)
+        if freed:
+            self._refault_until = now + REFAULT_WINDOW_S
+        return freed
 
     def _refuse(self, reason: str, msg: str, *args: object) -> None:
         self.refused[reason] += 1
@@ -640,6 +665,7 @@ class StoreDaemon:
             high = index.alloc.high_water()
             self.arena.release_after(high, upto=self.arena.size)  # and what clients faulted in past it
             index.memory_released(self.arena.release_holes(index.alloc.free_extents(below=high)))
+            self._refault_until = time.monotonic() + REFAULT_WINDOW_S
             return {"removed": removed, "committed_bytes": self.arena.committed}
         if what == "keys":
             return {"keys": [k.decode("utf-8", "surrogatepass") for k in index.objects]}
