@@ -200,16 +200,27 @@ def test_clear_gives_the_committed_memory_back(host_store_dir, capsys):
         store.stop()
 
 
+def _store_with_32_objects(root: str) -> tuple[str, StoreProc, HostServer, ctypes.Array]:
+    """A 64 MiB store process, and a client (faulting nothing in itself)
+    that put 32 objects of 1 MiB of 0x5A there (the buffer too)."""
+    n = name()
+    store = StoreProc(root, n, capacity=64 << 20)
+    try:
+        client = HostServer(n, root=root, capacity=1, spawn=False, timeout_s=5, fault_in=False)
+        buf = ctypes.create_string_buffer(b"\x5a" * (1 << 20), 1 << 20)
+        assert client.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(32)], True) == [OK] * 32
+    except BaseException:
+        store.stop()
+        raise
+    return n, store, client, buf
+
+
 def test_memory_a_lagging_client_faults_in_after_a_clear_goes_back(host_store_dir, capsys):
     """A client's thread faulting the arena in behind its puts may still run
     on a target set before the clear; the pages it touches past what the
     store committed are backed again. The store gives them back."""
-    n = name()
-    store = StoreProc(host_store_dir, n, capacity=64 << 20)
+    n, store, client, buf = _store_with_32_objects(host_store_dir)
     try:
-        client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5, fault_in=False)
-        buf = ctypes.create_string_buffer(b"\x5a" * (1 << 20), 1 << 20)
-        assert client.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(32)], True) == [OK] * 32
         client.close()
         assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
         assert held_bytes(store.paths) < 4 << 20
@@ -240,12 +251,8 @@ def test_memory_a_lagging_client_backs_below_a_room_after_a_clear_goes_back(host
     removed, the free memory below it is past the committed prefix but
     below what the store backs: what a lagging fault-in backs there goes
     back too, and the room keeps serving."""
-    n = name()
-    store = StoreProc(host_store_dir, n, capacity=64 << 20)
+    n, store, client, buf = _store_with_32_objects(host_store_dir)
     try:
-        client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5, fault_in=False)
-        buf = ctypes.create_string_buffer(b"\x5a" * (1 << 20), 1 << 20)
-        assert client.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(32)], True) == [OK] * 32
         assert client.status()["rooms_open"] == 1
         assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
         status = client.status()
