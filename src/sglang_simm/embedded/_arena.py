@@ -151,7 +151,8 @@ class ArenaFile:
         self.committed = 0
         #: the end of what may still be backed: ``committed`` drops to the
         #: first hole ``release_holes`` punches while what lies past it (a
-        #: room) stays backed, and ``release_after`` must give that back too
+        #: room) stays backed, and ``release_after`` must give that back too;
+        #: past it, anything backed is a client's doing (``release_stale``)
         self._backed = 0
         self.commit_error: str | None = None
         # fallocate and hole punching one at a time: the store's loop and the
@@ -242,7 +243,8 @@ class ArenaFile:
     def release_after(self, end: int, upto: int | None = None) -> int:
         """Give back the memory committed past ``end`` (no object lies
         there), up to ``upto`` (default: what this process committed; a
-        store taking over a file passes its size); the bytes still
+        store taking over a file, and a clear, pass its size: the memory
+        there may have been backed by another process); the bytes still
         committed."""
         start = _page_up(end)
         with self._lock:
