@@ -39,15 +39,9 @@ def tiny_run(tmp_path_factory, store_parent):
     args = argparse.Namespace(pages="1,8", repeat=2, quick=False, json=str(out), plot=None,
                               bandwidth_cases=["small"], bandwidth_pages=2)
     text = io.StringIO()
-    before = os.environ.get(STORE_DIR_ENV)
-    os.environ[STORE_DIR_ENV] = store_parent
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(STORE_DIR_ENV, store_parent)
         rc = bench.run_bench(Console(file=text, width=140, force_terminal=False), args)
-    finally:
-        if before is None:
-            os.environ.pop(STORE_DIR_ENV, None)
-        else:
-            os.environ[STORE_DIR_ENV] = before
     return rc, json.loads(out.read_text()), text.getvalue()
 
 

@@ -272,20 +272,7 @@ class ArenaFile:
         page of a shared file backs it again. Nothing the store handed out
         lies there, so the housekeeping gives it back."""
         with self._lock:
-            if self._fd < 0:
-                return 0
-            end = _page_up(max(self.committed, self._backed))
-            if end >= self.size:
-                return 0
-            try:  # pages a client faulted in are data; none: ENXIO
-                first = os.lseek(self._fd, end, os.SEEK_DATA)
-            except OSError:
-                return 0
-            first -= first % PAGE
-            before = os.fstat(self._fd).st_blocks * 512
-            if first >= self.size or not _punch_hole(self._fd, first, self.size - first):
-                return 0
-            return max(before - os.fstat(self._fd).st_blocks * 512, 0)
+            return self._release_data([(max(self.committed, self._backed), self.size)])
 
     def release_refaulted(self, extents: list[tuple[int, int]]) -> int:
         """Give back the memory backed in free ``(start, end)`` extents past
@@ -296,21 +283,33 @@ class ArenaFile:
         Only extents with data are punched, so a tick with nothing to give
         back unmaps nothing in the clients."""
         with self._lock:
-            if self._fd < 0:
-                return 0
-            before = os.fstat(self._fd).st_blocks * 512
-            for start, end in extents:
-                lo, hi = max(_page_up(start), _page_up(self.committed)), end - end % PAGE
-                if lo >= hi:
-                    continue
-                try:
-                    data = os.lseek(self._fd, lo, os.SEEK_DATA)
-                except OSError:  # no data past lo at all
-                    break
-                data -= data % PAGE
-                if data < hi:
-                    _punch_hole(self._fd, data, hi - data)
-            return max(before - os.fstat(self._fd).st_blocks * 512, 0)
+            return self._release_data(extents)
+
+    def _release_data(self, extents: list[tuple[int, int]]) -> int:
+        """Punch the whole pages of ``extents`` past the committed prefix
+        from their first byte of data on (a client's write faults pages in
+        as data; ``posix_fallocate``'s are holes to ``SEEK_DATA``); the bytes
+        given back. The caller holds ``_lock``."""
+        if self._fd < 0:
+            return 0
+        floor, punches = _page_up(self.committed), []
+        for start, end in extents:
+            lo, hi = max(_page_up(start), floor), end - end % PAGE
+            if lo >= hi:
+                continue
+            try:
+                data = os.lseek(self._fd, lo, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data past lo at all
+                break
+            data -= data % PAGE
+            if data < hi:
+                punches.append((data, hi - data))
+        if not punches:  # an idle tick: one lseek, no more
+            return 0
+        before = os.fstat(self._fd).st_blocks * 512
+        for offset, length in punches:
+            _punch_hole(self._fd, offset, length)
+        return max(before - os.fstat(self._fd).st_blocks * 512, 0)
 
     def release_holes(self, extents: list[tuple[int, int]]) -> int:
         """Give back the memory of free ``(start, end)`` extents below the

@@ -264,9 +264,8 @@ class StoreDaemon:
         if now >= self._refault_until:
             self._refault_until = 0.0
             return 0
-        committed = self.arena.committed
-        extents = [e for e in self.index.alloc.free_extents(below=self.index.alloc.high_water()) if e[1] > committed]
-        freed = self.arena.release_refaulted(extents)
+        # the arena keeps to what lies past its committed prefix
+        freed = self.arena.release_refaulted(self.index.alloc.free_extents(below=self.index.alloc.high_water()))
         if freed:
             self._refault_until = now + REFAULT_WINDOW_S
         return freed
