@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 INSTALL_HINT = (
-    "pytest benchmarks needs the pytest-benchmark plugin: pip install 'sglang-simm[bench]' "
+    "pytest benchmarks needs the pytest-benchmark plugin: pip install -e './dev[bench]' "
     "(or pip install pytest-benchmark), then run: pytest benchmarks"
 )
 

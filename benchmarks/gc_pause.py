@@ -44,9 +44,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from sglang_simm.tools.bench.backends import make_ours
-    from sglang_simm.tools.bench.pages import page_keys
-    from sglang_simm.tools.pools import ModelGeometry, build_host_pool
+    from sglang_simm_dev.bench.backends import make_ours
+    from sglang_simm_dev.bench.pages import page_keys
+    from sglang_simm_dev.pools import ModelGeometry, build_host_pool
 
     geom = ModelGeometry("gc-probe", layer_num=1, head_num=1, head_dim=8, page_size=1)
     pool = build_host_pool(geom, tokens=args.pages // 2, ratio=2.0)

@@ -35,9 +35,9 @@ def main() -> None:
 
     from sglang_simm.backend import HiCacheSiMM
     from sglang_simm.embedded import reset_servers
-    from sglang_simm.tools.bench.overhead import OVERHEAD_GEOMETRY as geom
-    from sglang_simm.tools.bench.pages import fill_pool, host_indices, page_keys
-    from sglang_simm.tools.pools import build_host_pool, storage_config
+    from sglang_simm_dev.bench.overhead import OVERHEAD_GEOMETRY as geom
+    from sglang_simm_dev.bench.pages import fill_pool, host_indices, page_keys
+    from sglang_simm_dev.pools import build_host_pool, storage_config
 
     name = f"overwrite-{uuid.uuid4().hex[:8]}"
     pool = build_host_pool(geom, tokens=args.pages * geom.page_size)

@@ -3,12 +3,13 @@
     python benchmarks/per_call_ab.py --before /path/to/old/src --runs 2 \
         --json benchmarks/results/per-call-ab.json
 
-Runs ``python -m sglang_simm bench --pages 1,8,128`` with the old tree's
+Runs ``python -m sglang_simm_dev bench --pages 1,8,128`` with the old tree's
 ``src`` and with this one's, taking turns (before, after, before, ...), each
 in a fresh process, and prints in-tree/ours and our cost per call for every
-op and size from each run. Give the old tree this tree's ``tools/`` (the
-bench harness and the null client) so both backends are timed by the same
-harness over the same client: only the backend core differs.
+op and size from each run. The bench harness and the null client are this
+tree's ``dev/`` (installed with ``pip install -e ./dev``) for both, so both
+backends are timed by the same harness over the same client: only the
+backend core differs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ HERE = Path(__file__).resolve().parents[1] / "src"
 
 def run(src: Path, pages: str, out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(src))
-    subprocess.run([sys.executable, "-m", "sglang_simm", "bench", "--pages", pages, "--json", str(out)],
+    subprocess.run([sys.executable, "-m", "sglang_simm_dev", "bench", "--pages", pages, "--json", str(out)],
                    env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 

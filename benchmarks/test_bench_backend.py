@@ -1,10 +1,10 @@
-"""pytest-benchmark view of ``sglang-simm bench`` (not part of the test suite).
+"""pytest-benchmark view of ``sglang-simm-dev bench`` (not part of the test suite).
 
-Run with ``pytest benchmarks`` (needs pytest-benchmark: ``pip install 'sglang-simm[bench]'``;
+Run with ``pytest benchmarks`` (needs pytest-benchmark: ``pip install -e './dev[bench]'``;
 without it ``conftest.py`` stops the run with that hint).
 Each group holds ours and SGLang's in-tree backend for one client, operation
 and batch size, so ``--benchmark-compare`` and the group table read as
-in-tree against ours. The rigs and checks are ``sglang_simm.tools.bench``'s::
+in-tree against ours. The rigs and checks are ``sglang_simm_dev.bench``'s::
 
     pytest benchmarks --benchmark-group-by=group --benchmark-columns=median,iqr,ops
     pytest benchmarks -k "null and 128"          # one slice
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-from sglang_simm.tools import bench  # noqa: E402
+from sglang_simm_dev import bench  # noqa: E402
 
 PAGES = (1, 8, 32, 128, 1024)
 BACKENDS = ("ours", "in-tree")
@@ -24,7 +24,7 @@ BACKENDS = ("ours", "in-tree")
 
 @pytest.fixture(scope="module")
 def pool():
-    from sglang_simm.tools.pools import build_host_pool
+    from sglang_simm_dev.pools import build_host_pool
 
     p = build_host_pool(bench.OVERHEAD_GEOMETRY, tokens=max(PAGES) * bench.OVERHEAD_GEOMETRY.page_size)
     bench.fill_pool(p)

@@ -67,9 +67,9 @@ def main() -> None:
 
     from sglang_simm.backend import HiCacheSiMM
     from sglang_simm.embedded import reset_servers
-    from sglang_simm.tools.bench.pages import fill_pool, host_indices, page_keys
-    from sglang_simm.tools.demo.reference import memcpy_reference
-    from sglang_simm.tools.pools import PRESETS, build_host_pool, storage_config
+    from sglang_simm_dev.bench.pages import fill_pool, host_indices, page_keys
+    from sglang_simm_dev.demo.reference import memcpy_reference
+    from sglang_simm_dev.pools import PRESETS, build_host_pool, storage_config
 
     geom, pages = PRESETS["llama3-8b"], args.pages
     pool = build_host_pool(geom, tokens=pages * geom.page_size)

@@ -3,7 +3,7 @@
     MANAGER=local python examples/engine.py        # embedded store, one machine
     MANAGER=10.0.0.1:30001 python examples/engine.py
 
-Needs a GPU and a model; `sglang-simm demo` shows the data path without one.
+Needs a GPU and a model; `bash scripts/demo.sh` (from a clone) shows the data path without one.
 """
 
 import json

@@ -45,14 +45,17 @@ pip_q() {
 }
 
 # Import shims for CPU-only SGLang venvs: a one-line .pth file that calls
-# sglang_simm.tools.cpu_standins.install_import_shims() at every interpreter
+# sglang_simm_dev.cpu_standins.install_import_shims() at every interpreter
 # start (import hooks only; they never shadow a working install, see that
-# module). Quiet while this package is not importable (mid-reinstall).
+# module). Quiet while the dev package is not importable (mid-reinstall).
+# The interpreter reads .pth files in name order: this one's name sorts after
+# the editable installs' (_editable_impl_sglang_simm_dev.pth puts dev/ on the
+# path), which it needs.
 write_shims() {
     local py="$1" sgl_kernel_stub="$2" site
     site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     rm -f "$site/_sglang_cpu_test_shims.py"
-    printf 'import sys; exec("try:\\n from sglang_simm.tools.cpu_standins import install_import_shims\\nexcept ImportError:\\n pass\\nelse:\\n install_import_shims(sgl_kernel_stub=%s)")\n' \
+    printf 'import sys; exec("try:\\n from sglang_simm_dev.cpu_standins import install_import_shims\\nexcept ImportError:\\n pass\\nelse:\\n install_import_shims(sgl_kernel_stub=%s)")\n' \
         "$sgl_kernel_stub" >"$site/_sglang_cpu_test_shims.pth"
 }
 
@@ -62,7 +65,7 @@ stamp_of() {
         printf '%s\n' "$ROOT" "$PYTHON" "$("$PYTHON" -c 'import sys; print(sys.version)')" \
             "$TORCH_SPEC" "sglang==$sglang"
         # This file defines the venvs.
-        cat "$ROOT/scripts/_venv.sh" "$req" pyproject.toml
+        cat "$ROOT/scripts/_venv.sh" "$req" pyproject.toml dev/pyproject.toml
     } | sha256sum | cut -d' ' -f1
 }
 
@@ -94,8 +97,11 @@ ensure_torch_layer() {
 }
 
 # ensure_venv DIR SGLANG_VERSION PIP_TARGET SGL_KERNEL_STUB [REQUIREMENTS]
-# PIP_TARGET: what of this repo to install (".", ".[test]", editable; or the
-# wheel from ensure_wheel, for venvs that only ever run the built wheel).
+# PIP_TARGET: what of this repo to install (".", ".[cli]", editable, with the
+# instruments of dev/ and its test extra; or the wheel from ensure_wheel, for
+# venvs that only ever run the built wheel, with dev/ beside it, no extras).
+# dev/ (sglang_simm_dev: the CPU stand-ins, the demo, the bench, the compat
+# probe) is always an editable install: it is never part of the wheel.
 # REQUIREMENTS: requirements/sglang-cpu-<version>.txt by default; "derive":
 # the nearest older file with SGLang's own pins (scripts/_compat_reqs.py),
 # for releases that have no file of their own.
@@ -145,8 +151,9 @@ PYEOF
     if [ "${target%.whl}" != "$target" ]; then
         pip_q "$py" install --no-deps "$target"  # a built wheel: no build step per venv
         printf '%s\n' "$(cat dist/.tree-hash)" >"$venv/.wheel-hash"
+        pip_q "$py" install --no-deps -e "$ROOT/dev"
     else
-        pip_q "$py" install -e "$target"
+        pip_q "$py" install -e "$target" -e "$ROOT/dev[test]"
     fi
     torch_after="$("$py" -W ignore -c 'import torch; print(torch.__version__)')"
     if [ "$torch_before" != "$torch_after" ]; then
@@ -179,6 +186,7 @@ for name in (
 first("sglang.srt.mem_cache.pool_host", "sglang.srt.mem_cache.memory_pool_host")
 first("sglang.srt.observability.metrics_collector", "sglang.srt.metrics.collector")
 import sglang_simm  # noqa: F401
+import sglang_simm_dev.cpu_standins  # noqa: F401
 PYEOF
     printf '%s\n' "$stamp" >"$venv/.stamp"
     log "$venv: ready (torch $torch_after, $((SECONDS - t0))s)"

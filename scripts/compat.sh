@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every SGLang release this package claims, each in a CPU virtual environment
 # of its own (built once, reused while its stamp matches), checked by
-# `python -m sglang_simm.tools.compat_probe` (the plugin route where the
+# `python -m sglang_simm_dev.compat_probe` (the plugin route where the
 # release has plugins, the dynamic route, MHA and MLA pools, v2 where it
 # exists); writes docs/compatibility.md from the results.
 #
@@ -66,7 +66,7 @@ for v in "${releases[@]}"; do
     else
         store_dir="$(mktemp -d /tmp/sglang-simm-compat-XXXXXX)"
         if ! SGLANG_SIMM_STORE_DIR="$store_dir" timeout 900 "$venv/bin/python" -W ignore \
-                -m sglang_simm.tools.compat_probe >"$COMPAT_DIR/results/$v.probe" 2>>"$logf"; then
+                -m sglang_simm_dev.compat_probe >"$COMPAT_DIR/results/$v.probe" 2>>"$logf"; then
             status="probe failed"
         fi
         for pidfile in "$store_dir"/*.pid; do

@@ -5,8 +5,8 @@
 # the device, the host tier and L3, every answer checked against a fresh
 # computation. A few minutes on 2 cores, most of it the server's start.
 #
-#   scripts/demo.sh                          the server demo (sglang-simm demo --server)
-#   scripts/demo.sh [sglang-simm demo options...]
+#   scripts/demo.sh                          the server demo (sglang-simm-dev demo --server)
+#   scripts/demo.sh [sglang-simm-dev demo options...]
 #
 #   scripts/demo.sh --server --json out.json the server demo, numbers written too
 #   scripts/demo.sh --model llama3-8b        no server: SGLang's own controller on real-model pages
@@ -18,8 +18,9 @@
 #   scripts/demo.sh --list-models            the geometry presets
 #
 # It builds (once, a few minutes) or reuses the same .venv-test that
-# scripts/test.sh uses (scripts/_venv.sh), installs this checkout into it,
-# and runs `sglang-simm demo`.
+# scripts/test.sh uses (scripts/_venv.sh), installs this checkout into it
+# (the plugin and dev/, the instruments' project, both editable), and runs
+# `sglang-simm-dev demo`: the demo is not part of the sglang-simm wheel.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,11 +29,11 @@ LOG_TAG=demo.sh
 # shellcheck source=scripts/_venv.sh
 . "$ROOT/scripts/_venv.sh"
 
-ensure_venv "$MAIN_VENV" "$MAIN_SGLANG" ".[test]" False
+ensure_venv "$MAIN_VENV" "$MAIN_SGLANG" ".[cli]" False
 py="$ROOT/$MAIN_VENV/bin/python"
 # this checkout, as it is now (scripts/test.sh may have left a built wheel there)
-pip_q "$py" install --no-deps -e .
+pip_q "$py" install --no-deps -e . -e ./dev
 rm -f "$MAIN_VENV/.wheel-hash"  # it no longer holds the built wheel: scripts/test.sh reinstalls it
 [ "$#" -gt 0 ] || set -- --server
-log "sglang-simm demo $*"
-exec "$ROOT/$MAIN_VENV/bin/sglang-simm" demo "$@"
+log "sglang-simm-dev demo $*"
+exec "$ROOT/$MAIN_VENV/bin/sglang-simm-dev" demo "$@"

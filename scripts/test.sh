@@ -9,8 +9,9 @@
 #                                             the store's own tests, no other
 #                                             venvs, no wheel (runs src/)
 #
-# .venv-test             sglang 0.5.23 (the main target) with the [test]
-#                        extra; pytest runs here.
+# .venv-test             sglang 0.5.23 (the main target), this repo and
+#                        dev/ (the instruments: CPU stand-ins, demo, bench)
+#                        with its [test] extra; pytest runs here.
 # .venv-sglang-<v>       older releases, for the compat probes
 #                        (tests/test_compat.py); their pythons are named in
 #                        SGLANG_SIMM_COMPAT_PYTHONS (space-separated).
@@ -50,7 +51,7 @@ workers="${SGLANG_SIMM_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
 [ "$workers" -gt 4 ] && workers=4
 spread=(-n "$workers" --dist loadfile --no-loadscope-reorder)  # our order: FIRST
 
-ensure_venv "$MAIN_VENV" "$MAIN_SGLANG" ".[test]" False
+ensure_venv "$MAIN_VENV" "$MAIN_SGLANG" ".[cli]" False
 if [ "$fast" = 1 ]; then
     log "pytest -m '$FAST_MARKERS' ${spread[*]} $* (this tree's src/ first on the path)"
     PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" exec "$ROOT/$MAIN_VENV/bin/python" -m pytest -m "$FAST_MARKERS" "${spread[@]}" "$@"

@@ -158,7 +158,7 @@ def attach(store_name):
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     from sglang_simm.plugin import register
-    from sglang_simm.tools.pools import build_host_pool, storage_config
+    from sglang_simm_dev.pools import build_host_pool, storage_config
 
     made = []
 

@@ -8,13 +8,13 @@ import torch
 
 
 def tiny(**changes):
-    from sglang_simm.tools.pools import PRESETS
+    from sglang_simm_dev.pools import PRESETS
 
     return dataclasses.replace(PRESETS["tiny"], **changes)
 
 
 def tiny_mla(**changes):
-    from sglang_simm.tools.pools import ModelGeometry
+    from sglang_simm_dev.pools import ModelGeometry
 
     base = ModelGeometry("tiny-mla", 2, 1, 48, 4, is_mla=True, kv_lora_rank=32, qk_rope_head_dim=16)
     return dataclasses.replace(base, **changes)

@@ -501,7 +501,7 @@ def test_bad_config_fails_attach_naming_the_field(attach):
 
 def test_dynamic_route_without_interface_v1_warns_with_the_fix(store_name, caplog):
     from sglang_simm.backend import HiCacheSiMM
-    from sglang_simm.tools.pools import storage_config
+    from sglang_simm_dev.pools import storage_config
 
     cfg = storage_config(extra_config={"manager_address": f"local://{store_name}"})
     backend = HiCacheSiMM(cfg, {})

@@ -1,4 +1,4 @@
-"""Smoke test of ``sglang-simm bench``: a tiny run, its JSON, and the checks
+"""Smoke test of ``sglang-simm-dev bench``: a tiny run, its JSON, and the checks
 it makes of every backend's results. No timing is asserted."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytest.importorskip("rich")
 from rich.console import Console  # noqa: E402
 
 from sglang_simm.embedded._paths import STORE_DIR_ENV  # noqa: E402
-from sglang_simm.tools import bench, nullkv  # noqa: E402
+from sglang_simm_dev import bench, nullkv  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_key_ring_never_repeats_a_key_within_a_cache_length():
 def test_serving_pattern_new_keys_every_call_and_a_get_reads_what_its_exists_looked_up():
     """What the rig times: new keys for set, exists and get-cold; a get of the
     keys its exists (untimed) just looked up. The client sees which."""
-    from sglang_simm.tools.pools import build_host_pool
+    from sglang_simm_dev.pools import build_host_pool
 
     geom = bench.OVERHEAD_GEOMETRY
     rig = bench.OverheadRig("null", 8, pool=build_host_pool(geom, tokens=16 * geom.page_size))
@@ -254,7 +254,7 @@ def test_null_rig_hands_new_host_pages_every_call_as_sglangs_fifo_allocator_does
     """No cache of views may answer a call from an earlier one: on the null
     client, each set and get lands on host pages no earlier call of the
     pool's turn used (a rig of fixed pages let a view cache hit every call)."""
-    from sglang_simm.tools.pools import build_host_pool
+    from sglang_simm_dev.pools import build_host_pool
 
     geom = bench.NULL_GEOMETRY
     rig = bench.OverheadRig("null", 4, geom=geom, pool=build_host_pool(geom, tokens=32 * geom.page_size))

@@ -1,4 +1,4 @@
-"""``sglang-simm bench --server``: its pieces, and the whole harness on a tiny
+"""``sglang-simm-dev bench --server``: its pieces, and the whole harness on a tiny
 model with the ``file`` backend and ours (one repetition), so it cannot rot."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from sglang_simm.tools.bench import server_metrics, server_tap
-from sglang_simm.tools.bench.server import _error_line, _failure, checks, goals, plan_from_args
-from sglang_simm.tools.bench.server_backends import (
+from sglang_simm_dev.bench import server_metrics, server_tap
+from sglang_simm_dev.bench.server import _error_line, _failure, checks, goals, plan_from_args
+from sglang_simm_dev.bench.server_backends import (
     MOONCAKE_INSTALL,
     Environment,
     MooncakeClient,
@@ -21,15 +21,15 @@ from sglang_simm.tools.bench.server_backends import (
     Shape,
     mooncake_status,
 )
-from sglang_simm.tools.bench.server_cli import update_docs
-from sglang_simm.tools.bench.server_workloads import (
+from sglang_simm_dev.bench.server_cli import update_docs
+from sglang_simm_dev.bench.server_workloads import (
     Workload,
     compare_turns,
     conversation_prompts,
     matchable,
     rotated,
 )
-from sglang_simm.tools.sglang_server import ServerConfig, server_env
+from sglang_simm_dev.sglang_server import ServerConfig, server_env
 
 # -- the servers' command lines ------------------------------------------------------
 
@@ -316,8 +316,8 @@ def test_tap_times_every_batch_of_a_real_backend_through_the_controllers_own_cod
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     from sglang_simm.plugin import register
-    from sglang_simm.tools.bench.pages import fill_pool, host_indices, page_keys
-    from sglang_simm.tools.pools import PRESETS, build_host_pool, storage_config
+    from sglang_simm_dev.bench.pages import fill_pool, host_indices, page_keys
+    from sglang_simm_dev.pools import PRESETS, build_host_pool, storage_config
 
     monkeypatch.setenv(server_tap.TAP_ENV, str(tmp_path / "tap"))
     geom = PRESETS["tiny"]
@@ -412,8 +412,8 @@ def test_quick_bench_on_file_and_ours(tmp_path):
     a restart: the answers check out, both L3 backends serve the flushed
     prompt and the restarted server from L3, and both have timed reads and
     writes; SGLang's histograms have ours and nothing of ``file``."""
-    from sglang_simm.tools.bench.server import run
-    from sglang_simm.tools.bench.server_render import markdown, tables
+    from sglang_simm_dev.bench.server import run
+    from sglang_simm_dev.bench.server_render import markdown, tables
 
     plan = plan_from_args(argparse.Namespace(quick=True))
     plan.workdir = str(tmp_path / "work")
@@ -448,7 +448,7 @@ def test_quick_bench_on_file_and_ours(tmp_path):
 
 
 def test_self_times_take_each_inner_layer_out_of_its_caller():
-    from sglang_simm.tools.bench.server_backup import Overhead, self_times
+    from sglang_simm_dev.bench.server_backup import Overhead, self_times
 
     totals = {"batch": 100_000, "mput": 80_000, "put_from": 70_000, "put": 20_000, "copy": 30_000, "commit": 10_000}
     got = self_times(totals)
@@ -467,7 +467,7 @@ def test_backup_breakdown_reaches_every_layer_of_a_real_backup():
     call, which asks for a room, every backup goes into the room: no PUT
     round trip and no COMMIT, one COMMIT_ROOM sent."""
     pytest.importorskip("sglang")
-    from sglang_simm.tools.bench.server_backup import LAYERS, measure, render
+    from sglang_simm_dev.bench.server_backup import LAYERS, measure, render
 
     result = measure([1, 4], repeat=3, warmup=1)
     for n in ("1", "4"):

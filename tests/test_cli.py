@@ -9,6 +9,7 @@ import tomllib
 import pytest
 
 from sglang_simm.tools import cli
+from sglang_simm_dev import cli as dev_cli
 
 
 def run(capsys, *argv):
@@ -104,7 +105,7 @@ def test_without_rich_the_command_names_an_install_that_works(capsys, monkeypatc
 def test_server_demo_without_sglang_is_one_line_that_says_how_to_get_it(capsys, monkeypatch):
     # it was a 27-line traceback naming a log in a folder already removed
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang now fails, as where it is missing
-    assert cli.main(["demo", "--server"]) == 2
+    assert dev_cli.main(["demo", "--server"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err, err
     assert "SGLang is not installed here" in err and "pip install 'sglang>=0.5.8,<0.6'" in err
@@ -112,6 +113,16 @@ def test_server_demo_without_sglang_is_one_line_that_says_how_to_get_it(capsys, 
 
 @pytest.mark.parametrize("flag", [["--model", "llama3-8b"], ["--pages", "8"], ["--direct"]])
 def test_server_demo_refuses_the_kv_demos_options_instead_of_ignoring_them(capsys, flag):
-    assert cli.main(["demo", "--server", *flag]) == 2
+    assert dev_cli.main(["demo", "--server", *flag]) == 2
     out = " ".join(capsys.readouterr().out.split())
     assert f"{flag[0]} belong to the KV demo" in out and "--preset (" in out and "llama-tiny" in out
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_the_demo_and_the_bench_left_the_package_and_say_where_they_went(capsys, command):
+    # any arguments, --help included: the answer is where the command went, not a usage error
+    code, out = run(capsys, command, "--server", "--json", "out[1].json", "--help")
+    assert code == 2
+    assert f"sglang-simm {command}` is not part of the sglang-simm package" in out
+    assert f"sglang-simm-dev {command} --server --json 'out[1].json' --help" in out
+    assert "bash scripts/demo.sh" in out and "pip install -e './dev[bench]'" in out

@@ -111,7 +111,7 @@ def test_a_client_in_simms_layers_is_called_at_its_native_layer():
     import torch
 
     from sglang_simm.client import KVClient, native_layer
-    from sglang_simm.tools import nullkv
+    from sglang_simm_dev import nullkv
 
     store = nullkv.Store()
     client = KVClient(nullkv, store, description="null", embedded=False)

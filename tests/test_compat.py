@@ -2,7 +2,7 @@
 builds them and names their pythons in SGLANG_SIMM_COMPAT_PYTHONS): the
 installed wheel, both routes where the release has them, MHA and MLA pages
 round-tripped through SGLang's factory, v2 where it exists
-(``sglang_simm.tools.compat_probe``, the check scripts/compat.sh runs on every
+(``sglang_simm_dev.compat_probe``, the check scripts/compat.sh runs on every
 release).
 
 The probes are started when collection ends (tests/conftest.py calls
@@ -39,7 +39,7 @@ def start_probes() -> None:
         out = os.path.join(root, f"probe-{i}.out")
         with open(out, "w") as stdout, open(out + ".err", "w") as stderr:
             proc = subprocess.Popen(
-                [python, "-W", "ignore", "-m", "sglang_simm.tools.compat_probe"],
+                [python, "-W", "ignore", "-m", "sglang_simm_dev.compat_probe"],
                 stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
                 env={**os.environ, "SGLANG_SIMM_STORE_DIR": root},
             )
@@ -68,7 +68,7 @@ def stop_probes() -> None:
 @pytest.mark.skipif(not PYTHONS, reason="SGLANG_SIMM_COMPAT_PYTHONS is not set (scripts/test.sh sets it)")
 @pytest.mark.parametrize("python", PYTHONS, ids=lambda p: p.split("/")[-3] if p.count("/") > 2 else p)
 def test_older_release_round_trips_pages_through_sglangs_factory(python):
-    from sglang_simm.tools.compat_probe import PLUGINS_SINCE, failures
+    from sglang_simm_dev.compat_probe import PLUGINS_SINCE, failures
 
     start_probes()  # a no-op when collection started them
     proc, out = _probes[python]

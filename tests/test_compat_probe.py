@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from sglang_simm.tools.compat_probe import failures
+from sglang_simm_dev.compat_probe import failures
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"cls": "sglang_simm.backend.HiCacheSiMM", "set": [True] * 3, "exists": 3, "get": [True] * 3,

@@ -1,4 +1,4 @@
-"""``sglang-simm demo``, run in-process on small geometries.
+"""``sglang-simm-dev demo``, run in-process on small geometries.
 
 Both paths: SGLang's own HybridCacheController driving the backend (the
 default) and the backend called directly (``--direct``). Every run must
@@ -21,9 +21,9 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from sglang_simm.tools import cli  # noqa: E402
-from sglang_simm.tools import demo  # noqa: E402
-from sglang_simm.tools.demo import common, kv  # noqa: E402
+from sglang_simm_dev import cli  # noqa: E402
+from sglang_simm_dev import demo  # noqa: E402
+from sglang_simm_dev.demo import common, kv  # noqa: E402
 from sglang_simm.embedded import reset_servers, server_names  # noqa: E402
 from sglang_simm.embedded._server import EmbeddedServer  # noqa: E402
 
@@ -324,8 +324,8 @@ def test_waiting_on_a_controller_queue_yields_what_comes_and_fails_by_name_past_
     import queue
     import time
 
-    from sglang_simm.tools.demo import drivers
-    from sglang_simm.tools.demo.common import DemoFailure
+    from sglang_simm_dev.demo import drivers
+    from sglang_simm_dev.demo.common import DemoFailure
 
     q = queue.Queue()
     q.put("first")
@@ -338,7 +338,7 @@ def test_waiting_on_a_controller_queue_yields_what_comes_and_fails_by_name_past_
 
 
 def _row(tier, ttft, fresh, cached=512, prompt=576):
-    from sglang_simm.tools.server_demo import Row
+    from sglang_simm_dev.server_demo import Row
 
     return Row("r", tier, prompt, cached, ttft, 0, True, fresh)
 
@@ -346,14 +346,14 @@ def _row(tier, ttft, fresh, cached=512, prompt=576):
 def test_server_demo_speedup_is_each_rows_own_fresh_run_over_its_ttft():
     # it divided by the mean of every fresh run, none of them printed
     # (5926 / 2390 = 2.48x shown as 2.9x)
-    from sglang_simm.tools.server_demo import speedup
+    from sglang_simm_dev.server_demo import speedup
 
     assert speedup(_row("L3 hit (SiMM)", 2.390, 5.926)) == "2.5x"
     assert speedup(_row("computed from scratch", 5.0, 5.0, cached=0)) == "1.0x"
 
 
 def test_server_demo_names_the_suffix_floor_and_a_slower_device_row():
-    from sglang_simm.tools.server_demo import notes
+    from sglang_simm_dev.server_demo import notes
 
     rows = [_row("computed from scratch", 6.0, 6.0, cached=0), _row("device hit (L1)", 2.7, 6.1),
             _row("host-tier hit (L2)", 2.2, 6.0), _row("L3 hit (SiMM)", 2.4, 6.0)]
@@ -366,7 +366,7 @@ def test_server_demo_names_the_suffix_floor_and_a_slower_device_row():
 def test_server_demo_l3_row_reads_the_backends_writes_not_l2_backups():
     # sglang:hicache_backup_bytes_total counts device-to-host (L2) backups:
     # a server with no L3 at all reported 4.24 GB of it as "L3 written"
-    from sglang_simm.tools.server_demo import l3_written
+    from sglang_simm_dev.server_demo import l3_written
 
     assert l3_written({"sglang:hicache_backup_bytes_total": 4.24e9}, 1024).startswith("not reported")
     got = l3_written({"sglang:hicache_backup_bytes_total": 4.24e9, "sglang:backup_pgs_sum": 10.0,

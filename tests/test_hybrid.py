@@ -24,13 +24,13 @@ from sglang_simm.geometry import derive_region_geometry
 
 
 def tiny(**changes):
-    from sglang_simm.tools.pools import PRESETS
+    from sglang_simm_dev.pools import PRESETS
 
     return dataclasses.replace(PRESETS["tiny"], **changes)
 
 
 def tiny_mla(**changes):
-    from sglang_simm.tools.pools import ModelGeometry
+    from sglang_simm_dev.pools import ModelGeometry
 
     base = ModelGeometry("tiny-mla", 2, 1, 48, 4, is_mla=True, kv_lora_rank=32, qk_rope_head_dim=16)
     return dataclasses.replace(base, **changes)
@@ -246,7 +246,7 @@ def mamba_pool(*, temporal=(2, 4, 4), convs=((3, 8), (5,)), extra=(), temporal_d
 
 
 def kv_side_pool(geom, tokens=32, layout="page_first"):
-    from sglang_simm.tools.pools import build_host_pool
+    from sglang_simm_dev.pools import build_host_pool
 
     return build_host_pool(geom, tokens=tokens, layout=layout)
 
@@ -700,7 +700,7 @@ def dsa_attach(attach):
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerHostPoolBuilder, DSAIndexerPoolHost
 
-    from sglang_simm.tools.pools import build_host_pool
+    from sglang_simm_dev.pools import build_host_pool
 
     geom = dsa_geometry()
     device = DSATokenToKVPool(
@@ -973,7 +973,7 @@ def test_close_releases_every_region_and_clear_removes_side_objects(hybrid_attac
 def test_the_hybrid_demo_preset_restores_states_and_pages(store_name, tmp_path, capsys):
     import json
 
-    from sglang_simm.tools.cli import main
+    from sglang_simm_dev.cli import main
 
     out = tmp_path / "hybrid.json"
     code = main(["demo", "--model", "tiny-hybrid", "--pages", "12", "--manager", f"local://{store_name}",
@@ -988,7 +988,7 @@ def test_the_hybrid_demo_preset_restores_states_and_pages(store_name, tmp_path, 
 
 
 def test_hybrid_presets_are_listed_with_the_others(capsys, monkeypatch):
-    from sglang_simm.tools.cli import main
+    from sglang_simm_dev.cli import main
 
     monkeypatch.setenv("COLUMNS", "240")  # rich shortens cells on a narrow console
 

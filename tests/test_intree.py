@@ -56,7 +56,7 @@ def test_intree_backend_cannot_start_without_rdma(store_name):
 
 
 def make_intree(cls, store_name, geom, **fields):
-    from sglang_simm.tools.pools import build_host_pool, storage_config
+    from sglang_simm_dev.pools import build_host_pool, storage_config
 
     host = build_host_pool(geom, tokens=8 * geom.page_size)
     cfg = storage_config(

@@ -16,8 +16,8 @@ from sglang_simm.embedded._index import StoreIndex
 from sglang_simm.embedded._server import EmbeddedServer
 from sglang_simm.errors import DS_KEY_NOT_FOUND, OK
 from sglang_simm.keys import WARMUP_KEY_PREFIX, warmup_keys
-from sglang_simm.tools import l3_counts
-from sglang_simm.tools.sglang_server import SGLangServer, ServerConfig, ServerError
+from sglang_simm_dev import l3_counts
+from sglang_simm_dev.sglang_server import SGLangServer, ServerConfig, ServerError
 
 WARM = WARMUP_KEY_PREFIX + "0123abcd"
 
@@ -120,7 +120,7 @@ def test_a_server_counts_its_pages_from_its_host_store(attach, store_name, tmp_p
 
 
 def test_objects_per_page_follows_the_models_config(tmp_path):
-    from sglang_simm.tools.tiny_model import write_model
+    from sglang_simm_dev.tiny_model import write_model
 
     llama = write_model(tmp_path / "llama", "llama-tiny")  # what the e2e servers and the demo test run
     assert l3_counts.objects_per_page(llama) == 2

@@ -1,5 +1,7 @@
-"""The package's floor plan: the backend core never imports an operator tool,
-and no module imports itself back through others.
+"""The package's floor plan: the wheel holds what an operator runs in
+production, the backend core never imports an operator command, the wheel
+never imports the instruments (``dev/``, package ``sglang_simm_dev``), and no
+module imports itself back through others.
 
 Every ``import`` counts, module-level or inside a function (a lazy import
 still ties two modules together), and so does ``importlib.import_module``
@@ -20,15 +22,24 @@ PACKAGE = "sglang_simm"
 TOOLS = f"{PACKAGE}.tools"
 DOORS = {f"{PACKAGE}.__main__"}
 ROOT = Path(sglang_simm.__file__).resolve().parent
+#: The operator's commands, all the wheel holds besides the backend and the
+#: store: every other instrument (demo, bench, CPU stand-ins, CPU servers,
+#: tiny models, host pools, null client, compat probe) lives in dev/.
+COMMANDS = {TOOLS, f"{TOOLS}.cli", f"{TOOLS}.doctor", f"{TOOLS}.store"}
+
+#: The instruments: a project of its own in the repository, never in the wheel.
+DEV_PACKAGE = "sglang_simm_dev"
+REPO = Path(__file__).resolve().parents[1]
+DEV_ROOT = REPO / "dev" / DEV_PACKAGE
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
     out = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
-        out[".".join([PACKAGE, *parts])] = path
+        out[".".join([package, *parts])] = path
     return out
 
 
@@ -80,6 +91,25 @@ def imports_of(module: str) -> set[str]:
 
 
 GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def names_of_dev_package(path: Path) -> set[str]:
+    """Where the module at ``path`` names the dev package: imports of it
+    (at any level, lazily or by ``importlib.import_module``) and string
+    constants naming it (``python -m sglang_simm_dev...``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = node.value.replace("-m ", " ").split()
+        found.update(f"line {node.lineno}: {n}" for n in names
+                     if n == DEV_PACKAGE or n.startswith(DEV_PACKAGE + "."))
+    return found
 
 
 def _is_tool(module: str) -> bool:
@@ -137,6 +167,62 @@ def test_the_core_imports_no_tool():
     assert {m: t for m, t in leaks.items() if t} == {}
 
 
+def test_the_wheel_never_imports_the_dev_package():
+    leaks = {module: sorted(names_of_dev_package(path)) for module, path in MODULES.items()}
+    assert {m: n for m, n in leaks.items() if n} == {}
+
+
+def test_the_dev_package_scan_finds_every_way_of_naming_it(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import sglang_simm_dev\n"
+        "def f():\n"
+        "    from sglang_simm_dev.bench import run_bench\n"
+        "    import importlib; importlib.import_module('sglang_simm_dev.pools')\n"
+        "    cmd = ['python', '-m', 'sglang_simm_dev.compat_probe']\n"
+        "    ok = 'sglang-simm-dev demo; sglang_simm_devx'\n"
+    )
+    assert {n.split(": ")[1] for n in names_of_dev_package(probe)} == {
+        "sglang_simm_dev", "sglang_simm_dev.bench", "sglang_simm_dev.pools", "sglang_simm_dev.compat_probe"}
+
+
+def test_the_tools_are_the_operators_commands_only():
+    assert {m for m in MODULES if _is_tool(m)} == COMMANDS
+
+
+def test_the_instruments_are_a_project_of_their_own():
+    dev = _modules(DEV_ROOT, DEV_PACKAGE)
+    for instrument in ("cli", "bench", "demo", "server_demo", "sglang_server", "cpu_standins", "tiny_model",
+                       "pools", "nullkv", "compat_probe", "l3_counts"):
+        assert f"{DEV_PACKAGE}.{instrument}" in dev
+    assert (REPO / "dev" / "pyproject.toml").is_file()
+    graph = {module: _imports_within(path, dev) - {module} for module, path in dev.items()}
+    assert graph[f"{DEV_PACKAGE}.server_demo"] >= {f"{DEV_PACKAGE}.sglang_server", f"{DEV_PACKAGE}.tiny_model"}
+    assert _cycles(graph) == []
+
+
+def _imports_within(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that the module at ``path`` imports by
+    absolute name (``from pkg import name``: ``pkg.name`` when a module, else ``pkg``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found: set[str | None] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(_ours_in(alias.name, modules) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in modules else _ours_in(node.module, modules))
+    found.discard(None)
+    return found  # type: ignore[return-value]
+
+
+def _ours_in(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
 def test_the_doors_into_the_tools_lead_to_the_command_line():
     for door in DOORS:
         assert {t for t in GRAPH[door] if _is_tool(t)} == {f"{TOOLS}.cli"}
@@ -180,3 +266,25 @@ def test_the_readme_layout_names_every_module():
             elif folder.startswith("tools/") and parts[-1] != "__init__.py" and f"`{parts[-1]}`" not in row:
                 missing.append(rel)
     assert sorted(set(missing)) == []
+
+
+#: The instruments' inventory: the page that says what dev/ is and why.
+DEV_MODULES_DOC = "docs/architecture.md"
+
+
+def test_the_architecture_page_names_every_dev_module():
+    doc = (REPO / DEV_MODULES_DOC).read_text(encoding="utf-8")
+    section = doc[doc.index("Layout of `dev/sglang_simm_dev/`"):]
+    section = section[: section.index("\n## ")] if "\n## " in section else section
+    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| `")}
+    missing = []
+    for path in _modules(DEV_ROOT, DEV_PACKAGE).values():
+        parts = path.relative_to(DEV_ROOT).as_posix().split("/")
+        if len(parts) == 1:
+            if f"`{parts[0]}`" not in rows:
+                missing.append(parts[0])
+        else:
+            row = rows.get(f"`{'/'.join(parts[:-1])}/`")
+            if row is None or (parts[-1] != "__init__.py" and f"`{parts[-1]}`" not in row):
+                missing.append("/".join(parts))
+    assert sorted(missing) == []

@@ -29,7 +29,7 @@ def _wait(predicate, seconds: float = 10.0) -> bool:
 
 
 def build_pool(geom, tokens):
-    from sglang_simm.tools.pools import build_host_pool
+    from sglang_simm_dev.pools import build_host_pool
 
     return build_host_pool(geom, tokens=tokens)
 
@@ -78,7 +78,7 @@ def test_registering_with_a_closed_backend_is_refused(attach):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     from sglang_simm.errors import BackendClosedError
-    from sglang_simm.tools.pools import build_host_pool
+    from sglang_simm_dev.pools import build_host_pool
 
     backend, _ = attach(tiny())
     backend.close()
@@ -101,7 +101,7 @@ def test_a_replaced_pool_stays_registered_until_the_calls_using_it_end(attach, w
     get is done (it reads every byte), then it is deregistered."""
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-    from sglang_simm.tools.pools import build_host_pool
+    from sglang_simm_dev.pools import build_host_pool
 
     backend, kv = attach(tiny(), tokens=16)
     geom = tiny(layer_num=1, name="swa-layers")
@@ -334,8 +334,8 @@ def test_sglang_runtime_detach_closes_cleanly_and_a_reattach_finds_the_pages(sto
     import logging
 
     from sglang_simm.embedded import reset_servers
-    from sglang_simm.tools.demo.common import PageHasher
-    from sglang_simm.tools.demo.drivers import ControllerDriver
+    from sglang_simm_dev.demo.common import PageHasher
+    from sglang_simm_dev.demo.drivers import ControllerDriver
 
     geom = tiny()
     ps = geom.page_size

@@ -74,6 +74,30 @@ def test_wheel_holds_the_package_typing_marker_and_entry_points(wheel):
     assert not any(r.split()[1].lower() == "sglang" and "extra" not in r for r in requires)
 
 
+#: What the wheel holds besides the backend and the store: the operator's commands.
+OPERATOR_TOOLS = {"__init__.py", "cli.py", "doctor.py", "store.py"}
+#: The instruments, which live in the repository's dev/ (package sglang_simm_dev).
+INSTRUMENTS = ("bench", "demo", "server_demo", "sglang_server", "cpu_standins", "tiny_model", "compat_probe",
+               "nullkv", "pools", "l3_counts", "sitecustomize", "sglang_simm_dev")
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_no_instrument(wheel):
+    """The wheel is what an operator runs in production: the backend, the
+    store, the sglang-simm command (doctor, store). No demo, bench, CPU
+    stand-in or server launcher, no .pth file, nothing of dev/."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if ".dist-info/" not in n]
+        entry_points = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert names and all(n.startswith("sglang_simm/") for n in names), names
+    tools = {n.split("/", 2)[2] for n in names if n.startswith("sglang_simm/tools/")}
+    assert tools == OPERATOR_TOOLS
+    stems = {part.removesuffix(".py") for n in names for part in n.split("/")}
+    assert stems.isdisjoint(INSTRUMENTS), sorted(stems & set(INSTRUMENTS))
+    assert not any(n.endswith(".pth") for n in names)
+    assert "sglang-simm-dev" not in entry_points  # the instruments' command is dev/'s
+
+
 def test_sglang_load_plugins_points_simm_at_this_package():
     pytest.importorskip("sglang.srt.plugins", reason="entry-point plugins exist from SGLang 0.5.11")
     code = (
@@ -127,15 +151,17 @@ def test_pytest_benchmarks_without_its_plugin_stops_with_the_install_line():
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout + out.stderr
-    assert "pip install 'sglang-simm[bench]'" in out.stderr and "pytest benchmarks" in out.stderr
+    assert "pip install -e './dev[bench]'" in out.stderr and "pytest benchmarks" in out.stderr
 
 
 def test_the_bench_extra_brings_what_pytest_benchmarks_needs():
     import tomllib
 
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    names = {req.split(">")[0].split("=")[0].split(";")[0].strip() for req in extras["bench"]}
-    assert {"pytest-benchmark", "pytest", "rich", "matplotlib"} <= names
+    dev = tomllib.loads((ROOT / "dev" / "pyproject.toml").read_text())["project"]
+    names = {req.split(">")[0].split("=")[0].split(";")[0].split("[")[0].strip()
+             for req in [*dev["dependencies"], *dev["optional-dependencies"]["bench"]]}
+    assert {"pytest-benchmark", "pytest", "matplotlib", "sglang-simm"} <= names
+    assert "[cli]" in next(r for r in dev["dependencies"] if r.startswith("sglang-simm"))  # rich
 
 
 def test_the_readme_install_commands_can_work_before_the_package_is_published():
@@ -149,6 +175,7 @@ def test_the_readme_install_commands_can_work_before_the_package_is_published():
     readme = (ROOT / "README.md").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = set(project["optional-dependencies"])
+    dev_extras = set(tomllib.loads((ROOT / "dev" / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     commands = [line.split("#")[0].strip() for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", readme, re.S)
                 for line in block.splitlines()]
     installs = [c for c in commands if c.startswith("pip install")]
@@ -159,8 +186,8 @@ def test_the_readme_install_commands_can_work_before_the_package_is_published():
         assert not re.search(r"(?<![\w./-])sglang-simm(\[|\s|$|')", c), f"not on the index yet: {c}"
         for wheel in re.findall(r"dist/(sglang_simm-[^'\s\[]+\.whl)", c):
             assert wheel == f"sglang_simm-{__version__}-py3-none-any.whl", c
-        for group in re.findall(r"\[([a-z,]+)\]", c):  # every extra named exists
-            assert set(group.split(",")) <= extras, c
+        for target, group in re.findall(r"([\w./-]*)\[([a-z,]+)\]", c):  # every extra named exists
+            assert set(group.split(",")) <= (dev_extras if target.rstrip("/").endswith("dev") else extras), c
     # CPU torch first: installed after, plain torch is a multi-GB CUDA build
     ours = next(i for i, c in enumerate(installs) if re.search(r"'(\.|dist/)", c))
     torch = [i for i, c in enumerate(installs) if re.match(r"pip install torch\b", c)]

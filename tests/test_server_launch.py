@@ -33,7 +33,7 @@ def test_a_launched_process_ends_when_its_launcher_is_killed(tmp_path, how):
     pidfile = tmp_path / "child.pid"
     launcher = textwrap.dedent(f"""
         import os, subprocess, sys, time
-        from sglang_simm.tools.sglang_server import ends_with_launcher
+        from sglang_simm_dev.sglang_server import ends_with_launcher
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                                  start_new_session=True, preexec_fn=ends_with_launcher())
         with open({str(pidfile) + '.tmp'!r}, "w") as f:
@@ -60,7 +60,7 @@ def test_a_launched_process_ends_when_its_launcher_is_killed(tmp_path, how):
 def test_a_launched_process_lives_while_its_launcher_does(tmp_path):
     """The death signal is armed in the child (it reads SIGTERM back from
     the kernel) and is no timer: the child runs on while its launcher does."""
-    from sglang_simm.tools.sglang_server import ends_with_launcher
+    from sglang_simm_dev.sglang_server import ends_with_launcher
 
     probe = textwrap.dedent("""
         import ctypes, sys, time
@@ -112,14 +112,14 @@ def test_a_test_run_ended_by_sigterm_still_stops_its_store_processes():
 
 
 def test_a_demo_ended_by_sigterm_stops_the_store_it_started(host_store_dir):
-    """`kill` of `sglang-simm demo` mid-run exits through its cleanup: the
+    """`kill` of `sglang-simm-dev demo` mid-run exits through its cleanup: the
     host store it started for itself is stopped, not left behind."""
     from sglang_simm.embedded._paths import StorePaths, read_pid
 
     script = textwrap.dedent("""
         import sys, time
-        from sglang_simm.tools import cli
-        from sglang_simm.tools.demo import kv
+        from sglang_simm_dev import cli
+        from sglang_simm_dev.demo import kv
 
         def waiting(self, driver, requests):  # the demo, stopped mid-run
             print("READY", flush=True)
@@ -161,7 +161,7 @@ def test_a_stopped_server_leaves_no_load_report_file_in_dev_shm(tmp_path):
     launched process maps one here, as a scheduler does."""
     import uuid
 
-    from sglang_simm.tools.sglang_server import SGLANG_SHM_PREFIX, ServerConfig, SGLangServer
+    from sglang_simm_dev.sglang_server import SGLANG_SHM_PREFIX, ServerConfig, SGLangServer
 
     path = f"{SGLANG_SHM_PREFIX}test_{uuid.uuid4().hex[:8]}.shm"
     other = f"{SGLANG_SHM_PREFIX}test_{uuid.uuid4().hex[:8]}.shm"  # another server's: not ours to remove

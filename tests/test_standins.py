@@ -10,7 +10,7 @@ import textwrap
 
 import torch
 
-from sglang_simm.tools import cpu_standins
+from sglang_simm_dev import cpu_standins
 
 
 def test_this_process_has_no_server_standins():
@@ -57,10 +57,10 @@ _HOST_POOL_ROUND_TRIP = textwrap.dedent(
     """
     import ctypes
     import torch
-    from sglang_simm.tools import cpu_standins
+    from sglang_simm_dev import cpu_standins
     cpu_standins.install_server_standins()
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang_simm.tools.pools import ModelGeometry, build_device_pool, build_host_pool
+    from sglang_simm_dev.pools import ModelGeometry, build_device_pool, build_host_pool
 
     assert MHATokenToKVPoolHost.load_to_device_per_layer.__cpu_standin__
     geom = ModelGeometry("standin-check", 3, 2, 8, 4, dtype=torch.float32)

@@ -2,7 +2,7 @@
 
     benchmarks/native_views/measure.py [--python PY] [--repeat 200] [--json PATH]
 
-``sglang_simm.tools.nullkv`` stands in for SiMM with pure-Python "native"
+``sglang_simm_dev.nullkv`` stands in for SiMM with pure-Python "native"
 classes (a ``DataView`` with ``__slots__`` and an ``__init__``, a
 ``KVStore`` whose batch calls return a list). SiMM's are nanobind classes.
 This builds ``views.cpp`` (same class names, constructors and batch-call
@@ -145,7 +145,7 @@ def machine() -> dict[str, Any]:
 def run(repeat: int, target_s: float) -> dict[str, Any]:
     import _nullkv_native as nb_kv
 
-    from sglang_simm.tools import nullkv
+    from sglang_simm_dev import nullkv
 
     layers = {"nanobind": nb_kv, "null": nullkv._kv}
     mrs_of = {"nanobind": nb_kv.register_mr(1 << 20, 1 << 30), "null": nullkv.MrExt(1 << 20, 1 << 30)}

@@ -4,7 +4,7 @@
 // answer at once. What it costs per call is nanobind's own work: argument
 // conversion, a list becoming a std::vector (one DataView copy per object),
 // the GIL release and the result list. measure.py compares that with the
-// pure-Python null client in sglang_simm.tools.nullkv.
+// pure-Python null client in sglang_simm_dev.nullkv.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>

@@ -9,7 +9,7 @@ free port and is stopped by its pid (then its process group) at the end of
 the session, whatever happened; the host stores their schedulers start live
 in the session's store directory and are stopped by their pids too
 (tests/conftest.py). Servers run their own processes with the CPU
-stand-ins of ``sglang_simm.tools.cpu_standins`` (through ``sitecustomize``);
+stand-ins of ``sglang_simm_dev.cpu_standins`` (through ``sitecustomize``);
 this pytest process never installs them.
 """
 
@@ -20,8 +20,8 @@ from collections.abc import Callable
 import pytest
 from e2e_util import DEVICE_TOKENS, PAGE
 
-from sglang_simm.tools.sglang_server import SGLangServer, ServerConfig
-from sglang_simm.tools.tiny_model import write_model
+from sglang_simm_dev.sglang_server import SGLangServer, ServerConfig
+from sglang_simm_dev.tiny_model import write_model
 
 #: SiMM's client gives a request 1 s (``request_timeout_ms``, its flag
 #: ``clnt_sync_req_timeout_ms``). Three CPU servers and the tests on two

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from sglang_simm.tools.tiny_model import PRESETS
+from sglang_simm_dev.tiny_model import PRESETS
 
 #: the model every e2e server runs
 TINY = PRESETS["llama-tiny"]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import pytest
 from e2e_util import DEVICE_TOKENS, PAGE, TINY, matchable_tokens, prompt
 
-from sglang_simm.tools.sglang_server import SGLangServer
+from sglang_simm_dev.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""``sglang-simm demo --server``, the main job, end to end on a small model:
+"""``sglang-simm-dev demo --server``, the main job, end to end on a small model:
 every answer matches its fresh computation and the last one comes from L3."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_server_demo_restores_from_l3_with_the_same_answers(tmp_path, capsys):
-    from sglang_simm.tools.cli import main
+    from sglang_simm_dev.cli import main
 
     out = tmp_path / "demo.json"
     code = main([

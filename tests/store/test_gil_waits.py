@@ -2,7 +2,7 @@
 20): in a server the backup and prefetch threads share the GIL with a busy
 scheduler thread, and every release may cost up to the 5 ms switch
 interval to get it back. Counted with the bench's own harness
-(``tools/bench/backup_gil``) on a store in its own process."""
+(``sglang_simm_dev.bench.backup_gil``) on a store in its own process."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from sglang_simm.embedded import _copy, _host
 from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._protocol import Op
 from sglang_simm.errors import DS_DATA_ALREADY_EXISTS, DS_KEY_NOT_FOUND, OK, SEND_RPC_FAILED
-from sglang_simm.tools.bench.backup_gil import Counts, CountingSocket, _install_counters
+from sglang_simm_dev.bench.backup_gil import Counts, CountingSocket, _install_counters
 
 from raw_peer import Peer, StoreProc, env, wait_for
 

@@ -25,9 +25,9 @@ import sys
 def one_run(rank: int, size: int, init: str, pages: int, model: str, manager: str) -> dict:
     import torch.distributed as dist
 
-    from sglang_simm.tools.demo.common import PageHasher, PagePattern
-    from sglang_simm.tools.demo.drivers import ControllerDriver
-    from sglang_simm.tools.pools import PRESETS
+    from sglang_simm_dev.demo.common import PageHasher, PagePattern
+    from sglang_simm_dev.demo.drivers import ControllerDriver
+    from sglang_simm_dev.pools import PRESETS
 
     if model == "mla":
         geom = dataclasses.replace(PRESETS["deepseek-v3"], page_size=4)

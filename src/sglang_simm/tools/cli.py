@@ -1,7 +1,10 @@
-"""``sglang-simm`` (also ``python -m sglang_simm``): the one door into the tools (doctor, demo, bench).
+"""``sglang-simm`` (also ``python -m sglang_simm``): the operator's commands (doctor, store).
 
 Each command's module is imported when it runs, and rich with it, so
-importing this module stays cheap.
+importing this module stays cheap. The demo and the bench are not in the
+wheel: they live in the repository's ``dev/`` (``sglang-simm-dev demo``,
+``sglang-simm-dev bench``), which imports this module's helpers; ``demo``
+and ``bench`` here only say where they went.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, Sequence
 PIPE_WIDTH = 240
 
 
-def _console() -> Any:
+def make_console() -> Any:
     from rich.console import Console
 
     console = Console(highlight=False)
@@ -128,7 +131,7 @@ def _toml_module(where: str) -> Any:
         ) from None
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--extra-config",
         metavar="JSON|@FILE",
@@ -137,7 +140,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manager", metavar="ADDR", help="shortcut for manager_address (host:port, local, local://NAME)")
 
 
-def _extra_from_args(args: argparse.Namespace) -> dict[str, Any]:
+def extra_from_args(args: argparse.Namespace) -> dict[str, Any]:
     extra = parse_extra_config(args.extra_config)
     if args.manager:
         extra["manager_address"] = args.manager
@@ -149,82 +152,66 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="sglang-simm",
-        description="SiMM as SGLang's HiCache L3 tier: check a setup, run the demo, measure.",
+        description="SiMM as SGLang's HiCache L3 tier: check a setup (doctor), run host stores (store).",
     )
     parser.add_argument("--version", action="version", version=f"sglang-simm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     doctor = sub.add_parser("doctor", help="check configuration, client, RDMA devices and SGLang")
-    _add_config_args(doctor)
+    add_config_args(doctor)
     doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
 
-    demo = sub.add_parser("demo", help="run HiCache's write-back and restore on the embedded store")
-    _add_config_args(demo)
-    demo.add_argument("--model", default=None,
-                      help="page geometry preset (see --list-models); not with --server, which takes --preset")
-    demo.add_argument("--list-models", action="store_true", help="list the geometry presets and exit")
-    demo.add_argument("--pages", type=int, default=None, help="pages in the first request's prefix (default: 192)")
-    demo.add_argument("--page-size", type=int, default=None, help="tokens per page (default: the preset's)")
-    demo.add_argument("--layout", default="page_first", choices=["page_first", "page_first_direct", "page_head"])
-    demo.add_argument("--direct", action="store_true", help="call the backend directly, not SGLang's controller")
-    demo.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    demo.add_argument("--server", action="store_true",
-                      help="the main job as users see it: a real SGLang server on the CPU, time to first token "
-                           "from scratch, from the host tier and from L3 (a few minutes)")
-    from sglang_simm.tools.server_demo import add_arguments as add_server_demo_arguments
-
-    add_server_demo_arguments(demo.add_argument_group("with --server"), shared=True)
-
-    bench = sub.add_parser("bench", help="measure our backend against SGLang's in-tree one")
-    bench.add_argument("--pages", default="1,8,32,128,1024", help="batch sizes (pages per call)")
-    bench.add_argument("--repeat", type=int, default=None,
-                       help="timed repetitions per point (median; default 30, with --server 2)")
-    bench.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
-    bench.add_argument("--store", action="store_true",
-                       help="measure the host store (local) against memcpy, SGLang's file backend and the "
-                            "in-process store instead")
-    bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    bench.add_argument("--plot", metavar="PATH", help="draw a PNG chart (needs matplotlib)")
-    bench.add_argument("--server", action="store_true",
-                       help="L3 backends side by side in real CPU SGLang servers: ours, file, Mooncake, host tier "
-                            "only, no HiCache (minutes; see docs/benchmarks.md)")
-    server = bench.add_argument_group("with --server")
-    server.add_argument("--backends", help="comma list of ours,file,mooncake,mooncake-standalone,host,none "
-                        "(default: all but mooncake-standalone; --quick: ours,file)")
-    server.add_argument("--preset", help="model (llama-tiny, llama-demo; default llama-demo, --quick llama-tiny)")
-    server.add_argument("--python", help="the Python the servers run (default: this one)")
-    server.add_argument("--no-restart", action="store_true", help="skip the restart on the same L3")
-    server.add_argument("--small", action="store_true",
-                        help="a lighter workload for a loaded machine (1,536-token prompt, 4 clients x 3 rounds "
-                             "of 384 tokens, a 2,048-token device pool)")
-    server.add_argument("--host-ratio", type=float, metavar="R",
-                        help="host pool size over the device pool's (default 2.5); below the multi-turn "
-                             "working set, later rounds read from L3")
-    server.add_argument("--docs", metavar="PATH", help="write this run's section of a Markdown results file")
-    server.add_argument("--label", default="latest", help="the section's name in --docs (default: %(default)s)")
+    for name in MOVED:  # every argument accepted, so that the answer is where it went
+        moved = sub.add_parser(name, help=f"not in this package: run from a clone (sglang-simm-dev {name})",
+                               add_help=False, prefix_chars="\0")
+        moved.add_argument("rest", nargs=argparse.REMAINDER)
     from sglang_simm.tools.store import add_arguments as add_store_arguments
 
     add_store_arguments(sub)
     return parser
 
 
-#: KV-demo options that mean nothing to --server (it runs a real model: --preset)
-_NOT_WITH_SERVER = {"model": "--model", "pages": "--pages", "direct": "--direct"}
+#: Commands that left the wheel for the repository's dev/ project (``sglang-simm-dev``).
+MOVED = ("demo", "bench")
+
+
+def moved_message(command: str, rest: Sequence[str] = ()) -> str:
+    """What ``sglang-simm demo`` or ``sglang-simm bench`` answers: where it
+    went and the command to run instead (rich markup)."""
+    import shlex
+
+    from rich.markup import escape
+
+    args = "".join(" " + shlex.quote(a) for a in rest)
+    lines = [
+        f"`sglang-simm {command}` is not part of the sglang-simm package: the demo and the bench run from a "
+        "clone of its repository (https://github.com/sglang-simm/sglang-simm):",
+        f"  bash scripts/demo.sh{args if command == 'demo' else ' --help'}"
+        "    (builds .venv-test once: CPU torch, SGLang, this plugin and sglang-simm-dev)",
+        f"  .venv-test/bin/sglang-simm-dev {command}{args}",
+        "or, where sglang-simm is installed: pip install -e './dev[bench]' (from the clone), "
+        f"then sglang-simm-dev {command}{args}",
+    ]
+    return "[red]error:[/red] " + escape("\n".join(lines))
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # `kill` or a timeout sends SIGTERM, which would skip every cleanup: a
-    # demo's own store process, a bench's stores and servers. Exit through
-    # them instead (only where nobody set another handler).
+def exit_through_cleanup_on_sigterm() -> None:
+    """`kill` or a timeout sends SIGTERM, which would skip every cleanup (a
+    demo's own store process, a bench's stores and servers): exit through
+    them instead, only where nobody set another handler."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    exit_through_cleanup_on_sigterm()
     try:
-        console = _console()
+        console = make_console()
     except ImportError as exc:
         print(f"error: the sglang-simm command needs rich ({exc}): pip install 'rich>=13' "
               "(or, from a clone of this repo, pip install '.[cli]')", file=sys.stderr)
@@ -233,31 +220,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "doctor":
             from sglang_simm.tools.doctor import run_doctor
 
-            return run_doctor(console, _extra_from_args(args), sysfs_root=args.sysfs_root)
-        if args.command == "demo" and args.server:
-            from sglang_simm.tools.server_demo import run as run_server_demo
-
-            from sglang_simm.tools.tiny_model import PRESETS as SERVER_PRESETS
-
-            given = [flag for name, flag in _NOT_WITH_SERVER.items() if getattr(args, name) not in (None, False)]
-            if given:
-                console.print(f"[red]error:[/red] {', '.join(given)} belong to the KV demo (without --server); "
-                              f"the server demo runs a model of --preset ({', '.join(sorted(SERVER_PRESETS))})")
-                return 2
-
-            return run_server_demo(args)
-        if args.command == "demo":
-            from sglang_simm.tools.demo import run_demo
-
-            return run_demo(console, args, _extra_from_args(args))
+            return run_doctor(console, extra_from_args(args), sysfs_root=args.sysfs_root)
+        if args.command in MOVED:
+            console.print(moved_message(args.command, args.rest))
+            return 2
         if args.command == "store":
             from sglang_simm.tools.store import run_store
 
             return run_store(console, args)
-        if args.command == "bench":
-            from sglang_simm.tools.bench import run_bench
-
-            return run_bench(console, args)
     except (ValueError, OSError) as exc:
         from rich.markup import escape
 

@@ -18,7 +18,7 @@ its own ``extra_key``, which namespaces every tier): same greedy tokens, same
 logprobs. The table gives the time to first token, the KV bytes each tier
 moved, and whether outputs matched; ``--json`` writes it all.
 
-Run: ``sglang-simm demo --server`` (or ``python -m sglang_simm.tools.server_demo``;
+Run: ``sglang-simm-dev demo --server`` (or ``python -m sglang_simm_dev.server_demo``;
 add ``--json out.json``). L3 is a host store of the demo's own
 (``local://server-demo-...``), stopped when the demo ends, unless
 ``--manager`` names another.
@@ -38,8 +38,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from sglang_simm.tools.sglang_server import Generation, SGLangServer, ServerConfig, ServerError
-from sglang_simm.tools.tiny_model import PRESETS, write_model
+from sglang_simm_dev.sglang_server import Generation, SGLangServer, ServerConfig, ServerError
+from sglang_simm_dev.tiny_model import PRESETS, write_model
 
 
 @dataclass
@@ -341,7 +341,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_simm.tools.server_demo", description=__doc__.split("\n\n", 1)[0])
+    parser = argparse.ArgumentParser(prog="python -m sglang_simm_dev.server_demo", description=__doc__.split("\n\n", 1)[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -1,4 +1,4 @@
-"""``sglang-simm bench --server``: run, print, write JSON, the chart and this
+"""``sglang-simm-dev bench --server``: run, print, write JSON, the chart and this
 run's section of the results file (``--docs``)."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ import shlex
 import sys
 from typing import Any
 
-from sglang_simm.tools.bench.report import check_plot_extra, run_and_report
-from sglang_simm.tools.bench.server import plan_from_args, run
-from sglang_simm.tools.bench.server_render import markdown, plot, render
+from sglang_simm_dev.bench.report import check_plot_extra, run_and_report
+from sglang_simm_dev.bench.server import plan_from_args, run
+from sglang_simm_dev.bench.server_render import markdown, plot, render
 
 #: the results file's opening, written when it does not exist yet
 DOCS_HEADER = """# Benchmarks: L3 backends side by side in real SGLang servers
 
-Written by `sglang-simm bench --server --docs docs/benchmarks.md --label NAME`:
+Written by `sglang-simm-dev bench --server --docs docs/benchmarks.md --label NAME`:
 each run replaces its own section (between its markers) and keeps the
-others. What is measured and how: `src/sglang_simm/tools/bench/server.py`
+others. What is measured and how: `dev/sglang_simm_dev/bench/server.py`
 and its modules; the method in short:
 
 - one CPU SGLang server per backend, same model, flags, pool sizes and
@@ -39,11 +39,11 @@ and its modules; the method in short:
 Run it:
 
 ```
-pip install 'sglang-simm[bench]'                  # rich, numpy, matplotlib
+pip install -e './dev[bench]'                  # rich, numpy, matplotlib
 pip install mooncake-transfer-engine-non-cuda     # optional: Mooncake (leaves torch alone)
 apt-get install -y libibverbs1 libnl-3-200 libnl-route-3-200   # what Mooncake's binaries link
-sglang-simm bench --server --json out.json --plot out.png --docs docs/benchmarks.md --label NAME
-sglang-simm bench --server --quick                # ours and file, tiny model, one repetition
+sglang-simm-dev bench --server --json out.json --plot out.png --docs docs/benchmarks.md --label NAME
+sglang-simm-dev bench --server --quick                # ours and file, tiny model, one repetition
 ```
 
 Options: `--backends ours,file,mooncake,mooncake-standalone,host,none` (default
@@ -106,7 +106,7 @@ def run_server_bench(console: Any, args: Any) -> int:
     result = run_and_report(console, args, "bench --server", lambda progress: run(plan, progress=progress),
                             render, plot)
     if getattr(args, "docs", None):
-        command = "sglang-simm " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "bench --server"
+        command = "sglang-simm-dev " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "bench --server"
         update_docs(args.docs, getattr(args, "label", "latest") or "latest", markdown(result, command))
         console.print(f"wrote {os.path.abspath(args.docs)} (section {args.label})")
     return 0 if result["checks"]["ok"] else 1

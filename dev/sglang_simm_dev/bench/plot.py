@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_simm.tools.bench.overhead import OPS
+from sglang_simm_dev.bench.overhead import OPS
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -16,7 +16,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise OSError(f"--plot needs matplotlib ({exc}): pip install 'sglang-simm[bench]'") from exc
+        raise OSError(f"--plot needs matplotlib ({exc}): pip install -e './dev[bench]'") from exc
     clients = [c for c in ("null", "embedded") if any(r["client"] == c for r in result["overhead"])]
     ncols = len(clients) + (1 if result["bandwidth"] else 0)
     fig, axes = plt.subplots(1, max(1, ncols), figsize=(5.5 * max(1, ncols), 4.2), squeeze=False)
@@ -52,7 +52,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_title("bandwidth, host store")
         ax.legend(fontsize=7)
     m = result["machine"]
-    fig.suptitle(f"sglang-simm bench: {m['cpu']}, {m['usable_cores']} cores", fontsize=9)
+    fig.suptitle(f"sglang-simm-dev bench: {m['cpu']}, {m['usable_cores']} cores", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

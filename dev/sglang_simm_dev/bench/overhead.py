@@ -37,11 +37,11 @@ import numpy as np
 import torch
 
 from sglang_simm.binding import KEY_CACHE_LIMIT
-from sglang_simm.tools.bench.backends import make_intree, make_ours, set_exists_answer
-from sglang_simm.tools.bench.checks import Checks, check_result
-from sglang_simm.tools.bench.pages import KeyRing, bytes_of, host_indices, page_keys
-from sglang_simm.tools.bench.timing import Timer, median, spread, time_samples
-from sglang_simm.tools.pools import ModelGeometry, build_host_pool
+from sglang_simm_dev.bench.backends import make_intree, make_ours, set_exists_answer
+from sglang_simm_dev.bench.checks import Checks, check_result
+from sglang_simm_dev.bench.pages import KeyRing, bytes_of, host_indices, page_keys
+from sglang_simm_dev.bench.timing import Timer, median, spread, time_samples
+from sglang_simm_dev.pools import ModelGeometry, build_host_pool
 
 OPS = ("set", "exists", "get", "get-cold")
 
@@ -152,7 +152,7 @@ class OverheadRig:
 
     def check_clients(self, checks: Checks) -> None:
         """Both backends talk to the client under test through the ``simm.kv`` surface."""
-        expected = "sglang_simm.tools.nullkv" if self.client == "null" else "sglang_simm.embedded._client"
+        expected = "sglang_simm_dev.nullkv" if self.client == "null" else "sglang_simm.embedded._client"
         for name, store in (("ours", self.backends["ours"].client.store),
                             ("in-tree", self.backends["in-tree"].store)):
             module = type(store).__module__

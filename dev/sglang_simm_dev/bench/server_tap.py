@@ -35,11 +35,11 @@ TAP_ENV = "SGLANG_SIMM_BENCH_TAP"
 CONTROLLER_MODULE = "sglang.srt.managers.cache_controller"
 
 # The tap module is loaded from its file, not imported as
-# ``sglang_simm.tools.bench.server_tap``: the bench package imports torch and
+# ``sglang_simm_dev.bench.server_tap``: the bench package imports torch and
 # SGLang, which a server must not do this early.
 _SITECUSTOMIZE = '''\
 """Times every L3 batch_get_v1 / batch_set_v1 of this SGLang server (written
-by sglang_simm.tools.bench.server_tap.write_tap; see that module)."""
+by sglang_simm_dev.bench.server_tap.write_tap; see that module)."""
 import os as _os
 
 if _os.environ.get({env!r}):

@@ -5,7 +5,7 @@ plugin as HiCache's L3 tier, for the end-to-end tests and the server demo.
 flags, HiCache on and the storage backend chosen by :class:`ServerConfig`
 (``simm`` through the plugin entry point, or ``dynamic`` with the module
 path and ``interface_v1``). The CUDA-only parts SGLang needs are replaced by
-the stand-ins of :mod:`sglang_simm.tools.cpu_standins`, loaded into every
+the stand-ins of :mod:`sglang_simm_dev.cpu_standins`, loaded into every
 process of the server through a ``sitecustomize.py`` folder on
 ``PYTHONPATH`` (SGLang's scheduler is a spawned subprocess, so an import in
 this process would not reach it). The log goes to a file; the server is
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sglang_simm.embedded._paths import STORE_DIR_ENV
-from sglang_simm.tools import cpu_standins, l3_counts
+from sglang_simm_dev import cpu_standins, l3_counts
 
 #: The names SGLang's scheduler processes give themselves (setproctitle),
 #: e.g. ``sglang::scheduler`` or ``sglang::scheduler_TP1``.

@@ -7,12 +7,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang_simm.tools.bench.backends import make_ours
-from sglang_simm.tools.bench.checks import Checks, check_result
-from sglang_simm.tools.bench.overhead import OVERHEAD_GEOMETRY
-from sglang_simm.tools.bench.pages import bytes_of, fill_pool, host_indices, page_keys
-from sglang_simm.tools.bench.timing import median, time_samples
-from sglang_simm.tools.pools import PRESETS, ModelGeometry, build_host_pool
+from sglang_simm_dev.bench.backends import make_ours
+from sglang_simm_dev.bench.checks import Checks, check_result
+from sglang_simm_dev.bench.overhead import OVERHEAD_GEOMETRY
+from sglang_simm_dev.bench.pages import bytes_of, fill_pool, host_indices, page_keys
+from sglang_simm_dev.bench.timing import median, time_samples
+from sglang_simm_dev.pools import PRESETS, ModelGeometry, build_host_pool
 
 #: Bandwidth cases: (label, geometry). Object sizes 1 MiB, 4 MiB (K and V), 4.3 MiB (MLA).
 BANDWIDTH_CASES: dict[str, ModelGeometry] = {

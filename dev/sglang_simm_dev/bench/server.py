@@ -1,4 +1,4 @@
-"""``sglang-simm bench --server``: L3 backends side by side in real SGLang servers.
+"""``sglang-simm-dev bench --server``: L3 backends side by side in real SGLang servers.
 
 One CPU server per backend (``server_backends``: ours, ``file``, Mooncake,
 host tier only, no HiCache), the same model, flags and prompts, all started
@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from sglang_simm.tools.bench.server_backends import (
+from sglang_simm_dev.bench.server_backends import (
     BACKENDS,
     DEFAULT_BACKENDS,
     L3_BACKENDS,
@@ -35,9 +35,9 @@ from sglang_simm.tools.bench.server_backends import (
     Environment,
     Shape,
 )
-from sglang_simm.tools.bench.server_metrics import scrape, summary
-from sglang_simm.tools.bench.server_tap import RESERVE_ENV, TAP_ENV, by_size, read_ops, write_tap
-from sglang_simm.tools.bench.server_workloads import (
+from sglang_simm_dev.bench.server_metrics import scrape, summary
+from sglang_simm_dev.bench.server_tap import RESERVE_ENV, TAP_ENV, by_size, read_ops, write_tap
+from sglang_simm_dev.bench.server_workloads import (
     BACKUP_WAIT_S,
     Backups,
     Workload,
@@ -49,8 +49,8 @@ from sglang_simm.tools.bench.server_workloads import (
     rotated,
     store_for_restart,
 )
-from sglang_simm.tools.sglang_server import SGLangServer, ServerError
-from sglang_simm.tools.tiny_model import PRESETS, write_model
+from sglang_simm_dev.sglang_server import SGLangServer, ServerError
+from sglang_simm_dev.tiny_model import PRESETS, write_model
 
 #: the host RAM SGLang keeps free when it sizes a host pool, in the bench's
 #: servers (SGLang's own: 10 GiB, see ``server_tap._patch_host_reserve``)

@@ -14,7 +14,7 @@ import time
 from queue import Empty
 from typing import Any, Callable, Iterator
 
-from sglang_simm.tools.demo.common import (
+from sglang_simm_dev.demo.common import (
     DemoFailure,
     DemoSetupError,
     PageHasher,
@@ -28,7 +28,7 @@ from sglang_simm.tools.demo.common import (
 def _build_pools(geom: Any, layout: str, host_pages: int) -> tuple[Any, Any]:
     """A small CPU device pool (two pages: the controller needs one, the
     L2 copies never run) and a host pool of at least ``host_pages`` pages."""
-    from sglang_simm.tools import pools
+    from sglang_simm_dev import pools
 
     device_tokens = 2 * geom.page_size
     device_pool = pools.build_device_pool(geom, device_tokens)
@@ -91,7 +91,7 @@ class DirectDriver(Driver):
 
     def __init__(self, geom: Any, layout: str, host_pages: int, extra: dict[str, Any]):
         from sglang_simm import plugin
-        from sglang_simm.tools import pools
+        from sglang_simm_dev import pools
 
         with quiet_imports():
             from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -193,7 +193,7 @@ class ControllerDriver(Driver):
         import torch.distributed as dist
 
         from sglang_simm import plugin
-        from sglang_simm.tools import pools
+        from sglang_simm_dev import pools
 
         with quiet_imports():
             from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator

@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sglang_simm.tools.bench.server_tap import read_ops
-from sglang_simm.tools.sglang_server import Generation, SGLangServer
+from sglang_simm_dev.bench.server_tap import read_ops
+from sglang_simm_dev.sglang_server import Generation, SGLangServer
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_simm.tools.demo.common import (
+from sglang_simm_dev.demo.common import (
     POISON_BYTE,
     VOCAB_SIZE,
     DemoFailure,
@@ -48,7 +48,7 @@ from sglang_simm.tools.demo.common import (
     storage_batch_size,
     wipe,
 )
-from sglang_simm.tools.pools import ModelGeometry
+from sglang_simm_dev.pools import ModelGeometry
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class HybridDemo:
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
         from sglang_simm import plugin
-        from sglang_simm.tools import pools
+        from sglang_simm_dev import pools
 
         config = self.resolved.config
         if config.is_embedded and self.resolved.sources.get("embedded_capacity_bytes") == "default":
@@ -228,7 +228,7 @@ class HybridDemo:
         res, g, ps = self.result, self.kv_geom, self.kv_geom.page_size
         store = backend.client.description
         m = self.preset.mamba
-        self.console.print(f"[bold]sglang-simm demo[/bold]: a hybrid model's HiCache L3 path on {store}")
+        self.console.print(f"[bold]sglang-simm-dev demo[/bold]: a hybrid model's HiCache L3 path on {store}")
         self.console.print(f"  model     {g.name} ({self.preset.description})")
         self.console.print(f"  page      {human(self.page_bytes)} of KV ({g.layer_num} attention layers, "
                            f"{g.page_size} tokens), layout {self.opts.layout}")

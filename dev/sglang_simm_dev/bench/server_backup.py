@@ -1,6 +1,6 @@
 """Where a small backup's time goes on the host store, layer by layer.
 
-``python -m sglang_simm.tools.bench.server_backup [--pages 1,4,8] [--busy] [--json PATH]``
+``python -m sglang_simm_dev.bench.server_backup [--pages 1,4,8] [--busy] [--json PATH]``
 
 A backup in a server is one ``batch_set_v1`` of new pages from SGLang's
 backup thread. Here the same call runs on a real SGLang host pool of the
@@ -168,8 +168,8 @@ def _backend(pages_in_pool: int, name: str) -> Iterator[tuple[Any, Any]]:
 
     from sglang_simm import embedded
     from sglang_simm.plugin import register
-    from sglang_simm.tools.bench.pages import fill_pool
-    from sglang_simm.tools.pools import ModelGeometry, build_host_pool, storage_config
+    from sglang_simm_dev.bench.pages import fill_pool
+    from sglang_simm_dev.pools import ModelGeometry, build_host_pool, storage_config
 
     from sglang.srt.mem_cache.pool_host import base
 
@@ -225,7 +225,7 @@ def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = Fal
     ``busy``: beside a thread running Python (``busy_thread``)."""
     from sglang_simm.embedded import _arena, _host
     from sglang_simm.embedded._protocol import Op
-    from sglang_simm.tools.bench.pages import host_indices, page_keys
+    from sglang_simm_dev.bench.pages import host_indices, page_keys
 
     pool_pages = max(sizes) * 8
     name = f"backup-breakdown-{os.getpid()}"
@@ -314,7 +314,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_simm.tools.bench.server_backup", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sglang_simm_dev.bench.server_backup", description=__doc__.split("\n")[0])
     parser.add_argument("--pages", default="1,4,8", help="batch sizes, pages per backup (default 1,4,8)")
     parser.add_argument("--repeat", type=int, default=200, help="timed calls per size (default 200)")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")

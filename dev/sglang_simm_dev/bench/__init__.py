@@ -1,4 +1,4 @@
-"""``sglang-simm bench``: the command (plan, run, JSON) measuring our backend against SGLang's in-tree one.
+"""``sglang-simm-dev bench``: the command (plan, run, JSON) measuring our backend against SGLang's in-tree one.
 
 Four measurements over real SGLang host pools on the CPU:
 
@@ -7,7 +7,7 @@ Four measurements over real SGLang host pools on the CPU:
    SGLang's in-tree ``HiCacheSiMM``, on two clients, both reached through the
    ``simm.kv`` surface so each backend takes its real-client code path:
 
-   * the **null client** (``sglang_simm.tools.nullkv``), which answers every batch
+   * the **null client** (``sglang_simm_dev.nullkv``), which answers every batch
      call at once without touching memory, so only the backends' own work is
      timed (keys, pointers, views, result handling);
    * the **host store** (``local``, ``sglang_simm.embedded``), the whole data path.
@@ -51,12 +51,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from sglang_simm.tools.bench.backends import INTREE_MODULE, embedded_server, load_intree_class, make_intree, make_ours
-from sglang_simm.tools.bench.bandwidth import BANDWIDTH_CASES, BandwidthRig, measure_bandwidth
-from sglang_simm.tools.bench.checks import Checks, check_result
-from sglang_simm.tools.bench.gil import longest_hold, measure_gil
-from sglang_simm.tools.bench.goals import evaluate_goals
-from sglang_simm.tools.bench.overhead import (
+from sglang_simm_dev.bench.backends import INTREE_MODULE, embedded_server, load_intree_class, make_intree, make_ours
+from sglang_simm_dev.bench.bandwidth import BANDWIDTH_CASES, BandwidthRig, measure_bandwidth
+from sglang_simm_dev.bench.checks import Checks, check_result
+from sglang_simm_dev.bench.gil import longest_hold, measure_gil
+from sglang_simm_dev.bench.goals import evaluate_goals
+from sglang_simm_dev.bench.overhead import (
     FRESH_HOST_PAGES,
     NULL_GEOMETRY,
     OP_MEANING,
@@ -67,12 +67,12 @@ from sglang_simm.tools.bench.overhead import (
     measure_overhead,
     scaling,
 )
-from sglang_simm.tools.bench.pages import KeyRing, fill_pool, host_indices, page_keys
-from sglang_simm.tools.bench.plot import plot
-from sglang_simm.tools.bench.render import render
-from sglang_simm.tools.bench.report import check_plot_extra, run_and_report
-from sglang_simm.tools.bench.timing import median, time_samples
-from sglang_simm.tools.pools import build_host_pool
+from sglang_simm_dev.bench.pages import KeyRing, fill_pool, host_indices, page_keys
+from sglang_simm_dev.bench.plot import plot
+from sglang_simm_dev.bench.render import render
+from sglang_simm_dev.bench.report import check_plot_extra, run_and_report
+from sglang_simm_dev.bench.timing import median, time_samples
+from sglang_simm_dev.pools import build_host_pool
 
 __all__ = [
     "BANDWIDTH_CASES",
@@ -289,7 +289,7 @@ def run_bench(console: Any, args: Any) -> int:
         if getattr(args, "store", False):
             return run_store_bench(console, args)
         if getattr(args, "server", False):
-            from sglang_simm.tools.bench.server_cli import run_server_bench
+            from sglang_simm_dev.bench.server_cli import run_server_bench
 
             return run_server_bench(console, args)
         plan = plan_from_args(args)
@@ -301,7 +301,7 @@ def run_bench(console: Any, args: Any) -> int:
 def run_store_bench(console: Any, args: Any) -> int:
     """``bench --store``: the host store against memcpy, SGLang's ``file``
     backend and the in-process store (``tools.bench.store``)."""
-    from sglang_simm.tools.bench import store
+    from sglang_simm_dev.bench import store
 
     repeat = 5 if getattr(args, "quick", False) else max(int(getattr(args, "repeat", None) or 30), 5)
     with console.status("bench --store: host store, file backend, memcpy"):

@@ -1,6 +1,6 @@
 """GIL releases, blocking waits and time of a backup and a restore on the host store.
 
-``python -m sglang_simm.tools.bench.backup_gil [--pages 1,4,8,32,128] [--repeat 30]
+``python -m sglang_simm_dev.bench.backup_gil [--pages 1,4,8,32,128] [--repeat 30]
 [--before REV] [--rounds 2] [--json PATH]``
 
 In a server, SGLang's backup and prefetch threads share the GIL with a busy
@@ -24,7 +24,7 @@ from timing (the counters' own ``select`` would be in the figures).
 
 ``--before REV[,REV...]`` runs the same bench on the embedded client of
 those git revisions (each one's ``src`` exported to a temporary directory,
-this file copied in), all trees taking turns ``--rounds`` times each, so
+this bench run from this tree), all trees taking turns ``--rounds`` times each, so
 every column shares the machine's load; ``--before none`` measures this
 tree only. Torch's own
 GIL releases in the backend (outside the embedded client) are not counted;
@@ -38,7 +38,6 @@ import gc
 import json
 import os
 import select
-import shutil
 import statistics
 import subprocess
 import sys
@@ -111,6 +110,14 @@ class CountingSocket:
         return getattr(self._sock, name)
 
 
+def _plugin_root() -> str:
+    """The folder this process imports ``sglang_simm`` from (a tree's
+    ``src``, or site-packages), for a child's ``PYTHONPATH``."""
+    import sglang_simm
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(sglang_simm.__file__)))
+
+
 def _install_counters(server: Any, counts: Counts) -> Callable[[], None]:
     """Count the GIL releases of ``server``'s connection and of the copies;
     returns what undoes it."""
@@ -154,8 +161,8 @@ def measure(sizes: list[int], repeat: int, warmup: int = 5) -> dict[str, Any]:
     and wall µs idle and busy (p10 / median / p90)."""
     import time
 
-    from sglang_simm.tools.bench.pages import host_indices, page_keys
-    from sglang_simm.tools.bench.server_backup import _backend, _quantiles, busy_thread
+    from sglang_simm_dev.bench.pages import host_indices, page_keys
+    from sglang_simm_dev.bench.server_backup import _backend, _quantiles, busy_thread
 
     pool_pages = max(sizes) * 4
     name = f"backup-gil-{os.getpid()}"
@@ -249,21 +256,19 @@ def measure(sizes: list[int], repeat: int, warmup: int = 5) -> dict[str, Any]:
 
 
 def _export(rev: str, into: str) -> str:
-    """``src`` of git revision ``rev`` under ``into``, with this bench copied
-    in (the revision may predate it); the path to put on PYTHONPATH."""
+    """``src`` of git revision ``rev`` under ``into``, the path to put on
+    PYTHONPATH (this bench runs from this tree's ``sglang_simm_dev``)."""
     repo = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     archive = subprocess.run(["git", "-C", repo, "archive", rev, "src"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
-    src = os.path.join(into, "src")
-    shutil.copy(os.path.abspath(__file__), os.path.join(src, "sglang_simm", "tools", "bench", "backup_gil.py"))
-    return src
+    return os.path.join(into, "src")
 
 
 def _child(src: str, sizes: list[int], repeat: int, path: str) -> dict[str, Any]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "sglang_simm.tools.bench.backup_gil", "--child", "--pages",
+    cmd = [sys.executable, "-m", "sglang_simm_dev.bench.backup_gil", "--child", "--pages",
            ",".join(map(str, sizes)), "--repeat", str(repeat), "--json", path]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(path) as f:
@@ -310,7 +315,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_simm.tools.bench.backup_gil",
+    parser = argparse.ArgumentParser(prog="python -m sglang_simm_dev.bench.backup_gil",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--pages", default=",".join(map(str, DEFAULT_SIZES)), help="pages per call (comma list)")
     parser.add_argument("--repeat", type=int, default=30, help="timed calls per size, op and mode (default 30)")
@@ -333,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f)
         return 0
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    here = _plugin_root()
     # the children's stores live in, and go with, a directory of this run's
     with tempfile.TemporaryDirectory(prefix="backup-gil-") as tmp, private_store_dir("sglang-simm-bench-"):
         trees: dict[str, str] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_simm.tools.bench.overhead import OPS
+from sglang_simm_dev.bench.overhead import OPS
 
 GOAL_RATIO = {"set": 5.0, "exists": 2.0, "get": 5.0, "get-cold": 5.0}
 GOAL_US_PER_PAGE = 1.0

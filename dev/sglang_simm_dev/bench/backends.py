@@ -15,7 +15,7 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from sglang_simm.tools.pools import ModelGeometry, storage_config
+from sglang_simm_dev.pools import ModelGeometry, storage_config
 
 INTREE_MODULE = "sglang.srt.mem_cache.storage.simm.hicache_simm"
 #: The host store of this run: its own name, so two runs never share one.
@@ -34,7 +34,7 @@ def load_intree_class(kv_module: Any) -> type:
         if getattr(kv_module, "__simm_embedded__", False):
             from sglang_simm.embedded import alias_as_simm_kv
         else:
-            from sglang_simm.tools.nullkv import alias_as_simm_kv as _alias
+            from sglang_simm_dev.nullkv import alias_as_simm_kv as _alias
 
             alias_as_simm_kv = lambda: _alias(kv_module)  # noqa: E731
         with alias_as_simm_kv():
@@ -84,7 +84,7 @@ def make_ours(pool: Any, geom: ModelGeometry, client: str, *, capacity: int | No
     sc = _storage_config(geom, extra)
     with _quiet("sglang_simm.backend", "sglang_simm.embedded"):
         if client == "null":
-            from sglang_simm.tools import nullkv
+            from sglang_simm_dev import nullkv
             from sglang_simm.client import KVClient
 
             kv = KVClient(nullkv, nullkv.Store(), description="null client", embedded=True)
@@ -96,7 +96,7 @@ def make_intree(pool: Any, geom: ModelGeometry, client: str) -> Any:
     """SGLang's in-tree backend with ``simm.kv`` = the null client or the
     embedded store (its ``manager_address`` ``bench:0`` names server ``bench``)."""
     if client == "null":
-        from sglang_simm.tools import nullkv as kv_module
+        from sglang_simm_dev import nullkv as kv_module
     else:
         from sglang_simm import embedded as kv_module
     cls = load_intree_class(kv_module)

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from sglang_simm.tools.demo.common import (
+from sglang_simm_dev.demo.common import (
     VOCAB_SIZE,
     DemoFailure,
     DemoOptions,
@@ -59,8 +59,8 @@ from sglang_simm.tools.demo.common import (
     storage_batch_size,
     wipe,
 )
-from sglang_simm.tools.demo.drivers import ControllerDriver, DirectDriver, Driver
-from sglang_simm.tools.demo.reference import REFERENCE_BYTES, memcpy_reference
+from sglang_simm_dev.demo.drivers import ControllerDriver, DirectDriver, Driver
+from sglang_simm_dev.demo.reference import REFERENCE_BYTES, memcpy_reference
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def _available_memory() -> int | None:
 
 
 def resolve_geometry(model: str, page_size: int | None) -> Any:
-    from sglang_simm.tools.pools import PRESETS
+    from sglang_simm_dev.pools import PRESETS
 
     if model not in PRESETS:
         raise ValueError(f"{model!r} is not a KV-only preset; those are: {', '.join(PRESETS)}")
@@ -106,7 +106,7 @@ def split_request(pages: int) -> tuple[int, int]:
 
 def list_rows() -> list[tuple[str, ...]]:
     """Rows for ``--list-models``: the KV presets."""
-    from sglang_simm.tools.pools import PRESETS
+    from sglang_simm_dev.pools import PRESETS
 
     rows = []
     for key, g in PRESETS.items():
@@ -335,7 +335,7 @@ class Demo:
         shape = (f"{g.layer_num} layers, MLA {g.kv_lora_rank}+{g.qk_rope_head_dim}" if g.is_mla
                  else f"{g.layer_num} layers x {g.head_num} KV heads x {g.head_dim}")
         store = getattr(getattr(driver.backend, "client", None), "description", self.config.manager_address)
-        c.print(f"[bold]sglang-simm demo[/bold]: HiCache L3 write-back and restore on {store}")
+        c.print(f"[bold]sglang-simm-dev demo[/bold]: HiCache L3 write-back and restore on {store}")
         c.print(f"  model     {g.name} ({shape}, {str(g.dtype).replace('torch.', '')}, "
                 f"{g.page_size} tokens a page)")
         c.print(f"  page      {human(self.page_bytes)} = {objects} object(s) of "

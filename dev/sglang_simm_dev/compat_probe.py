@@ -1,6 +1,6 @@
 """One SGLang release's compatibility, checked in its own interpreter.
 
-``python -m sglang_simm.tools.compat_probe`` builds the backend through SGLang's
+``python -m sglang_simm_dev.compat_probe`` builds the backend through SGLang's
 own storage factory on every route the release has (``dynamic`` always,
 ``simm`` where SGLang loads plugins), round-trips three pages of an MHA and an
 MLA host pool, then the same through the v2 batch interface where the release
@@ -22,7 +22,7 @@ PLUGINS_SINCE = (0, 5, 11)
 
 
 def _geometries() -> dict[str, Any]:
-    from sglang_simm.tools.pools import PRESETS, ModelGeometry
+    from sglang_simm_dev.pools import PRESETS, ModelGeometry
 
     return {
         "mha": PRESETS["tiny"],
@@ -43,7 +43,7 @@ def _pages(host: Any, first: int, count: int) -> list[Any]:
 def _backend(route: str, geom: Any) -> tuple[Any, Any]:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    from sglang_simm.tools.pools import build_host_pool, storage_config
+    from sglang_simm_dev.pools import build_host_pool, storage_config
 
     host = build_host_pool(geom, tokens=64)
     # a store of this case's own: every release's probe shares one store

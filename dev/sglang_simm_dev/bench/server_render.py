@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_simm.tools.bench.server_backends import MOONCAKE_INSTALL
-from sglang_simm.tools.bench.server_tap import SIZE_CLASSES, size_class
+from sglang_simm_dev.bench.server_backends import MOONCAKE_INSTALL
+from sglang_simm_dev.bench.server_tap import SIZE_CLASSES, size_class
 
 #: how each backend is named in tables
 TITLES = {"ours": "ours (host store)", "file": "file (/dev/shm)", "mooncake": "Mooncake (TCP)",
@@ -129,7 +129,7 @@ def _load(values) -> str:
 def render(console: Any, result: dict[str, Any]) -> None:
     from rich.table import Table
 
-    console.print("[bold]sglang-simm bench --server[/bold]")
+    console.print("[bold]sglang-simm-dev bench --server[/bold]")
     for title, header, rows in tables(result):
         t = Table(title=title, title_justify="left")
         for i, h in enumerate(header):

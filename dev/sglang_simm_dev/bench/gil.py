@@ -21,9 +21,9 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from sglang_simm.tools.bench.checks import Checks
-from sglang_simm.tools.bench.overhead import OPS, OverheadRig, check_call
-from sglang_simm.tools.bench.timing import median
+from sglang_simm_dev.bench.checks import Checks
+from sglang_simm_dev.bench.overhead import OPS, OverheadRig, check_call
+from sglang_simm_dev.bench.timing import median
 
 #: Calls measured per backend, operation and size.
 GIL_CALLS = 21

@@ -28,7 +28,7 @@ def render(console: Any, result: dict[str, Any]) -> None:
 
     m = result["machine"]
     console.print(
-        f"[bold]sglang-simm bench[/bold]  {m['cpu']}, {m['usable_cores']} cores, "
+        f"[bold]sglang-simm-dev bench[/bold]  {m['cpu']}, {m['usable_cores']} cores, "
         f"torch {m['torch']} ({m['torch_threads']} threads), SGLang {m['sglang']}"
     )
     s = result["settings"]

@@ -12,7 +12,7 @@ def check_plot_extra(args: Any) -> None:
         try:
             import matplotlib  # noqa: F401
         except ImportError as exc:
-            raise OSError(f"--plot needs matplotlib ({exc}): pip install 'sglang-simm[bench]'") from exc
+            raise OSError(f"--plot needs matplotlib ({exc}): pip install -e './dev[bench]'") from exc
 
 
 def run_and_report(console: Any, args: Any, label: str, run_with: Callable[[Callable[[str], None]], dict[str, Any]],

@@ -66,7 +66,7 @@ def _cuda_absent() -> bool:
 
 def _unavailable(name: str) -> Callable:
     def fn(*args, **kwargs):
-        raise NotImplementedError(f"{name}: no CPU stand-in (sglang_simm.tools.cpu_standins)")
+        raise NotImplementedError(f"{name}: no CPU stand-in (sglang_simm_dev.cpu_standins)")
 
     fn.__name__ = name.rsplit(".", 1)[-1]
     return fn
@@ -420,9 +420,9 @@ def install_server_standins() -> None:
 
 _SITECUSTOMIZE = '''\
 """CPU stand-ins for every process of a CPU SGLang server (written by
-sglang_simm.tools.cpu_standins.write_sitecustomize; this folder is put on
+sglang_simm_dev.cpu_standins.write_sitecustomize; this folder is put on
 PYTHONPATH by the launcher, so SGLang's spawned scheduler runs it too)."""
-from sglang_simm.tools import cpu_standins as _standins
+from sglang_simm_dev import cpu_standins as _standins
 
 _standins.install_server_standins()
 _standins.chain_sitecustomize(__file__)

@@ -1,4 +1,4 @@
-"""``sglang-simm bench --store``: the host store against what a single host has.
+"""``sglang-simm-dev bench --store``: the host store against what a single host has.
 
 Three measurements, each side by side in one run (candidates alternate
 within every repetition; medians), timed the way serving uses the store:
@@ -65,8 +65,16 @@ class _Buffers:
         return self.nbytes
 
 
+def _plugin_root() -> str:
+    """The folder this process imports ``sglang_simm`` from (a tree's
+    ``src``, or site-packages), for a child's ``PYTHONPATH``."""
+    import sglang_simm
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(sglang_simm.__file__)))
+
+
 def _storage_config(extra: dict[str, Any], geom: Any) -> Any:
-    from sglang_simm.tools.pools import storage_config
+    from sglang_simm_dev.pools import storage_config
 
     return storage_config(extra_config=extra, is_mla_model=geom.is_mla, model_name=geom.name)
 
@@ -193,7 +201,7 @@ def measure(*, repeat: int = 15, pages: int = 128, bandwidth_page_size: int = 16
             control_pages: int = 128) -> dict[str, Any]:
     import torch
 
-    from sglang_simm.tools.pools import PRESETS, build_host_pool
+    from sglang_simm_dev.pools import PRESETS, build_host_pool
 
     results: dict[str, Any] = {"pages": pages, "repeat": repeat}
     name = f"bench-{uuid.uuid4().hex[:8]}"
@@ -377,7 +385,7 @@ def measure_fairness(samples: int = 2000) -> dict[str, Any]:
     try:
         out["idle"] = _percentiles(gets())
         env = dict(os.environ)
-        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        src = _plugin_root()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen([sys.executable, "-c", _HAMMER, name, str(server.max_batch), "600"],
                                 stdout=subprocess.PIPE, text=True, env=env)
@@ -461,7 +469,7 @@ def measure_crash(capacity: int = 1 << 30, object_bytes: int = 1 << 20) -> dict[
     server = _host_store(name, capacity, idle_exit_s=0.0)
     pid = server.pid
     env = dict(os.environ)
-    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    src = _plugin_root()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     writer = subprocess.Popen([sys.executable, "-c", _CRASH_WRITER, name, str(object_bytes)],
                               stdout=subprocess.PIPE, text=True, env=env)
@@ -497,12 +505,12 @@ def measure_crash(capacity: int = 1 << 30, object_bytes: int = 1 << 20) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sglang_simm.tools.bench.store [fold|fairness|stalled|crash ...] [--json PATH]``:
+    """``python -m sglang_simm_dev.bench.store [fold|fairness|stalled|crash ...] [--json PATH]``:
     the server measurements of ``bench --store`` on their own (crash: 1 GiB)."""
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="python -m sglang_simm.tools.bench.store")
+    parser = argparse.ArgumentParser(prog="python -m sglang_simm_dev.bench.store")
     parser.add_argument("what", nargs="*", default=["fold", "fairness", "stalled"],
                         choices=["fold", "fairness", "stalled", "crash"])
     parser.add_argument("--json", metavar="PATH")

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sglang_simm.tools.sglang_server import ServerConfig, free_port
+from sglang_simm_dev.sglang_server import ServerConfig, free_port
 
 #: every backend the bench knows, in its order
 BACKENDS = ("ours", "file", "mooncake", "mooncake-standalone", "host", "none")

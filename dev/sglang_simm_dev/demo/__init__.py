@@ -1,4 +1,4 @@
-"""``sglang-simm demo``: the command (``run_demo``, ``--list-models``), dispatching to the KV or the hybrid demo.
+"""``sglang-simm-dev demo``: the command (``run_demo``, ``--list-models``), dispatching to the KV or the hybrid demo.
 
 HiCache's L3 write-back and restore, replayed on a CPU. ``kv`` runs a
 KV-only model's pages through SGLang's own cache controller or the backend
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_simm.tools.demo import hybrid, kv
-from sglang_simm.tools.demo.common import EXIT_OK, EXIT_SETUP, DemoOptions, names_own_store
+from sglang_simm_dev.demo import hybrid, kv
+from sglang_simm_dev.demo.common import EXIT_OK, EXIT_SETUP, DemoOptions, names_own_store
 
 
 def preset_names() -> list[str]:
     """Every ``--model`` preset: the KV-only ones, then the hybrid ones."""
-    from sglang_simm.tools.pools import PRESETS
+    from sglang_simm_dev.pools import PRESETS
 
     return [*PRESETS, *hybrid.HYBRID_PRESETS]
 
