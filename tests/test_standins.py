@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 
+import pytest
 import torch
 
 from sglang_simm_dev import cpu_standins
@@ -23,6 +25,17 @@ def test_this_process_has_no_server_standins():
     assert not getattr(HostKVCache.__init__, "__cpu_standin__", False)
     assert not getattr(MHATokenToKVPoolHost.load_to_device_per_layer, "__cpu_standin__", False)
     assert "sgl_kernel" not in sys.modules or not getattr(sys.modules["sgl_kernel"], "__cpu_standin__", False)
+
+
+def test_the_venvs_import_shims_load_from_the_dev_package_at_start():
+    # scripts/_venv.sh's .pth imports sglang_simm_dev, which is not in the
+    # wheel: it must be read after the .pth that puts dev/ on the path.
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["purelib"], "_sglang_cpu_test_shims.pth")):
+        pytest.skip("not a venv of scripts/_venv.sh")
+    code = "import sys; print(sorted({type(f).__name__ for f in sys.meta_path}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert "_TorchvisionHook" in out.stdout, out.stdout
 
 
 def test_assign_req_to_token_pool_matches_the_triton_kernels_semantics():
