@@ -619,3 +619,74 @@ def test_a_broken_reporter_never_breaks_the_data_path(caplog):
             b.allow().record(HIT, op="batch_get_v1")
     assert b.state == CLOSED
     assert caplog.text.count("fault reporter failed") == 1
+
+
+# --------------------------------------------------------------------------
+# The in-process store's real answers: misses pass, an outage opens, a
+# probe after it comes back closes
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_store():
+    from sglang_simm import embedded
+    from sglang_simm.client import connect
+
+    client = connect(SiMMConfig(manager_address="inprocess://breaker-codes", warmup=False))
+    faults = embedded.get_server("breaker-codes").faults
+    block = client.allocate(64)
+    try:
+        yield client, faults, block
+    finally:
+        faults.configure(down=False, latency_us=0)
+        del block
+        client.close()
+
+
+def test_the_local_stores_answers(local_store):
+    from time import perf_counter
+
+    client, faults, block = local_store
+    clock = Clock()
+    b = make(clock, threshold=3)
+
+    def call(fn, *args):
+        permit = b.allow()
+        if not permit:
+            return None
+        t0 = perf_counter()
+        codes = fn(*args)
+        permit.record(codes, seconds=perf_counter() - t0)
+        return codes
+
+    for _ in range(10):  # misses: -4003 from mexists, -2101 from the sync get
+        assert call(client.mexists_codes, ["a", "b"]) == [errors.DS_KEY_NOT_FOUND] * 2
+        assert call(client.mget, ["a"], [block.view()]) == [errors.GET_OBJECT_FAILED]
+    assert b.state == CLOSED and b.snapshot()["faults"] == 0
+    faults.configure(down=True)
+    for _ in range(3):
+        assert call(client.mput, ["a"], [block.view()]) == [errors.SEND_RPC_FAILED]
+    assert b.state == OPEN and b.snapshot()["last_cause"] == "SendRPCFailed(-2300)"
+    assert call(client.mexists_codes, ["a"]) is None  # answered without the store
+    clock.advance(1.0)
+    assert call(client.mexists_codes, ["a"]) == [errors.SEND_RPC_FAILED]  # the probe: still down
+    assert b.state == OPEN
+    faults.configure(down=False)
+    clock.advance(2.0)
+    assert call(client.mexists_codes, ["a"]) == [errors.DS_KEY_NOT_FOUND]  # the probe: back
+    assert b.state == CLOSED
+
+
+def test_a_slow_local_store_opens_it(local_store):
+    from time import perf_counter
+
+    client, faults, _block = local_store
+    b = make(threshold=2, slow_call_s=0.01)
+    faults.configure(latency_us=30_000)
+    for _ in range(2):
+        permit = b.allow()
+        t0 = perf_counter()
+        codes = client.mexists_codes(["a"])
+        permit.record(codes, seconds=perf_counter() - t0)
+        assert codes == [errors.DS_KEY_NOT_FOUND]  # a miss, but it took too long
+    assert b.state == OPEN and b.snapshot()["last_cause"].startswith("a call took")
