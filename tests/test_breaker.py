@@ -343,6 +343,39 @@ def test_other_exceptions_neither_open_nor_reset():
     assert b.state == CLOSED and b.snapshot()["consecutive_faults"] == 1
 
 
+def test_the_wiring_pattern_inside_the_backends_call_context():
+    """The gate and record of docs/resilience.md inside ``inflight.Call``,
+    which swallows the exception after the permit has seen it."""
+    from sglang_simm.inflight import Call
+
+    clock = Clock()
+    b = make(clock, threshold=2)
+    seen = []
+    answers = iter([ConnectionResetError("peer reset"), TimeoutError("timed out"), [errors.DS_KEY_NOT_FOUND]])
+    touched = []
+
+    def batch_get(n=2):
+        with Call(lambda where, exc: seen.append((where, type(exc).__name__)), "batch_get_v1"):
+            permit = b.allow()
+            if not permit:
+                return [False] * n
+            with permit:
+                touched.append(1)
+                answer = next(answers)
+                if isinstance(answer, BaseException):
+                    raise answer
+                permit.record(answer * n, seconds=0.001, op="batch_get_v1")
+                return [False] * n
+        return [False] * n
+
+    assert batch_get() == [False, False] and batch_get() == [False, False]
+    assert b.state == OPEN and seen == [("batch_get_v1", "ConnectionResetError"), ("batch_get_v1", "TimeoutError")]
+    assert batch_get() == [False, False] and len(touched) == 2  # open: the client is not called
+    clock.advance(1.0)
+    assert batch_get() == [False, False] and len(touched) == 3  # the probe: a miss, the store answered
+    assert b.state == CLOSED
+
+
 def test_disabled_never_opens():
     b = make(enabled=False, threshold=1)
     for _ in range(20):
