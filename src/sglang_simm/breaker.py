@@ -80,6 +80,7 @@ __all__ = [
     "CLOSED",
     "HALF_OPEN",
     "OPEN",
+    "REFUSED",
     "SLOW_FRACTION",
     "Breaker",
     "FaultReports",
