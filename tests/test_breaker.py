@@ -69,7 +69,9 @@ def test_is_fault(code, fault):
     assert (code in errors.FAULT_CODES) is fault
 
 
-@pytest.mark.parametrize("code", [1, 4096, 1 << 40, -1004, -9999], ids=["one", "bytes", "big", "InvalidState", "unknown"])
+@pytest.mark.parametrize(
+    "code", [1, 4096, 1 << 40, -1004, -9999], ids=["one", "bytes", "big", "InvalidState", "unknown"]
+)
 def test_byte_counts_and_unknown_codes_are_not_faults(code):
     assert errors.is_fault(code) is False
 
