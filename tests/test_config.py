@@ -131,6 +131,11 @@ ENV_CASES = [
     ("embedded_capacity_bytes", "512MiB", 512 * 1024**2),
     ("key_scheme", "LEGACY", "legacy"),
     ("warmup", "0", False),
+    ("breaker_enabled", "off", False),
+    ("breaker_threshold", "3", 3),
+    ("breaker_backoff_ms", "250", 250),
+    ("breaker_backoff_max_ms", "60000", 60000),
+    ("breaker_jitter", "0.5", 0.5),
 ]
 
 
@@ -266,6 +271,20 @@ BAD_VALUES = [
     ("embedded_capacity_bytes", 1.5, "not a byte size"),
     ("key_scheme", "flat", "'namespaced' or 'legacy'"),
     ("warmup", "2", "not a boolean"),
+    ("breaker_enabled", "sometimes", "not a boolean"),
+    ("breaker_threshold", 0, "out of range"),
+    ("breaker_threshold", 1001, "out of range"),
+    ("breaker_threshold", "five", "not an integer"),
+    ("breaker_threshold", True, "is a bool"),
+    ("breaker_backoff_ms", 0, "out of range"),
+    ("breaker_backoff_ms", 1.5, "not an integer"),
+    ("breaker_backoff_max_ms", 3_600_001, "out of range"),
+    ("breaker_jitter", 1, "out of range"),
+    ("breaker_jitter", -0.1, "out of range"),
+    ("breaker_jitter", float("nan"), "out of range"),
+    ("breaker_jitter", "20%", "not a number"),
+    ("breaker_jitter", True, "is a bool"),
+    ("breaker_jitter", [0.2], "not a number"),
 ]
 
 
@@ -284,6 +303,32 @@ def test_invalid_value_names_field_value_fix_and_source(field, value, fragment):
         assert f"{field}={value!r}" in message
     assert "accepted:" in message
     assert "(from extra_config)" in message
+
+
+def test_breaker_defaults_are_the_documented_ones():
+    cfg = load_config({"manager_address": ADDR}, {}).config
+    assert (cfg.breaker_enabled, cfg.breaker_threshold, cfg.breaker_jitter) == (True, 5, 0.2)
+    assert (cfg.breaker_backoff_ms, cfg.breaker_backoff_max_ms) == (1000, 30000)
+
+
+def test_breaker_cap_below_base_names_both_fields_and_the_fix(write_file):
+    environ, path = write_file({"breaker_backoff_max_ms": 500})
+    message = error_of({"manager_address": ADDR, "breaker_backoff_ms": 2000}, environ)
+    assert f"breaker_backoff_max_ms=500 (from file:{path})" in message
+    assert "breaker_backoff_ms=2000 (from extra_config)" in message
+    assert "raise breaker_backoff_max_ms or lower breaker_backoff_ms" in message
+
+
+def test_breaker_cap_below_the_default_base():
+    message = error_of({"manager_address": ADDR, "breaker_backoff_max_ms": 999}, {})
+    assert "breaker_backoff_max_ms=999" in message and "breaker_backoff_ms=1000 (from default)" in message
+
+
+def test_breaker_cap_equal_to_base_and_jitter_zero_accepted():
+    cfg = SiMMConfig(manager_address=ADDR, breaker_backoff_ms=5000, breaker_backoff_max_ms=5000, breaker_jitter=0)
+    assert (cfg.breaker_backoff_max_ms, cfg.breaker_jitter) == (5000, 0.0)
+    with pytest.raises(ValueError, match="breaker_backoff_max_ms=10"):
+        SiMMConfig(manager_address=ADDR, breaker_backoff_max_ms=10)
 
 
 def test_env_error_names_the_env_var():

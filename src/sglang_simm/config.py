@@ -185,6 +185,40 @@ class SiMMConfig:
     warmup: bool = True
     """Do a put/exists/get round trip at start, so a broken path fails early."""
 
+    breaker_enabled: bool = True
+    """Fail fast while the store is down (``sglang_simm.breaker``): after
+    ``breaker_threshold`` faults in a row every L3 call answers a miss at
+    once, and one call now and then probes the store. On by default: without
+    it a hung store or a partitioned cluster costs every request up to
+    ``request_timeout_ms``; off only to see the raw faults while debugging."""
+
+    breaker_threshold: int = 5
+    """Faults in a row (timeouts, transport and routing failures; never a
+    miss) that open the breaker, 1..1000. Five, as Envoy's outlier detection
+    (``consecutive_5xx``): one lost request or a data server restarting
+    must not switch L3 off for everyone, and a store that is really gone
+    costs at most five calls' time limits before requests stop waiting."""
+
+    breaker_backoff_ms: int = 1000
+    """Wait before the first probe after the breaker opens, doubled after
+    each failed probe, 1..3,600,000. One second: a short blip (a data server
+    restart, a store respawned after a crash) is over after one or two
+    probes, and each probe costs at most one call's time limit."""
+
+    breaker_backoff_max_ms: int = 30000
+    """The longest wait between probes, at least ``breaker_backoff_ms``,
+    at most 3,600,000. Thirty seconds: L3 is back within 30 s (plus one call)
+    of a store coming back after a long outage, while probing a dead store
+    costs one call's time limit per 30 s (about 3% of one thread's time at
+    SiMM's 1 s). Jitter only shortens a wait, so this is a hard bound."""
+
+    breaker_jitter: float = 0.2
+    """Share by which each wait is shortened at random, 0 <= x < 1. Every
+    TP rank of every server opens its own breaker at the same moment when a
+    cluster partitions; 0.2 spreads their probes over a fifth of the wait
+    (200 ms at first, 6 s at the cap) instead of all hitting the store at
+    once when it comes back."""
+
     def __post_init__(self) -> None:
         # The same validation as load_config's, so a hand-built config is held
         # to the same rules; on values load_config already normalised it is a
@@ -610,6 +644,25 @@ def parse_client_flags(value: Any) -> dict[str, str]:
     return flags
 
 
+def _parse_fraction(value: Any) -> float:
+    """A number in [0, 1) (a JSON number or a numeric string)."""
+    accepted = "a number from 0 up to (not including) 1, e.g. 0.2"
+    if isinstance(value, bool):
+        raise InvalidValue("is a bool, not a number", accepted)
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            raise InvalidValue("is not a number", accepted) from None
+    else:
+        raise InvalidValue(f"is not a number ({type(value).__name__})", accepted)
+    if not 0.0 <= number < 1.0:  # NaN fails this too
+        raise InvalidValue("is out of range", accepted)
+    return number
+
+
 def _parse_key_scheme(value: Any) -> str:
     if isinstance(value, str) and value.strip().lower() in KEY_SCHEMES:
         return value.strip().lower()
@@ -692,6 +745,11 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "embedded_capacity_bytes": parse_byte_size,
     "key_scheme": _parse_key_scheme,
     "warmup": parse_bool,
+    "breaker_enabled": parse_bool,
+    "breaker_threshold": lambda v: _parse_int(v, 1, 1000),
+    "breaker_backoff_ms": lambda v: _parse_int(v, 1, 3_600_000),
+    "breaker_backoff_max_ms": lambda v: _parse_int(v, 1, 3_600_000),
+    "breaker_jitter": _parse_fraction,
 }
 assert set(_PARSERS) == set(FIELD_NAMES), "every SiMMConfig field needs a parser"
 
@@ -733,11 +791,26 @@ def _validate(raw: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
             out[name] = _PARSERS[name](value)
         except InvalidValue as exc:
             errors.append(_problem(name, value, source, exc))
+    errors += _cross_field_problems(out, raw)
     if len(errors) == 1:
         raise ValueError(errors[0])
     if errors:
         raise ValueError(f"{len(errors)} problems in the SiMM config:\n- " + "\n- ".join(errors))
     return out
+
+
+def _cross_field_problems(out: Mapping[str, Any], raw: Mapping[str, tuple[Any, str]]) -> list[str]:
+    """Rules between fields, checked once each field is valid on its own."""
+    problems = []
+    base, cap = out.get("breaker_backoff_ms"), out.get("breaker_backoff_max_ms")
+    if base is not None and cap is not None and cap < base:
+        where = lambda name: raw.get(name, (None, "default"))[1]  # noqa: E731
+        problems.append(
+            f"SiMM config: breaker_backoff_max_ms={cap!r} (from {where('breaker_backoff_max_ms')}) is "
+            f"below breaker_backoff_ms={base!r} (from {where('breaker_backoff_ms')}); accepted: a cap "
+            "at least the first wait: raise breaker_backoff_max_ms or lower breaker_backoff_ms"
+        )
+    return problems
 
 
 # --------------------------------------------------------------------------

@@ -70,6 +70,49 @@ CODE_NAMES: dict[int, str] = {
     DS_CACHE_POOL_ALLOC_FAILED: "DataServerCachePoolAllocFailed",
 }
 
+#: The codes that say the store could not be reached or did not answer in
+#: time: the transport (send, connect, channels), the routing (the cluster
+#: manager's table, a shard's server), a target that is down, a timeout, and
+#: the server failing inside (``InternalError``; ``UnknownError`` is also the
+#: client's ``GetRoutingTableTimeout``). Asking again soon is likely to cost
+#: the same wait, so the breaker (``sglang_simm.breaker``) counts these.
+#:
+#: Every other code is an answer from a working store, or a problem on this
+#: side that no backoff cures, so never a fault: a miss (``DataServerKeyNotFound``;
+#: ``GetObjectFailed``, the synchronous get's only answer for an absent key),
+#: a full store (``OutOfMemory``, ``DataServerCachePoolAllocFailed``,
+#: ``PutObjectFailed``), an object stored before, a refused argument, or the
+#: client's own memory pool and MR registration (local resources). So are
+#: codes missing from ``CODE_NAMES`` and byte counts (>= 0): a breaker opened
+#: by a code we cannot read would switch L3 off for every request, and a hang
+#: shows up as time anyway (the breaker counts a call that took the client's
+#: whole request time limit as a timeout).
+FAULT_CODES: frozenset[int] = frozenset(
+    {
+        TIMEOUT,
+        TARGET_NOT_FOUND,
+        TARGET_UNAVAILABLE,
+        INTERNAL_ERROR,
+        UNKNOWN_ERROR,
+        ROUTING_TABLE_FAILED,
+        SHARD_LOOKUP_FAILED,
+        SEND_RPC_FAILED,
+        BUILD_CONNECTION_FAILED,
+        ADD_CHANNELS_FAILED,
+    }
+)
+
+
+def is_fault(code: int) -> bool:
+    """True when ``code`` says the store could not be reached or did not
+    answer in time (``FAULT_CODES``); False for a miss, any other answer of
+    a working store, a local problem, a byte count or an unknown code.
+
+    The one place faults are told from misses, for the real client and the
+    embedded store alike (it returns the real client's codes)."""
+    return code in FAULT_CODES
+
+
 #: The real client's limits (see the SiMM client contract).
 MAX_KEY_BYTES = 256
 MAX_VALUE_BYTES = 64 * 1024 * 1024 - 20 * 1024  # 67,088,384
