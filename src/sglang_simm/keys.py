@@ -237,16 +237,6 @@ def object_keys(prefix: str, page_keys: Sequence[str], suffixes: Sequence[str]) 
     return [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
 
 
-def batch_object_keys(
-    prefix: str, page_keys: Sequence[object], suffixes: Sequence[str], budget: int
-) -> list[str] | None:
-    """``object_keys`` of a whole batch, or None when any page key is
-    unusable (``keys_fit``; then take the usable ones apart)."""
-    if not page_keys or not keys_fit(page_keys, budget):
-        return None
-    return object_keys(prefix, page_keys, suffixes)  # type: ignore[arg-type]
-
-
 def max_page_key_bytes(prefix: str, suffixes: Sequence[str]) -> int:
     """The longest page hash that still gives keys within SiMM's limit."""
     longest = max(len(s.encode()) for s in suffixes)
