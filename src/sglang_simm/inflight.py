@@ -36,14 +36,13 @@ class Call:
     (``use``) and out (on leaving the block), and its fault (handed to
     ``fault``, then swallowed)."""
 
-    __slots__ = ("_fault", "_where", "one", "more")
+    __slots__ = ("_fault", "_where", "used")
 
     def __init__(self, fault: Callable[[str, BaseException], None], where: str) -> None:
         self._fault = fault
         self._where = where
-        #: the first pool used (nearly every call uses one), then the rest
-        self.one: PoolBinding | None = None
-        self.more: list[PoolBinding] | None = None
+        #: the pools this call is counted in on
+        self.used: list[PoolBinding] = []
 
     def __enter__(self) -> Call:
         return self
@@ -53,20 +52,12 @@ class Call:
         is none or it was retired (the call then has nothing to use)."""
         if binding is None or not binding.enter():
             return None
-        if self.one is None:
-            self.one = binding
-        elif self.more is None:
-            self.more = [binding]
-        else:
-            self.more.append(binding)
+        self.used.append(binding)
         return binding
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        if self.one is not None:
-            self.one.leave()
-            if self.more is not None:
-                for b in self.more:
-                    b.leave()
+        for b in self.used:
+            b.leave()
         if exc is not None and isinstance(exc, Exception):
             self._fault(self._where, exc)
             return True  # the caller answers misses after the block
@@ -115,6 +106,7 @@ class Pools:
         """Make ``binding`` the pool bound as ``name``; the one it replaces,
         if any (for the caller to ``release``). A backend closed meanwhile
         refuses it: it is closed and BackendClosedError raised."""
+        old = None
         with self.lock:
             closed = self.closed
             if not closed:
