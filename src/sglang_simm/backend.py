@@ -33,7 +33,6 @@ import logging
 from time import perf_counter
 from typing import Any, Sequence
 
-import numpy as np
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from sglang_simm import copying, hybrid
@@ -254,7 +253,7 @@ class HiCacheSiMM(HiCacheStorage):
             found = [lk for lk in lookups if lk is not None]
             codes = self.client.mexists_codes(object_keys(found)) if found else []
             pages = iter(self.answers.found(found, codes) if found else [])
-            absent = np.zeros(kv_pages, dtype=bool)
+            absent = [False] * kv_pages
             queries = [
                 hybrid.PoolQuery(name=t.name, policy=hybrid.policy_name(t.hit_policy),
                                  window=hybrid.trailing_window(t.keys),
@@ -347,16 +346,17 @@ class HiCacheSiMM(HiCacheStorage):
             if batch is None:
                 return False
             t0 = perf_counter()
-            present = np.asarray(self.client.mexists(batch.keys), dtype=bool).reshape(-1)
-            if present.size != len(batch.keys):
-                raise RuntimeError(f"mexists answered {present.size} results for {len(batch.keys)} keys")
-            missing = np.flatnonzero(~present).tolist()
-            codes = np.where(present, ALREADY_EXISTS, 0).astype(np.int64)
+            present = self.client.mexists(batch.keys)
+            if len(present) != len(batch.keys):
+                raise RuntimeError(f"mexists answered {len(present)} results for {len(batch.keys)} keys")
+            missing = [i for i, here in enumerate(present) if not here]
+            codes = [ALREADY_EXISTS if here else 0 for here in present]
             if missing:
                 put = self.client.mput([batch.keys[i] for i in missing], [batch.views[i] for i in missing])
                 if len(put) != len(missing):
                     raise RuntimeError(f"mput answered {len(put)} results for {len(missing)} objects")
-                codes[missing] = put
+                for i, code in zip(missing, put):
+                    codes[i] = code
             return all(self.answers.written([batch], codes, perf_counter() - t0, "batch_set")[0])
         return False
 

@@ -224,7 +224,7 @@ class Batch(NamedTuple):
     n: int
     #: the pages resolved (ascending indices into the ``n``): those whose
     #: page key is usable (``keys.key_fits``); the rest miss
-    rows: np.ndarray
+    rows: list[int]
     #: object keys of the resolved pages, page-major
     keys: list[str]
     #: one view per key (empty for a lookup, which moves no bytes)
@@ -348,11 +348,7 @@ class PoolBinding:
         """The object keys of a batch's pages, no bytes to move: every page
         whose key is usable (a string within ``budget`` bytes) and, where
         ``wanted`` is given, wanted; the others are left out of ``rows``."""
-        fits = np.fromiter((keyspace.key_fits(k, self.budget) for k in page_keys), bool, len(page_keys))
-        if wanted is not None:
-            fits &= np.asarray(wanted, dtype=bool)
-        rows = np.flatnonzero(fits)
-        usable = [page_keys[i] for i in rows.tolist()]
+        rows, usable = self._usable(page_keys, wanted)
         return Batch(self, len(page_keys), rows, keyspace.object_keys(self.prefix, usable, self.suffixes), [], None)
 
     def batch(self, page_keys: Sequence[Any], host_indices: Any) -> Batch | None:
@@ -365,9 +361,18 @@ class PoolBinding:
         starts = None if indices is None else page_starts(indices, self.page_size, len(page_keys), self.slots)
         if starts is None:
             return None
-        found = self.lookup(page_keys)
-        starts = starts[found.rows]
-        return found._replace(views=self.views(starts), starts=starts)
+        rows, usable = self._usable(page_keys)
+        starts = starts[rows]
+        return Batch(self, len(page_keys), rows, keyspace.object_keys(self.prefix, usable, self.suffixes),
+                     self.views(starts), starts)
+
+    def _usable(self, page_keys: Sequence[Any], wanted: Sequence[bool] | None = None) -> tuple[list[int], list[str]]:
+        """The pages to resolve (indices) and their page keys."""
+        budget = self.budget
+        rows = [i for i, k in enumerate(page_keys) if keyspace.key_fits(k, budget)]
+        if wanted is not None:
+            rows = [i for i in rows if wanted[i]]
+        return rows, [page_keys[i] for i in rows]
 
     def views(self, starts: np.ndarray) -> list[Any]:
         """The view of every object of the pages at ``starts`` (their first

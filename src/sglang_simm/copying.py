@@ -33,7 +33,7 @@ def copy_out(batch: Batch, blocks: list[Any], pages_read: list[bool], targets: S
     b = batch.binding
     out: list[Any] = [None] * batch.n
     offsets, sizes = b.flat_offsets.tolist(), b.sizes_list
-    for row, page in enumerate(batch.rows.tolist()):
+    for row, page in enumerate(batch.rows):
         if not pages_read[page]:
             continue
         target = targets[page]

@@ -262,20 +262,21 @@ def page_starts(
     the same slots would leave one page holding the other's bytes while both
     answer True.
 
-    How: the page starts, sorted, are aligned, distinct and inside the pool;
-    and every slot minus its page's start is its place in the page: one
-    broadcast subtraction, compared in one ``memcmp`` with a row of
-    ``0 .. page_size - 1`` per page.
+    How: the page starts (at most SGLang's 128 per batch) are aligned,
+    distinct and inside the pool, checked over a Python list of them; and
+    every slot minus its page's start is its place in the page: one
+    broadcast subtraction over the batch's slots, compared in one
+    ``memcmp`` with a row of ``0 .. page_size - 1`` per page.
     """
     if host_indices.ndim != 1 or host_indices.dtype.kind not in "iu":
         return None
     if host_indices.shape[0] != num_keys * page_size:
         return None
     starts = host_indices[::page_size]
-    ordered = np.sort(starts)  # contiguous: the checks below cost a third of a strided view's
-    if (ordered % page_size).any() or (ordered[1:] == ordered[:-1]).any():
+    first = starts.tolist()
+    if any(slot % page_size for slot in first) or len(set(first)) != num_keys:
         return None
-    if slots is not None and ordered.size and (ordered[0] < 0 or ordered[-1] >= slots):
+    if slots is not None and first and (min(first) < 0 or max(first) >= slots):
         return None
     if page_size > 1:
         offsets = host_indices.reshape(num_keys, page_size) - starts[:, None]  # new and contiguous

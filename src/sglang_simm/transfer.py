@@ -35,9 +35,9 @@ _GET_FAILED = errors.GET_OBJECT_FAILED
 ALREADY_EXISTS = errors.DS_DATA_ALREADY_EXISTS
 
 
-def leading(pages: np.ndarray) -> int:
+def leading(pages: list[bool]) -> int:
     """How many leading pages are True."""
-    return int(pages.size if pages.all() else np.argmin(pages))
+    return pages.index(False) if False in pages else len(pages)
 
 
 class Answers:
@@ -56,15 +56,15 @@ class Answers:
 
     # ------------------------------------------------------------ lookups
 
-    def found(self, batches: Sequence[Batch], codes: Sequence[int]) -> list[np.ndarray]:
+    def found(self, batches: Sequence[Batch], codes: Sequence[int]) -> list[list[bool]]:
         """``mexists`` codes (0: the object exists) to one bool per page
         asked for, per batch: every object of the page exists."""
         self.counters.record_exists()
         out = []
         for bt, seg in _split(batches, codes, "mexists"):
-            page = np.zeros(bt.n, dtype=bool)
-            page[bt.rows] = (seg == 0).reshape(-1, bt.binding.parts).all(axis=1)
-            out.append(page)
+            parts = bt.binding.parts
+            none = [0] * parts
+            out.append(_pages(bt, [seg[i:i + parts] == none for i in range(0, len(seg), parts)]))
         return out
 
     # ------------------------------------------------------------- reads
@@ -78,13 +78,13 @@ class Answers:
         hits = total = nbytes = 0
         for bt, seg in _split(batches, codes, "mget"):
             b = bt.binding
-            ok = (seg.reshape(-1, b.parts) == b.sizes[None, :]).all(axis=1)
-            if not ok.all():
-                ok &= ~self._read_faults(bt, seg)
-            page = np.zeros(bt.n, dtype=bool)
-            page[bt.rows] = ok
-            rows.append(page.tolist())
-            good = int(ok.sum())
+            parts, sizes = b.parts, b.sizes_list
+            ok = [seg[i:i + parts] == sizes for i in range(0, len(seg), parts)]
+            if not all(ok):
+                reached = self._read_faults(bt, np.asarray(seg, dtype=np.int64)).tolist()
+                ok = [good and not hit for good, hit in zip(ok, reached)]
+            good = sum(ok)
+            rows.append(_pages(bt, ok))
             hits, total, nbytes = hits + good, total + bt.n, nbytes + good * b.page_bytes
         self.counters.record_get(hits, total - hits, nbytes, seconds)
         if self.profile:
@@ -162,21 +162,23 @@ class Answers:
         written = skipped = failed = nbytes = 0
         for bt, seg in _split(batches, codes, "mput"):
             b = bt.binding
-            stored = (seg == 0) | (seg == ALREADY_EXISTS)
-            if not stored.all():
-                counts = Counter(seg[~stored].tolist())
+            parts = b.parts
+            ok = []
+            for i in range(0, len(seg), parts):
+                page = seg[i:i + parts]
+                new, before = page.count(0), page.count(ALREADY_EXISTS)
+                ok.append(new + before == parts)
+                skipped += before == parts
+            nbytes += sum(size for code, size in zip(seg, b.sizes_list * len(ok)) if code == 0)
+            stored = sum(ok)
+            written, failed = written + stored, failed + bt.n - stored
+            if stored != len(ok):
+                counts = Counter(c for c in seg if c != 0 and c != ALREADY_EXISTS)
                 self.counters.record_codes(counts)
                 self.log("put", "SiMM write errors: %s",
                          ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counts.items()))
-            seg = seg.reshape(-1, b.parts)
-            ok = stored.reshape(-1, b.parts).all(axis=1)
-            before = int((ok & (seg == ALREADY_EXISTS).all(axis=1)).sum())
-            nbytes += int(((seg == 0) * b.sizes[None, :]).sum())
-            written, skipped = written + int(ok.sum()) - before, skipped + before
-            failed += bt.n - int(ok.sum())
-            page = np.zeros(bt.n, dtype=bool)
-            page[bt.rows] = ok
-            rows.append(page.tolist())
+            rows.append(_pages(bt, ok))
+        written -= skipped
         self.counters.record_set(written, skipped, failed, nbytes, seconds)
         if self.profile:
             logger.info("SiMM %s: %d pages in %d pool(s), %d stored, %.1f us", where,
@@ -184,13 +186,22 @@ class Answers:
         return rows
 
 
-def _split(batches: Sequence[Batch], codes: Sequence[int], what: str) -> Iterator[tuple[Batch, np.ndarray]]:
-    """Each batch with its own codes (as int64), cut from one answer for
-    every batch's objects, checked to hold one code per object."""
-    got = np.asarray(codes, dtype=np.int64).reshape(-1)
+def _pages(batch: Batch, resolved: list[bool]) -> list[bool]:
+    """One bool per page asked for, from one per resolved page (``rows``);
+    False for the pages left out."""
+    out = [False] * batch.n
+    for page, good in zip(batch.rows, resolved):
+        out[page] = good
+    return out
+
+
+def _split(batches: Sequence[Batch], codes: Sequence[int], what: str) -> Iterator[tuple[Batch, list[int]]]:
+    """Each batch with its own codes, cut from one answer for every batch's
+    objects, checked to hold one code per object."""
+    got = codes.tolist() if hasattr(codes, "tolist") else list(codes)
     want = sum(len(bt.keys) for bt in batches)
-    if got.size != want:
-        raise RuntimeError(f"{what} answered {got.size} results for {want} objects")
+    if len(got) != want:
+        raise RuntimeError(f"{what} answered {len(got)} results for {want} objects")
     start = 0
     for bt in batches:
         stop = start + len(bt.keys)
