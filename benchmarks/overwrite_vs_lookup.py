@@ -46,13 +46,12 @@ def main() -> None:
              "client_flags": {"embedded_simm_release": args.release}}
     backend = HiCacheSiMM(storage_config(model_name=geom.name, extra_config=extra), pool)
     try:
-        b, client = backend._kv, backend.client
+        b, client = backend.pools.kv, backend.client
         idx = host_indices(list(range(args.pages)), geom.page_size)
-        starts = b.starts(idx, args.pages)
-        views = b.views(starts)
         times: dict[str, list[float]] = {"mexists": [], "mput new": [], "mexists stored": [], "mput stored": []}
         for r in range(args.repeat):
-            keys = b.keys.of_all(page_keys(args.pages, f"r{r}"))
+            batch = b.batch(page_keys(args.pages, f"r{r}"), idx)
+            keys, views = batch.keys, batch.views
             for what in times:
                 t0 = time.perf_counter()
                 codes = client.mexists(keys) if what.startswith("mexists") else client.mput(keys, views)

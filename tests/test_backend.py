@@ -224,7 +224,7 @@ def test_get_object_failed_is_a_miss_when_absent_and_a_fault_when_present(attach
     k_key = next(k for k in server.keys() if keys[0] in k and k.endswith(".k"))
     set_flag("cm_primary_node_ip", store_name)
     store = Store()
-    long = store.allocate(backend._kv.sizes_list[0] + 64)
+    long = store.allocate(backend.pools.kv.sizes_list[0] + 64)
     assert store.put(k_key, long.view()) == 0
     with caplog.at_level(logging.WARNING, logger="sglang_simm.backend"):
         for _ in range(5):
@@ -554,88 +554,47 @@ def test_copying_path_stores_head_groups_that_other_tp_sizes_read(attach):
         assert all(torch.equal(got[p].view(torch.uint8), want[p]) for p in range(2))
 
 
-def test_a_read_takes_the_object_keys_its_lookup_built_and_nothing_else(attach, monkeypatch):
-    """SGLang's prefetch thread looks a batch up, then its I/O thread reads the
-    same batch, or its first pages after the hit all-reduce: those reads
-    build no keys. Any other batch builds its own, and every page reads its
-    own bytes whichever way its keys came."""
-    from sglang_simm import keys as keyspace
-
+def test_reads_after_lookups_load_each_pages_own_bytes_whatever_was_looked_up(attach):
+    """SGLang's prefetch thread looks a batch up, then its I/O thread reads
+    the same batch, or its first pages after the hit all-reduce, while other
+    lookups (other requests, a shared prefix) come in between: every read
+    loads each page's own bytes, whatever was looked up before it."""
     backend, host = attach(tiny())
     fill_random(host, 3)
     keys = hashes(6)
     want = [page(host, p) for p in range(6)]
     assert backend.batch_set_v1(keys, slots(host, 0, 6)) == [True] * 6
-    built: list[int] = []
-    real = keyspace.batch_object_keys
-    monkeypatch.setattr(keyspace, "batch_object_keys", lambda prefix, pages, sfx, budget: built.append(len(pages)) or real(prefix, pages, sfx, budget))
 
-    def read(batch, first_slot_page):
+    def read(batch, first_slot_page=8):
         fill_random(host, 4)
         got = backend.batch_get_v1(batch, slots(host, first_slot_page, len(batch)))
         return got, [page(host, first_slot_page + i) for i in range(len(batch))]
 
-    assert backend.batch_exists(keys) == 6 and built == [6]
-    got, pages = read(keys, 8)  # the same batch: its lookup's keys
-    assert got == [True] * 6 and built == [6]
-    assert all(torch.equal(pages[i], want[i]) for i in range(6))
-
-    assert backend.batch_exists(keys) == 6
-    got, pages = read(keys[:4], 8)  # its first pages (the hit all-reduce cut it)
-    assert got == [True] * 4 and built == [6, 6]
-    assert all(torch.equal(pages[i], want[i]) for i in range(4))
-
-    assert backend.batch_exists(keys) == 6
-    got, pages = read([keys[0], keys[5]], 8)  # the same first page, other pages: built anew
-    assert got == [True, True] and built == [6, 6, 6, 2]
-    assert torch.equal(pages[0], want[0]) and torch.equal(pages[1], want[5])
-
-    # a later lookup of another batch with the same first page replaces the first
-    assert backend.batch_exists(keys[:3]) == 3
-    assert backend.batch_exists([keys[0], keys[4], keys[5]]) == 3
-    got, pages = read(keys[:3], 8)
-    assert got == [True] * 3 and built[-1] == 3
-    assert all(torch.equal(pages[i], want[i]) for i in range(3))
-    # two lookups of one batch (two requests sharing a prefix) leave it for a read
-    assert backend.batch_exists(keys) == 6 and backend.batch_exists(keys) == 6
-    n = len(built)
-    got, pages = read(keys, 8)
-    assert got == [True] * 6 and len(built) == n
-    # taken once: a second read of a batch builds its keys again
-    assert backend.batch_exists(keys) == 6
-    read(keys, 8)
-    n = len(built)
-    got, pages = read(keys, 8)
-    assert got == [True] * 6 and len(built) == n + 1
-    assert all(torch.equal(pages[i], want[i]) for i in range(6))
+    cases = [
+        (keys, keys, list(range(6))),  # the batch looked up
+        (keys, keys[:4], list(range(4))),  # its first pages (the hit all-reduce cut it)
+        (keys, [keys[0], keys[5]], [0, 5]),  # the same first page, other pages
+        ([keys[0], keys[4], keys[5]], keys[:3], [0, 1, 2]),  # another lookup of the same first page
+        (keys[3:], keys[:3], [0, 1, 2]),  # a lookup of other pages only
+    ]
+    for looked_up, batch, pages in cases:
+        assert backend.batch_exists(looked_up) == len(looked_up)
+        assert backend.batch_exists(looked_up) == len(looked_up)  # two requests sharing a prefix
+        got, loaded = read(batch)
+        assert got == [True] * len(batch), (looked_up, batch)
+        assert all(torch.equal(loaded[i], want[p]) for i, p in enumerate(pages)), (looked_up, batch)
+        got, loaded = read(batch)  # read again, nothing looked up in between
+        assert got == [True] * len(batch)
+        assert all(torch.equal(loaded[i], want[p]) for i, p in enumerate(pages))
 
 
-def test_lookups_never_read_keep_a_bounded_number_of_keys(attach, monkeypatch):
-    """Metrics off, a long run: lookups whose batch is never read (a hit under
-    the prefetch threshold) keep at most KEY_CACHE_LIMIT object keys."""
-    from sglang_simm import binding as binding_module
-
-    monkeypatch.setattr(binding_module, "KEY_CACHE_LIMIT", 10)
-    backend, host = attach(tiny())
-    kv = backend._kv
-    for i in range(50):
-        backend.batch_exists(hashes(2, salt=f"never-read-{i}"))
-        assert len(kv.keys) <= 10
-    assert len(kv.keys) == 8  # the last four batches of two pages, two objects each
-    backend.batch_exists(hashes(6, salt="too-big"))  # 12 keys: never kept
-    assert len(kv.keys) == 8
-
-
-def test_key_cache_overflow_and_non_ascii_keys_stay_correct(attach, monkeypatch):
-    from sglang_simm import binding as binding_module
-
-    monkeypatch.setattr(binding_module, "KEY_CACHE_LIMIT", 9)  # one 4-page batch (8 keys) at a time
+def test_non_ascii_page_keys_round_trip_beside_other_batches_lookups(attach):
     backend, host = attach(tiny())
     fill_random(host, 19)
     keys = hashes(3) + ["页面-ключ-ü"]  # a non-ASCII page key within the byte budget
     want = [page(host, p) for p in range(4)]
     assert backend.batch_set_v1(keys, slots(host, 0, 4)) == [True] * 4
-    for _ in range(2):  # the cache is cleared and refilled in between
+    for _ in range(2):
         assert backend.batch_exists(keys) == 4
         assert backend.batch_exists(hashes(2, salt="other") + keys) == 0
         fill_random(host, 20)
@@ -643,34 +602,38 @@ def test_key_cache_overflow_and_non_ascii_keys_stay_correct(attach, monkeypatch)
         assert all(torch.equal(page(host, 4 + i), want[i]) for i in range(4))
 
 
-def test_one_page_of_any_host_tensor_is_checked_as_the_numpy_path_checks_it(attach):
-    """A batch of one page takes a shortcut for plain host tensors (raw
-    bytes, no numpy); views, offsets into a larger tensor, int32 and
-    scrambled pages must get the answer the full check gives, and only a
-    page that passes it may be written."""
-    from sglang_simm.geometry import page_starts
-
+@pytest.mark.parametrize("pages", [1, 3], ids=["one-page", "three-pages"])
+def test_host_indices_of_any_tensor_form_load_only_the_right_slots(attach, pages):
+    """Host indices come as int64 or int32, whole tensors, slices of larger
+    ones or strided views: a batch is written and read exactly where its
+    indices point, and indices that are not whole, aligned, distinct pages
+    inside the pool are refused (nothing stored, the pool untouched)."""
     backend, host = attach(tiny())
-    b = backend._kv
-    ps = host.page_size
+    ps, slots_total = host.page_size, backend.pools.kv.slots
     whole = torch.arange(0, 8 * ps, dtype=torch.int64)
-    cases = {
-        "page 3, a slice of a larger tensor": whole[3 * ps: 4 * ps],
-        "int32": whole[2 * ps: 3 * ps].to(torch.int32),
-        "not contiguous": torch.arange(0, 2 * ps, dtype=torch.int64)[::2] * 0 + torch.arange(ps) + ps,
-        "strided view": torch.arange(ps, 3 * ps, dtype=torch.int64).repeat_interleave(2)[::2][:ps],
-        "scrambled": whole[ps: 2 * ps].flip(0),
-        "misaligned": whole[ps + 1: 2 * ps + 1],
-        "past the pool": torch.arange(b.slots, b.slots + ps, dtype=torch.int64),
-        "float": whole[:ps].to(torch.float32),
+    good = {
+        "a slice of a larger tensor": (whole[3 * ps: (3 + pages) * ps], 3),
+        "int32": (whole[2 * ps: (2 + pages) * ps].to(torch.int32), 2),
+        "strided view": (torch.arange(ps, (1 + pages) * ps, dtype=torch.int64).repeat_interleave(2)[::2], 1),
     }
-    answers = {}
-    for name, t in cases.items():
-        want = page_starts(t.numpy(), ps, 1, b.slots)
-        got = b.starts(t, 1)
-        assert (got is None) == (want is None), name
-        if want is not None:
-            assert list(got) == want.tolist(), name
-        answers[name] = got is not None
-        assert backend.batch_set_v1(hashes(1, name), t) == [got is not None], name
-    assert answers["page 3, a slice of a larger tensor"] and answers["int32"] and not answers["scrambled"]
+    bad = {
+        "scrambled": whole[ps: (1 + pages) * ps].flip(0),
+        "misaligned": whole[ps + 1: (1 + pages) * ps + 1],
+        "past the pool": torch.arange(slots_total, slots_total + pages * ps, dtype=torch.int64),
+        "float": whole[: pages * ps].to(torch.float32),
+    }
+    for name, (indices, first) in good.items():
+        fill_random(host, 31)
+        want = [page(host, first + i) for i in range(pages)]
+        keys = hashes(pages, name)
+        assert backend.batch_set_v1(keys, indices) == [True] * pages, name
+        fill_random(host, 32)
+        assert backend.batch_get_v1(keys, indices) == [True] * pages, name
+        assert all(torch.equal(page(host, first + i), want[i]) for i in range(pages)), name
+    for name, indices in bad.items():
+        before = raw(host)
+        keys = hashes(pages, name)
+        assert backend.batch_set_v1(keys, indices) == [False] * pages, name
+        assert backend.batch_exists(keys) == 0, name
+        assert backend.batch_get_v1(hashes(pages, "a slice of a larger tensor"), indices) == [False] * pages, name
+        assert torch.equal(raw(host), before), name

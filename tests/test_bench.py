@@ -172,7 +172,7 @@ def test_plot(tiny_run, tmp_path):
 
 
 def test_key_ring_never_repeats_a_key_within_a_cache_length():
-    from sglang_simm.binding import KEY_CACHE_LIMIT
+    KEY_CACHE_LIMIT = 1 << 15  # a cache's length, in keys, that the ring outlasts
 
     ring = bench.KeyRing(bench.page_keys(2 * KEY_CACHE_LIMIT + 2 * 1024, "t"))
     assert ring.peek(2, 3) == [ring.keys[0:3], ring.keys[3:6]] and ring.pos == 0

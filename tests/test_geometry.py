@@ -146,7 +146,7 @@ def test_page_starts_small_batch_after_a_large_one():
     assert page_starts(np.array([4, 5, 6, 7, 0, 1, 2, 3]), PAGE, 2).tolist() == [4, 0]
 
 
-@pytest.mark.parametrize("pages", [2, 64, 65, 128], ids=["two", "python-check", "numpy-check", "a-full-batch"])
+@pytest.mark.parametrize("pages", [2, 64, 65, 128], ids=["two", "sixty-four", "sixty-five", "a-full-batch"])
 @pytest.mark.parametrize("where", ["first-last", "neighbours"])
 def test_page_starts_refuses_a_page_named_twice(pages, where):
     """Two keys on the same host slots would both answer True while one page
@@ -186,19 +186,19 @@ def _one_page_cases():
 
 
 @pytest.mark.parametrize("slots", [64, 1 << 20])
-def test_one_page_start_agrees_with_the_full_check_on_good_and_bad_pages(slots):
-    """The one-page shortcut (one integer comparison over the raw bytes)
-    answers what ``page_starts`` answers, for every case built to break
-    it: swapped slots, holes, repeats, negative and misaligned pages, a
-    page past the pool's end, and int32 as well as int64."""
-    from sglang_simm.geometry import one_page_start
-
+def test_page_starts_of_one_page_is_its_definition(slots):
+    """For every one-page case built to break the check (swapped slots,
+    holes, repeats, negative and misaligned pages, a page past the pool's
+    end, a lane past 32 bits; int32 as well as int64), ``page_starts``
+    answers what its definition says: the first slot exactly when the
+    slots are ``first .. first + PAGE - 1`` from an aligned ``first``
+    inside the pool."""
     seen_ok = seen_bad = 0
     for indices in _one_page_cases():
-        want = page_starts(indices, PAGE, 1, slots)
-        got = one_page_start(indices.tobytes(), indices.dtype.itemsize, PAGE, slots)
-        assert got == (None if want is None else int(want[0])), indices.tolist()
-        seen_ok += want is not None
-        seen_bad += want is None
+        first = int(indices[0])
+        ok = first % PAGE == 0 and 0 <= first < slots and indices.tolist() == list(range(first, first + PAGE))
+        got = page_starts(indices, PAGE, 1, slots)
+        assert (got.tolist() if got is not None else None) == ([first] if ok else None), indices.tolist()
+        seen_ok += ok
+        seen_bad += not ok
     assert seen_ok and seen_bad
-    assert one_page_start(np.arange(8, 12).tobytes()[:-1], 8, PAGE, slots) is None  # a byte short

@@ -304,22 +304,22 @@ def test_side_pools_are_bound_once_and_the_kv_anchor_is_not_bound_twice(hybrid_a
 
     with caplog.at_level(logging.INFO, logger="sglang_simm.backend"):
         backend, pools = hybrid_attach()
-    assert sorted(backend._side) == ["draft", "mamba", "swa"]
-    assert backend._kv.pool is pools["kv"]
-    assert len(backend._kv.mrs) == 1 and len(backend._side["mamba"].mrs) == 3
+    assert sorted(backend.pools.side) == ["draft", "mamba", "swa"]
+    assert backend.pools.kv.pool is pools["kv"]
+    assert len(backend.pools.kv.mrs) == 1 and len(backend.pools.side["mamba"].mrs) == 3
     bound = next(r.getMessage() for r in caplog.records if "host pools bound" in r.getMessage())
     for name in ("kv (MHATokenToKVPoolHost", "mamba (MambaPoolHost", "swa (", "draft ("):
         assert name in bound
     # the same pool again (a sidecar re-announced) changes nothing
-    binding = backend._side["mamba"]
+    binding = backend.pools.side["mamba"]
     backend.register_mem_host_pool_v2(pools["mamba"], PoolName.MAMBA)
     backend.register_mem_host_pool_v2(pools["kv"], PoolName.KV)
-    assert backend._side["mamba"] is binding and len(backend._side) == 3
+    assert backend.pools.side["mamba"] is binding and len(backend.pools.side) == 3
 
 
 def test_mamba_geometry_is_the_pools_own_for_every_slot(hybrid_attach):
     backend, pools = hybrid_attach(side=("mamba",))
-    mamba, b = pools["mamba"], backend._side["mamba"]
+    mamba, b = pools["mamba"], backend.pools.side["mamba"]
     every = torch.arange(mamba.size, dtype=torch.int64)
     ptrs, sizes = mamba.get_page_buffer_meta(every)
     assert b.geometry.pointers(every.numpy()).tolist() == ptrs
@@ -377,7 +377,7 @@ def test_a_conv_only_mamba_pool_has_no_temporal_object(hybrid_attach):
     backend, _ = hybrid_attach(side=())
     pool = mamba_pool(temporal=(0,), convs=((3, 8),))
     backend.register_mem_host_pool_v2(pool, PoolName.MAMBA)
-    b = backend._side["mamba"]
+    b = backend.pools.side["mamba"]
     assert b.suffixes == (".mamba.conv0",) and len(b.mrs) == 1
     randomize(pool, 3)
     want = page(pool, 2)
@@ -417,7 +417,7 @@ def test_a_v2_write_is_one_mput_of_every_pool_and_no_lookup(hybrid_attach):
     backend.client.mexists_codes = lambda k: lookups.append(list(k)) or [1] * len(k)
     assert backend.batch_set_v2(both(4, 0)) == {PoolName.SWA: [True] * 4, PoolName.DRAFT: [True] * 4}
     assert lookups == [] and len(puts) == 1
-    assert len(puts[0]) == 4 * (backend._side["swa"].parts + backend._side["draft"].parts)
+    assert len(puts[0]) == 4 * (backend.pools.side["swa"].parts + backend.pools.side["draft"].parts)
     randomize(swa, 13)
     randomize(draft, 14)
     backend.client.mexists = real_mexists
@@ -426,30 +426,33 @@ def test_a_v2_write_is_one_mput_of_every_pool_and_no_lookup(hybrid_attach):
     assert all(torch.equal(page(draft, 4 + p), want["draft"][p]) for p in range(4))
 
 
-def test_only_a_lookup_keeps_keys_and_its_read_takes_them_on_v1_and_v2_alike(hybrid_attach):
-    """Writes and reads keep no object keys, on either path; a KV lookup
-    (v1, or v2's KV part) keeps its batch's until the read that follows
-    takes them (``binding.KeyCache``); side pools keep none."""
+def test_lookups_and_reads_on_v1_and_v2_alike_load_each_pools_own_pages(hybrid_attach):
+    """A KV lookup (v1, or v2's KV part) between writes and reads changes
+    nothing a read loads: KV and side pool pages each read their own bytes,
+    on either path, whatever was looked up before."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     backend, pools = hybrid_attach(side=("swa",))
-    kv, swa = backend._kv, backend._side["swa"]
+    for pool in pools.values():
+        randomize(pool, 41)
     keys = hashes(3)
+    want_kv = [page(pools["kv"], p) for p in range(3)]
+    want_swa = [page(pools["swa"], p) for p in range(3)]
     assert all(backend.batch_set_v1(keys, slots(pools["kv"], 0, 3)))
     t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 0, 3))
     assert backend.batch_set_v2([t]) == {PoolName.SWA: [True] * 3}
-    assert len(kv.keys) == 0 and len(swa.keys) == 0
-    assert all(backend.batch_get_v1(keys, slots(pools["kv"], 4, 3)))
-    t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 4, 3))
-    assert backend.batch_get_v2([t]) == {PoolName.SWA: [True] * 3}
-    assert len(kv.keys) == 0 and len(swa.keys) == 0
-    assert backend.batch_exists(keys) == 3
-    assert len(kv.keys) == 3 * kv.parts and len(swa.keys) == 0
-    assert all(backend.batch_get_v1(keys, slots(pools["kv"], 4, 3)))
-    assert len(kv.keys) == 0
-    t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 4, 3))
-    assert result(backend.batch_exists_v2(keys, [t])) == (3, {"kv": 3, "swa": 3}, [1, 2, 3])
-    assert len(kv.keys) == 3 * kv.parts and len(swa.keys) == 0
+    for looked_up in ([], keys, keys[1:]):
+        if looked_up:
+            assert backend.batch_exists(looked_up) == len(looked_up)
+            q = transfer(PoolName.SWA, keys=looked_up, host_indices=slots(pools["swa"], 4, len(looked_up)))
+            assert result(backend.batch_exists_v2(looked_up, [q]))[0] == len(looked_up)
+        for pool in pools.values():
+            randomize(pool, 42)
+        assert all(backend.batch_get_v1(keys, slots(pools["kv"], 4, 3)))
+        t = transfer(PoolName.SWA, keys=keys, host_indices=slots(pools["swa"], 4, 3))
+        assert backend.batch_get_v2([t]) == {PoolName.SWA: [True] * 3}
+        assert all(torch.equal(page(pools["kv"], 4 + p), want_kv[p]) for p in range(3))
+        assert all(torch.equal(page(pools["swa"], 4 + p), want_swa[p]) for p in range(3))
 
 
 # ------------------------------------------------ hit query, hand-worked cases
@@ -603,8 +606,8 @@ def test_mamba_keys_carry_the_tp_rank_and_mla_draft_keys_do_not(attach):
         backend, _ = attach(tiny_mla(), tokens=32, tp_size=2, tp_rank=rank)
         backend.register_mem_host_pool_v2(mamba_pool(), PoolName.MAMBA)
         backend.register_mem_host_pool_v2(kv_side_pool(tiny_mla(layer_num=1, name="draft")), PoolName.DRAFT)
-        prefixes.append((backend._side["mamba"].prefix, backend._side["draft"].prefix))
-        assert backend._side["draft"].suffixes == (".draft.kv",)
+        prefixes.append((backend.pools.side["mamba"].prefix, backend.pools.side["draft"].prefix))
+        assert backend.pools.side["draft"].suffixes == (".draft.kv",)
     assert prefixes[0][0] != prefixes[1][0]
     assert prefixes[0][1] == prefixes[1][1]
 
@@ -639,10 +642,10 @@ def test_an_mha_draft_of_an_mla_model_is_refused_at_tp_2_on_every_rank(attach):
         with pytest.raises(UnsupportedPoolError, match="MLA draft") as info:
             backend.register_mem_host_pool_v2(mha_draft, PoolName.DRAFT)
         assert "'draft'" in str(info.value) and "TP 2" in str(info.value)
-        assert "draft" not in backend._side
+        assert "draft" not in backend.pools.side
         backend.register_mem_host_pool_v2(mamba_pool(), PoolName.MAMBA)
         backend.register_mem_host_pool_v2(kv_side_pool(tiny_mla(layer_num=1, name="draft")), PoolName.DRAFT)
-        assert sorted(backend._side) == ["draft", "mamba"]
+        assert sorted(backend.pools.side) == ["draft", "mamba"]
 
 
 def test_an_mha_draft_of_an_mla_model_round_trips_at_tp_1(attach):
@@ -673,7 +676,7 @@ def test_mamba_keys_carry_the_dtype_of_every_state(attach):
         pool = mamba_pool(temporal_dtype=dtype)
         assert pool.dtype == torch.bfloat16  # the conv dtype, whatever the temporal state's
         backend.register_mem_host_pool_v2(pool, PoolName.MAMBA)
-        b = backend._side["mamba"]
+        b = backend.pools.side["mamba"]
         assert str(dtype) in b.identity.dtype
         prefixes.setdefault(dtype, set()).add(b.prefix)
     assert len(prefixes[torch.bfloat16]) == 1  # one model, one dtype: one namespace
@@ -728,7 +731,7 @@ def test_the_dsa_indexer_is_bound_as_one_replicated_object_per_page(dsa_attach):
 
     backend, anchor, indexer = dsa_attach
     assert type(indexer) is DSAIndexerPoolHost
-    b = backend._side["indexer"]
+    b = backend.pools.side["indexer"]
     assert b.suffixes == (".indexer.o0",) and len(b.mrs) == 1
     # one object per page: every layer's packed index keys and scales
     every = torch.arange(0, indexer.size, dtype=torch.int64)
@@ -738,7 +741,7 @@ def test_the_dsa_indexer_is_bound_as_one_replicated_object_per_page(dsa_attach):
     assert b.sizes_list * len(ptrs) == sizes
     assert b.page_bytes == indexer.get_size_per_token() * indexer.page_size
     # DSA index keys are identical on every TP rank, like the MLA KV they ride on
-    assert b.identity.is_mla and b.prefix != backend._kv.prefix
+    assert b.identity.is_mla and b.prefix != backend.pools.kv.prefix
 
 
 def test_dsa_indexer_pages_round_trip_byte_for_byte(dsa_attach):
@@ -805,7 +808,7 @@ def test_the_legacy_key_scheme_refuses_side_pools_at_attach(attach):
     backend.register_mem_host_pool_v2(kv, PoolName.KV)  # the anchor is fine
     with pytest.raises(UnsupportedPoolError, match="hybrid side pool 'mamba' has no in-tree key"):
         backend.register_mem_host_pool_v2(mamba_pool(), PoolName.MAMBA)
-    assert backend._side == {}
+    assert backend.pools.side == {}
 
 
 def _region_count() -> int:
@@ -870,7 +873,7 @@ def test_unsupported_pools_are_refused_at_registration(hybrid_attach, make, matc
     before = _region_count()
     with pytest.raises(UnsupportedPoolError, match=match):
         backend.register_mem_host_pool_v2(pool, "swa")
-    assert backend._side == {} and _region_count() == before
+    assert backend.pools.side == {} and _region_count() == before
 
 
 def test_a_pool_of_another_kind_is_refused_by_class_and_name(hybrid_attach):
@@ -879,7 +882,7 @@ def test_a_pool_of_another_kind_is_refused_by_class_and_name(hybrid_attach):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     backend, pools = hybrid_attach(side=("draft",))
-    binding = backend._side["draft"]
+    binding = backend.pools.side["draft"]
     before = _region_count()
     want = (
         "hybrid pool 'indexer' (KOnlyIndexerPoolHost, 1 object(s) per page) is not supported: "
@@ -889,7 +892,7 @@ def test_a_pool_of_another_kind_is_refused_by_class_and_name(hybrid_attach):
     with pytest.raises(UnsupportedPoolError, match=re.escape(want)):
         backend.register_mem_host_pool_v2(KOnlyIndexerPoolHost(), PoolName.INDEXER)
     # nothing of it stays registered; what was bound before is untouched
-    assert list(backend._side) == ["draft"] and backend._side["draft"] is binding
+    assert list(backend.pools.side) == ["draft"] and backend.pools.side["draft"] is binding
     assert _region_count() == before
     assert backend.batch_get_v2([transfer(PoolName.INDEXER, keys=hashes(1), host_indices=torch.arange(4))]) == {
         PoolName.INDEXER: [False]
@@ -961,10 +964,10 @@ def test_close_releases_every_region_and_clear_removes_side_objects(hybrid_attac
     assert len(server) == 0
     assert result(s.query(mamba_query())) == (0, {}, [])
     before = _region_count()
-    regions = 1 + sum(len(b.mrs) for b in backend._side.values())
+    regions = 1 + sum(len(b.mrs) for b in backend.pools.side.values())
     backend.close()
     assert _region_count() == before - regions
-    assert backend._side == {}
+    assert backend.pools.side == {}
 
 
 # ------------------------------------------------------------------ demo

@@ -103,7 +103,7 @@ def test_legacy_scheme_reads_what_the_intree_backend_wrote(intree_cls, attach, s
 
     ours, host = attach(geom, extra={"key_scheme": "legacy"}, **fields)
     # identical object keys
-    prefix, suffixes = ours._kv.prefix, ours._kv.suffixes
+    prefix, suffixes = ours.pools.kv.prefix, ours.pools.kv.suffixes
     assert {f"{prefix}{k}{s}" for k in keys for s in suffixes} == their_keys
     assert ours.batch_exists(keys) == 4
     assert all(ours.batch_get_v1(keys, slots(host, 8, 4)))

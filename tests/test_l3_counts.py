@@ -73,7 +73,7 @@ def test_pages_counted_on_a_host_store_are_exact_and_leave_warm_ups_out(attach, 
     real host pools (each attach one warm-up round trip), pages written
     and read: the counts are the backend's own, exactly."""
     backend, host = attach(geom)
-    assert len(backend._kv.suffixes) == per_page  # the objects a page of this pool is
+    assert len(backend.pools.kv.suffixes) == per_page  # the objects a page of this pool is
     counter = l3_counts.StoreCounter(store_name, objects_per_page=per_page)
     try:
         objects = counter.objects()

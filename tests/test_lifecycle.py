@@ -58,7 +58,7 @@ def test_registering_several_regions_is_all_or_none():
 
 
 def test_a_failed_attach_closes_the_client_it_opened(attach, monkeypatch):
-    from sglang_simm import lifecycle as backend_module
+    from sglang_simm import backend as backend_module
     from sglang_simm.errors import UnsupportedPoolError
 
     opened = []
@@ -108,7 +108,7 @@ def test_a_replaced_pool_stays_registered_until_the_calls_using_it_end(attach, w
     old = kv if which == "kv" else build_host_pool(geom, tokens=16)
     if which == "side":
         backend.register_mem_host_pool_v2(old, PoolName.SWA)
-    binding = backend._kv if which == "kv" else backend._side["swa"]
+    binding = backend.pools.kv if which == "kv" else backend.pools.side["swa"]
     fill_random(old, 51)
     keys = hashes(2)
     want = [page(old, p) for p in range(2)]
@@ -216,7 +216,7 @@ def test_close_lets_calls_in_flight_finish_then_deregisters_then_closes_the_clie
         reader.start()
         assert started.wait(10)
         closer.start()
-        assert _wait(lambda: backend._closed)
+        assert _wait(lambda: backend.pools.closed)
         assert backend.batch_get_v1(keys, slots(host, 6, 2)) == [False, False]  # no new call starts
         assert backend.batch_exists(keys) == 0 and backend.batch_set_v1(keys, slots(host, 6, 2)) == [False] * 2
         assert closer.is_alive() and events == []  # memory stays registered while the get reads
@@ -238,7 +238,7 @@ def test_a_replaced_pool_is_released_when_its_own_calls_end_never_by_a_data_thre
     keys = hashes(2)
     fill_random(old, 63)
     assert backend.batch_set_v1(keys, slots(old, 0, 2)) == [True, True]
-    old_binding = backend._kv
+    old_binding = backend.pools.kv
     events: list = []
     hold = _held_client(backend, events)
     old_gate, old_started = hold("io-old")
@@ -260,7 +260,7 @@ def test_a_replaced_pool_is_released_when_its_own_calls_end_never_by_a_data_thre
     old_gate.set()
     first.join(10)
     assert _wait(lambda: old_binding.mrs == [])  # while the new pool's get is in flight
-    assert second.is_alive() and backend._kv.mrs
+    assert second.is_alive() and backend.pools.kv.mrs
     new_gate.set()
     second.join(10)
     assert got == {"io-old": [True, True], "io-new": [True, True]}
@@ -275,12 +275,12 @@ def test_a_new_kv_pool_through_v2_replaces_the_bound_one_like_v1(attach):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     backend, old = attach(tiny(), tokens=16)
-    old_binding = backend._kv
+    old_binding = backend.pools.kv
     backend.register_mem_host_pool_v2(old, PoolName.KV)  # the same pool: nothing changes
-    assert backend._kv is old_binding
+    assert backend.pools.kv is old_binding
     new = build_pool(tiny(), 16)
     backend.register_mem_host_pool_v2(new, PoolName.KV)
-    assert backend._kv.pool is new and backend.mem_pool_host is new
+    assert backend.pools.kv.pool is new and backend.mem_pool_host is new
     assert _wait(lambda: old_binding.mrs == [])
     fill_random(new, 71)
     fill_random(old, 72)
@@ -352,11 +352,11 @@ def test_sglang_runtime_detach_closes_cleanly_and_a_reattach_finds_the_pages(sto
         stored, _ = driver.write(keys, tokens, indices, lambda n: None)
         assert stored == 6
         backend = driver.backend
-        bindings = [backend._kv]
+        bindings = [backend.pools.kv]
         assert os.getpid() in _store_clients(store_name)
         with caplog.at_level(logging.WARNING):
             driver.cc.detach_storage_backend()
-        assert backend._closed and backend.client.closed and bindings[0].mrs == []
+        assert backend.pools.closed and backend.client.closed and bindings[0].mrs == []
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
         assert os.getpid() not in _store_clients(store_name)
 

@@ -61,7 +61,7 @@ def test_an_object_longer_than_its_view_voids_the_pages_it_reached(
     keys = hashes(4)
     assert all(backend.batch_set_v1(keys, slots(host, 0, 4)))
     want = [page(host, p) for p in range(4)]
-    first = backend._kv.sizes_list[0]
+    first = backend.pools.kv.sizes_list[0]
     # page 1's first object, one and a half times its size: it runs into
     # the first object of the next host page (page_head: the next page's K)
     _put_foreign(store_name, _first_key(store_name, keys[1]), first * 3 // 2, 0xAB)
@@ -86,7 +86,7 @@ def test_the_last_k_object_runs_into_the_first_pages_v(attach, store_name, regio
     assert all(backend.batch_set_v1(keys, slots(host, 0, 3)))
     last = host.size // host.page_size - 1
     order = torch.cat([slots(host, last, 1), slots(host, 0, 1), slots(host, 5, 1)])
-    k = backend._kv.sizes_list[0]
+    k = backend.pools.kv.sizes_list[0]
     _put_foreign(store_name, _first_key(store_name, keys[0]), k + 16, 0xCD)
     assert backend.batch_get_v1(keys, order) == [False, False, True]
 
@@ -112,7 +112,7 @@ def test_an_object_past_the_regions_end_fails_without_an_overrun(attach, store_n
     keys = hashes(1)
     assert all(backend.batch_set_v1(keys, slots(host, 0, 1)))
     v_key = next(k for k in embedded.get_server(store_name).keys() if keys[0] in k and k.endswith(".v"))
-    _put_foreign(store_name, v_key, backend._kv.sizes_list[1] * 2, 0x11)
+    _put_foreign(store_name, v_key, backend.pools.kv.sizes_list[1] * 2, 0x11)
     last = host.size // host.page_size - 1
     before = host.kv_buffer.view(-1).view(torch.uint8).clone()
     assert backend.batch_get_v1(keys, slots(host, last, 1)) == [False]
@@ -120,8 +120,8 @@ def test_an_object_past_the_regions_end_fails_without_an_overrun(attach, store_n
     # the K object read into its view, nothing outside the page changed
     after = host.kv_buffer.view(-1).view(torch.uint8)
     changed = torch.nonzero(after != before).flatten()
-    k_ptr = backend._kv.geometry.pointers(slots(host, last, 1)[:1].numpy())[0] - host.kv_buffer.data_ptr()
-    assert changed.numel() == 0 or (changed.min() >= k_ptr and changed.max() < k_ptr + backend._kv.sizes_list[0])
+    k_ptr = backend.pools.kv.geometry.pointers(slots(host, last, 1)[:1].numpy())[0] - host.kv_buffer.data_ptr()
+    assert changed.numel() == 0 or (changed.min() >= k_ptr and changed.max() < k_ptr + backend.pools.kv.sizes_list[0])
 
 
 def test_the_copying_path_drops_the_whole_batch_on_an_overrun(attach):

@@ -1,36 +1,476 @@
-"""``HiCacheSiMM``: SGLang's L3 storage backend on SiMM, assembled from its parts.
+"""``HiCacheSiMM``: SGLang's L3 storage backend on SiMM.
 
-* ``lifecycle``: attach (config, client, pools), re-registration, close, stats;
-* ``v1``: the zero-copy page path (``batch_exists``, ``batch_get_v1``, ``batch_set_v1``);
-* ``v2``: the hybrid models' side pools (``batch_*_v2``);
-* ``copying``: SGLang's copying path (``batch_get``, ``batch_set``, ...);
-* ``transfer``: what the paths share (a batch resolved to objects, answers read);
-* ``inflight``: one call's pools counted in and out, and its faults.
+One class is SGLang's surface (``HiCacheStorage``); the work is done by
+the objects it holds, each with one job:
+
+* ``config`` (``config.SiMMConfig``) and ``client`` (``client.KVClient``,
+  the one adapter over ``simm.kv``);
+* ``pools`` (``inflight.Pools``): the bound host pools, each a
+  ``binding.PoolBinding`` (memory, geometry, keys), and the calls using them;
+* ``answers`` (``transfer.Answers``): a batch call's codes read into one
+  bool per page, and counted;
+* ``counters`` (``metrics.BackendCounters``) and ``log``
+  (``metrics.RateLimitedLog``): what happened, and faults logged
+  rate-limited.
+
+Every data-path method reads the same way: resolve (the pool's binding
+turns page keys, and host indices where bytes move, into one ``Batch``),
+one call to the client, answer (``answers``).
 
 Attach-time work may raise: a wrong setup must stop the server with a
 message. Data-path methods never raise: SGLang's prefetch and backup
-threads die on an exception, while a False is only a miss. Faults there
-are counted by code and logged rate-limited.
+threads die on an exception, while a False is only a miss. A fault there
+(an exception in the body of its ``with Call(...)`` block) is counted by
+type, logged rate-limited, and answered as misses after the block.
+``close()`` keeps one order always: no new call starts; calls in flight
+finish; then memory is deregistered; then the client closes
+(``inflight.release``).
 """
 
 from __future__ import annotations
 
+import logging
+from time import perf_counter
+from typing import Any, Sequence
+
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from sglang_simm.copying import CopyingPath
-from sglang_simm.lifecycle import CLOSE_WAIT_S, Lifecycle
-from sglang_simm.transfer import Transfers
-from sglang_simm.v1 import V1Path
-from sglang_simm.v2 import V2Path
+from sglang_simm import copying, hybrid
+from sglang_simm.binding import Batch, PoolBinding, bind_kv_pool, bind_side_pool, kv_pool_of
+from sglang_simm.client import KVClient, connect
+from sglang_simm.config import SiMMConfig, load_config, log_resolved
+from sglang_simm.inflight import Call, Pools, release
+from sglang_simm.metrics import BackendCounters, RateLimitedLog
+from sglang_simm.transfer import ALREADY_EXISTS, Answers, leading, object_keys, object_views
 
 __all__ = ["CLOSE_WAIT_S", "HiCacheSiMM"]
 
+logger = logging.getLogger("sglang_simm.backend")
 
-class HiCacheSiMM(Lifecycle, V1Path, V2Path, CopyingPath, Transfers, HiCacheStorage):
+#: How long ``close()`` waits for data-path calls still in flight before it
+#: leaves the rest (deregistration, then the client's close) to a
+#: background thread. SGLang stops its storage threads before it closes a
+#: backend, so calls are rarely in flight then; a stuck one is bounded by
+#: the client's request time limit.
+CLOSE_WAIT_S = 10.0
+
+KV = hybrid.KV
+
+_LEGACY_WARNING = (
+    "sglang-simm: key_scheme 'legacy' is in use. Its keys name no model, layout or object "
+    "size, and SiMM's client bounds a get by the whole registered host pool, not by the "
+    "page's object (docs/upstream-simm-get-bound.md): an object stored under a legacy key "
+    "by another model or layout, a foreign tenant or a corrupt store that is longer than "
+    "the page's object is written past it, over neighbouring host pages, before this "
+    "backend can check its size. Such reads are counted (get_overrun) and miss, with "
+    "the pages they may have reached in the same batch, but pages outside the batch "
+    "cannot be recalled. Use key_scheme 'namespaced' (the default) once the migration "
+    "is over."
+)
+
+
+class HiCacheSiMM(HiCacheStorage):
     """SiMM as SGLang's HiCache L3 tier.
 
     Routes: ``simm`` (the plugin's registration: ``(storage_config,
     host_pool)``) and ``dynamic`` (``(storage_config, {})``; the pool comes
     through ``register_mem_pool_host``). ``client=`` injects a connected
-    ``KVClient``; by default one is built from the configuration.
+    ``KVClient`` (it stays its owner's if the attach fails); by default one
+    is built from the configuration. ``config=`` skips reading it.
     """
+
+    def __init__(
+        self,
+        storage_config: Any = None,
+        mem_pool_host: Any = None,
+        *,
+        client: KVClient | None = None,
+        config: SiMMConfig | None = None,
+    ):
+        #: SGLang's ``HiCacheStorageConfig`` (ranks, model, layout flags)
+        self.storage_config = storage_config
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        if config is None:
+            resolved = load_config(extra)
+            log_resolved(resolved, logger)
+            config = resolved.config
+        self.config: SiMMConfig = config
+        #: SGLang drains get_stats() only with --enable-metrics (off by default)
+        self.counters = BackendCounters(
+            storage_metrics=bool(getattr(storage_config, "enable_storage_metrics", False))
+        )
+        self.log = RateLimitedLog(logger)
+        self.pools = Pools()
+        #: the KV host pool bound (SGLang's own attribute)
+        self.mem_pool_host: Any = None
+        if isinstance(mem_pool_host, dict) and not extra.get("interface_v1"):
+            # The dynamic route without interface_v1: SGLang silently takes its
+            # copying path (a Python copy per page). Say so, loudly, with the fix.
+            logger.warning(
+                "sglang-simm: 'interface_v1' is not set in --hicache-storage-backend-extra-config, "
+                "so SGLang will use its slow copying path instead of zero-copy pages. "
+                "Add \"interface_v1\": 1 to the extra config (or use --hicache-storage-backend simm)."
+            )
+        self.client: KVClient = client if client is not None else connect(config)
+        self.answers = Answers(self.client, self.counters, self.log, profile=bool(config.enable_profile))
+        try:
+            if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
+                self.register_mem_pool_host(mem_pool_host)
+        except BaseException:
+            # A failed attach releases what it opened; an injected client
+            # stays its owner's.
+            self.pools.close()
+            if client is None:
+                self.client.close()
+            raise
+
+    # ------------------------------------------------------------------ attach
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Bind the KV host pool: check it, register its memory once, derive
+        its geometry and keys (``binding.bind_kv_pool``). A different pool
+        replaces the bound one (whose memory is deregistered once the calls
+        using it end). Raises (failing the attach) on a pool we refuse."""
+        pool = kv_pool_of(mem_pool_host)
+        with self.pools.lock:
+            self.pools.check_open("register_mem_pool_host")
+            if self.pools.kv is not None and self.pools.kv.pool is pool:
+                return
+        binding = bind_kv_pool(self.client, pool, self.storage_config, self.config)
+        old = self.pools.install(KV, binding, "register_mem_pool_host")
+        self.mem_pool_host = pool
+        if old is not None:
+            release([old], what="the replaced KV host pool")
+        if self.config.key_scheme == "legacy":
+            logger.warning(_LEGACY_WARNING)
+        logger.info("sglang-simm: bound %s to %s", binding.describe(), self.client.description)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Bind a hybrid side pool (Mamba, SWA, draft, DSA indexer) as the
+        KV pool is bound (``binding.bind_side_pool``). The KV anchor
+        (``"kv"``) goes to ``register_mem_pool_host``. Raises
+        UnsupportedPoolError (failing the attach) on a pool we refuse."""
+        name = hybrid.pool_name(host_pool_name)
+        if name == KV:
+            self.register_mem_pool_host(host_pool)
+            return
+        with self.pools.lock:
+            self.pools.check_open("register_mem_host_pool_v2")
+            current = self.pools.side.get(name)
+            if current is not None and current.pool is host_pool:
+                return
+        binding = bind_side_pool(self.client, host_pool, name, self.storage_config, self.config)
+        old = self.pools.install(name, binding, "register_mem_host_pool_v2")
+        if old is not None:
+            release([old], what=f"the replaced {name!r} host pool")
+        logger.info("sglang-simm: bound hybrid pool %r (%s)", name, binding.describe())
+
+    def on_host_pools_registered(self) -> None:
+        """Once per attach (SGLang 0.5.23), after every pool: log the set."""
+        if self.pools.kv is None:
+            logger.warning("sglang-simm: hybrid pools registered but no KV host pool is bound")
+        logger.info(
+            "sglang-simm: host pools bound to %s: %s", self.client.description,
+            ", ".join(f"{n} ({type(b.pool).__name__}, {b.page_bytes} bytes per page)"
+                      for n, b in self.pools.bound()) or "none",
+        )
+
+    # ------------------------------------------------------- v1: zero-copy pages
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """Number of leading pages whose every object exists."""
+        n = len(keys) if keys is not None else 0
+        if n == 0:
+            return 0
+        with Call(self._fault, "batch_exists") as call:
+            lookup = self._resolve(call, KV, keys, None, "batch_exists")
+            if lookup is None:
+                return 0
+            codes = self.client.mexists_codes(lookup.keys)
+            (pages,) = self.answers.found([lookup], codes)
+            return leading(pages)
+        return 0
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Read pages into the host pool; True only where every object of
+        the page read back exactly its expected size."""
+        n = len(keys) if keys is not None else 0
+        if n == 0:
+            return []
+        with Call(self._fault, "batch_get_v1") as call:
+            batch = self._resolve(call, KV, keys, host_indices, "batch_get_v1")
+            if batch is None:
+                return [False] * n
+            t0 = perf_counter()
+            codes = self.client.mget_views(batch.keys, batch.views)
+            return self.answers.read([batch], codes, perf_counter() - t0, "batch_get_v1")[0]
+        return [False] * n
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Write pages: one ``mput``, no lookup first. Serving's backups are
+        new pages, so a lookup would answer "not stored" for a round trip;
+        an object already stored is put again (SiMM HEAD deletes and re-puts
+        it, the same bytes; the v0.1.0.post1 tag keeps it and answers
+        DataServerDataAlreadyExists, which counts as stored)."""
+        n = len(keys) if keys is not None else 0
+        if n == 0:
+            return []
+        with Call(self._fault, "batch_set_v1") as call:
+            batch = self._resolve(call, KV, keys, host_indices, "batch_set_v1")
+            if batch is None:
+                return [False] * n
+            t0 = perf_counter()
+            codes = self.client.mput_views(batch.keys, batch.views)
+            return self.answers.written([batch], codes, perf_counter() - t0, "batch_set_v1")[0]
+        return [False] * n
+
+    # -------------------------------------------------- v2: hybrid side pools
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """Restorable prefixes of a hybrid model's pages.
+
+        KV: the leading run of complete pages (``batch_exists``). Every extra
+        pool is looked up under the KV page keys (a transfer's own keys are
+        placeholders; their count is the TRAILING_PAGES window), all in one
+        ``mexists``, and narrows the set of restorable prefix lengths by its
+        hit policy; the KV hit is the longest length left.
+        """
+        n = len(keys) if keys is not None else 0
+        with Call(self._fault, "batch_exists_v2") as call:
+            transfers = list(pool_transfers or [])
+            for t in transfers:
+                reason = hybrid.unsupported_policy_reason(t.hit_policy)
+                if reason:
+                    self.counters.record_error("unsupported_hit_policy")
+                    self.log("hit_policy", "SiMM batch_exists_v2: pool %r: %s", hybrid.pool_name(t.name), reason)
+                    return hybrid.to_pool_transfer_result(hybrid.miss())
+            kv_pages = self.batch_exists(keys, extra_info) if n else 0
+            if kv_pages <= 0 or not transfers:
+                return hybrid.to_pool_transfer_result(hybrid.fold_hits(kv_pages, []))
+            page_keys = list(keys[:kv_pages])
+            lookups = [self._resolve(call, hybrid.pool_name(t.name), page_keys, None, "batch_exists_v2")
+                       for t in transfers]
+            found = [lk for lk in lookups if lk is not None]
+            codes = self.client.mexists_codes(object_keys(found)) if found else []
+            pages = iter(self.answers.found(found, codes) if found else [])
+            absent = [False] * kv_pages
+            queries = [
+                hybrid.PoolQuery(name=t.name, policy=hybrid.policy_name(t.hit_policy),
+                                 window=hybrid.trailing_window(t.keys),
+                                 page_exists=absent if lk is None else next(pages))
+                for t, lk in zip(transfers, lookups)
+            ]
+            return hybrid.to_pool_transfer_result(hybrid.fold_hits(kv_pages, queries))
+        try:
+            return hybrid.to_pool_transfer_result(hybrid.miss())
+        except Exception:
+            return None
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Read hybrid pools' pages into their host pools, every pool in one
+        ``mget``: ``{pool name: one bool per key}``, True only where every
+        object of the page read back exactly its expected size."""
+        transfers = list(transfers or [])
+        with Call(self._fault, "batch_get_v2") as call:
+            results = _all_false(transfers)
+            names, batches = self._resolve_v2(call, transfers, "batch_get_v2")
+            if not batches:
+                return results
+            t0 = perf_counter()
+            codes = self.client.mget_views(object_keys(batches), object_views(batches))
+            results.update(zip(names, self.answers.read(batches, codes, perf_counter() - t0, "batch_get_v2")))
+            return results
+        return _all_false(transfers)
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Write hybrid pools' pages, every pool in one ``mput``, no lookup
+        first (as ``batch_set_v1``): ``{pool name: one bool per key}``."""
+        transfers = list(transfers or [])
+        with Call(self._fault, "batch_set_v2") as call:
+            results = _all_false(transfers)
+            names, batches = self._resolve_v2(call, transfers, "batch_set_v2")
+            if not batches:
+                return results
+            t0 = perf_counter()
+            codes = self.client.mput_views(object_keys(batches), object_views(batches))
+            results.update(zip(names, self.answers.written(batches, codes, perf_counter() - t0, "batch_set_v2")))
+            return results
+        return _all_false(transfers)
+
+    # ------------------------------------------------- SGLang's copying path
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self.batch_get([key], [target_location])[0]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
+        """Fill each flat page tensor (``copying``), or None on a miss."""
+        n = len(keys) if keys is not None else 0
+        targets = list(target_locations) if target_locations is not None else []
+        if n == 0:
+            return []
+        with Call(self._fault, "batch_get") as call:
+            b = self._bound(call, KV, "batch_get")
+            if b is None or len(targets) != n:
+                if b is not None:
+                    self.log("legacy_args", "SiMM: batch_get needs one target tensor per key")
+                return [None] * n
+            batch, blocks = copying.read_batch(self.client, b, keys, targets)
+            t0 = perf_counter()
+            codes = self.client.mget(batch.keys, batch.views)
+            (pages,) = self.answers.read([batch], codes, perf_counter() - t0, "batch_get")
+            return copying.copy_out(batch, blocks, pages, targets)
+        return [None] * n
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        """Store flat page tensors (``copying``); True if all are stored.
+        Unlike the zero-copy paths this asks ``mexists`` first: a stored
+        object then costs no copy into a client block as well as no
+        transfer."""
+        n = len(keys) if keys is not None else 0
+        vals = list(values) if values is not None else []
+        if n == 0:
+            return False
+        with Call(self._fault, "batch_set") as call:
+            b = self._bound(call, KV, "batch_set")
+            if b is None or len(vals) != n:
+                if b is not None:
+                    self.log("legacy_args", "SiMM: batch_set needs one value per key")
+                return False
+            batch = copying.write_batch(self.client, b, keys, vals)
+            if batch is None:
+                return False
+            t0 = perf_counter()
+            present = self.client.mexists(batch.keys)
+            if len(present) != len(batch.keys):
+                raise RuntimeError(f"mexists answered {len(present)} results for {len(batch.keys)} keys")
+            missing = [i for i, here in enumerate(present) if not here]
+            codes = [ALREADY_EXISTS if here else 0 for here in present]
+            if missing:
+                put = self.client.mput([batch.keys[i] for i in missing], [batch.views[i] for i in missing])
+                if len(put) != len(missing):
+                    raise RuntimeError(f"mput answered {len(put)} results for {len(missing)} objects")
+                for i, code in zip(missing, put):
+                    codes[i] = code
+            return all(self.answers.written([batch], codes, perf_counter() - t0, "batch_set")[0])
+        return False
+
+    # ------------------------------------------------------ resolve, faults
+
+    def _bound(self, call: Call, name: str, where: str) -> PoolBinding | None:
+        """The pool bound as ``name``, counted in on ``call``; None (logged
+        unless the backend is closed) when there is none."""
+        b = self.pools.use(call, name)
+        if b is None and not self.pools.closed:
+            if name == KV:
+                self.log("unbound", "SiMM: %s before a host pool was registered", where)
+            else:
+                self.counters.record_error("unregistered_pool")
+                self.log("unregistered", "SiMM %s: pool %r was never registered; its pages miss", where, name)
+        return b
+
+    def _resolve(self, call: Call, name: str, keys: Sequence[Any], host_indices: Any, where: str) -> Batch | None:
+        """The batch of pool ``name`` for ``keys``: a lookup where
+        ``host_indices`` is None, else the pages to move to or from those
+        host slots (``PoolBinding.batch``). None, counted and logged, when
+        the pool is not bound or the indices are refused; pages whose key is
+        unusable are left out (and miss), logged."""
+        b = self._bound(call, name, where)
+        if b is None:
+            return None
+        batch = b.lookup(keys) if host_indices is None else b.batch(keys, host_indices)
+        if batch is None:
+            self.counters.record_error("bad_indices")
+            self.log("bad_indices",
+                     "SiMM %s: host_indices do not hold %d distinct, whole, page-aligned pages of %d slots "
+                     "inside the host pool; treating the batch as misses", where, len(keys), b.page_size)
+        elif len(batch.rows) != batch.n:
+            self.log("bad_key", "SiMM %s: %d page keys are not strings within %d bytes; those pages miss",
+                     where, batch.n - len(batch.rows), b.budget)
+        return batch
+
+    def _resolve_v2(self, call: Call, transfers: list[Any], where: str) -> tuple[list[Any], list[Batch]]:
+        """Every transfer with keys resolved (``_resolve``): their pool
+        names, as SGLang gave them, and their batches."""
+        names, batches = [], []
+        for t in transfers:
+            keys = list(t.keys or [])
+            batch = self._resolve(call, hybrid.pool_name(t.name), keys, t.host_indices, where) if keys else None
+            if batch is not None:
+                names.append(t.name)
+                batches.append(batch)
+        return names, batches
+
+    def _fault(self, where: str, exc: BaseException) -> None:
+        """An exception in a data-path call: counted by type, logged
+        rate-limited; the call answers misses."""
+        self.counters.record_error(f"exception:{type(exc).__name__}")
+        self.log(f"exc:{where}", "SiMM %s failed (%s: %s); answering misses",
+                 where, type(exc).__name__, exc, exc_info=True)
+
+    # ---------------------------------------------------- stats, clear, close
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics since the previous call (drained)."""
+        try:
+            return self.counters.drain_storage_metrics()
+        except Exception as exc:
+            self._fault("get_stats", exc)
+            return None
+
+    def stats(self) -> dict[str, Any]:
+        """Our own counters: hits, misses, bytes, errors by code."""
+        return self.counters.snapshot()
+
+    def clear(self) -> None:
+        """Remove this backend's namespace where the client can list keys.
+
+        SiMM's client has no key listing, so on a cluster nothing can be
+        removed; the embedded store deletes by prefix.
+        """
+        b = self.pools.kv
+        if b is None:
+            return
+        if not b.prefix:
+            logger.warning("SiMM clear(): key_scheme 'legacy' without extra_backend_tag has no "
+                           "namespace of its own; nothing removed")
+            return
+        prefixes = [bound.prefix for _, bound in self.pools.bound()]
+        if not self.client.supports_delete_prefix:
+            logger.warning("SiMM clear(): the SiMM client cannot list keys, so pages under %s stay "
+                           "until the cluster evicts them", ", ".join(map(repr, prefixes)))
+            return
+        for prefix in prefixes:
+            removed = self.client.delete_prefix(prefix)
+            logger.info("SiMM clear(): removed %d objects under %r", removed, prefix)
+
+    def close(self, wait_s: float | None = None) -> None:
+        """No new call starts; calls in flight finish (for up to ``wait_s``,
+        default ``CLOSE_WAIT_S``, here; after that in the background); then
+        every pool's memory is deregistered; then the client closes.
+        Idempotent, and never raises."""
+        bindings = self.pools.close()
+        if bindings is None:  # closed already
+            return
+        try:
+            release(bindings, wait_s=CLOSE_WAIT_S if wait_s is None else wait_s,
+                    then=self.client.close, what="a closed backend")
+        except Exception as exc:
+            logger.warning("SiMM close(): %s: %s", type(exc).__name__, exc)
+
+
+def _all_false(transfers: list[Any]) -> dict[Any, list[bool]]:
+    """``{pool name: all False}``: v2's answer before (or instead of) a read
+    or write; a malformed transfer gets no entry."""
+    out: dict[Any, list[bool]] = {}
+    for t in transfers:
+        try:
+            out[t.name] = [False] * len(t.keys or [])
+        except Exception:
+            continue
+    return out

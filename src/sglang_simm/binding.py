@@ -1,59 +1,54 @@
-"""``PoolBinding``: one SGLang host pool bound to SiMM (memory, geometry, keys, views).
+"""``PoolBinding``: one SGLang host pool bound to SiMM (memory, geometry, keys), and its batches.
 
-A binding is built at attach, in steps that each stand alone here:
+A binding is built at attach (``bind_kv_pool``, ``bind_side_pool``), in
+steps that each stand alone here:
 
 1. ``host_regions``: the pool's host tensors, checked;
 2. ``pool_geometry``: where every object of a page lies (``geometry``);
 3. ``keys.key_layout`` and ``check_parts``: the key prefix and the suffix of
    every object, one per object the pool reports;
-4. ``register_regions``: the tensors registered with the client, once;
+4. ``register_regions``: the tensors registered with the client, once.
 
-plus a ``KeyCache``: a lookup's object keys, kept for the read that
-follows. Per call, ``starts`` checks a batch's host indices and ``views``
-makes the batch's ``BlockView``s from the geometry's pointer arithmetic,
-and none is kept: a view per object kept for the pool's life (two million
-for a million-page pool) was two million objects for every full garbage
-collection of the scheduler to walk, and a bounded cache of them only
-hits when SGLang hands out a host page again soon, which its first-in
-first-out host allocator does only after the whole free list.
+Every attach step may raise (``UnsupportedPoolError``): a pool we refuse
+stops the server with the fix.
+
+Per call, the binding turns a batch into one ``Batch``: ``lookup`` (page
+keys to object keys) or ``batch`` (page keys and host indices to object
+keys and views). Views are made per batch from the geometry's pointer
+arithmetic and none is kept: a view per object kept for the pool's life
+(two million for a million-page pool) was two million objects for every
+full garbage collection of the scheduler to walk, and a cache of them
+hits only when SGLang hands out a host page again soon, which its
+first-in first-out host allocator does only after the whole free list.
+Nothing is kept from one call to the next.
 
 A binding also counts the data-path calls using it (``enter``/``leave``),
 so a replaced or closed pool's memory is deregistered once *its* calls
 are over (``retire``, ``drained``), whatever other pools are doing.
-Every attach step may raise (``UnsupportedPoolError``); the per-call
-methods never raise on bad input, they answer None.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from sglang_simm import keys as keyspace
+from sglang_simm import hybrid, keys as keyspace
 from sglang_simm.client import KVClient
 from sglang_simm.errors import UnsupportedPoolError
 from sglang_simm.geometry import (
+    SUPPORTED_LAYOUTS,
     PageGeometry,
     derive_geometry,
     derive_region_geometry,
-    one_page_start,
     page_starts,
 )
 
-#: Up to this many pages a batch's pointers are worked out in plain Python:
-#: below it numpy's fixed cost per call (about a microsecond per operation)
-#: is more than the arithmetic (docs/backend-core.md).
-SMALL_BATCH = 16
-
-#: Object keys a pool keeps from its lookups for the reads that follow
-#: (``KeyCache``; about 150 bytes each, so a few MiB at most; strings,
-#: which the garbage collector does not track).
-KEY_CACHE_LIMIT = 1 << 15
+if TYPE_CHECKING:  # pragma: no cover
+    from sglang_simm.config import SiMMConfig
 
 Meta = Callable[[Any], tuple[list[int], list[int]]]
 
@@ -126,88 +121,117 @@ def register_regions(client: KVClient, regions: Sequence[torch.Tensor]) -> list[
     return mrs
 
 
-class KeyCache:
-    """The object keys of one pool's pages: ``prefix + page key + suffix``.
+# ----------------------------------------------------------------- attach
 
-    Serving's page keys are new on every lookup, so a cache of keys per page
-    would never hit on first use and would cost more to fill than it saves.
-    What repeats is a batch: SGLang's prefetch thread looks a batch up
-    (``batch_exists``), then its I/O thread reads the same batch, or its
-    first pages after the hit all-reduce, both cut at ``STORAGE_BATCH_SIZE``
-    from the same first page. So a lookup keeps its batch's object keys
-    (``remember``), under the batch's first page key, for the one call that
-    reads it next; at most ``KEY_CACHE_LIMIT`` object keys are kept, the
-    oldest batch dropped first.
-    """
 
-    def __init__(self, prefix: str, suffixes: tuple[str, ...]):
-        self.prefix = prefix
-        self.suffixes = suffixes
-        #: the longest page key whose object keys fit SiMM's limit
-        self.budget = keyspace.max_page_key_bytes(prefix, suffixes)
-        #: first page key -> (the batch's page keys, their object keys)
-        self._batches: OrderedDict[str, tuple[list[str], list[str]]] = OrderedDict()
-        self._kept = 0
-        self._lock = threading.Lock()
+def kv_pool_of(pool: Any) -> Any:
+    """The KV host pool SGLang handed over: SGLang 0.5.10-0.5.18 hand hybrid
+    models' pools over as a ``HostPoolGroup`` proxy without head or layer
+    attributes, whose anchor is the KV pool. Raises on a pool with no
+    ``kv_buffer``."""
+    anchor = getattr(pool, "anchor_entry", None)
+    if anchor is not None and getattr(anchor, "host_pool", None) is not None:
+        pool = anchor.host_pool
+    if getattr(pool, "kv_buffer", None) is None:
+        raise UnsupportedPoolError(
+            f"{type(pool).__name__} has no kv_buffer (a logical KV pool, as DeepSeek V4 "
+            "uses); sglang-simm stores MHA and MLA KV pools only"
+        )
+    return pool
 
-    def __len__(self) -> int:
-        """Object keys kept."""
-        return self._kept
 
-    def of_all(self, page_keys: Sequence[str], *, remember: bool = False) -> list[str] | None:
-        """Object keys of every page, or None when any page key is unusable.
-        ``remember``: keep them for the next call that names the same pages
-        (or the first of them), which takes them."""
-        out = self._take(page_keys) if self._batches else None
-        if out is None:
-            out = keyspace.batch_object_keys(self.prefix, page_keys, self.suffixes, self.budget)
-            if out is None:
-                return None
-        if remember:
-            # kept again when taken: another request's lookup of the same
-            # batch (a shared prefix) leaves it for the reads to come
-            self._keep(list(page_keys), out)
-        return out
+def page_identity(storage_config: Any, pool: Any, pool_name: str, tag: str | None) -> keyspace.PageIdentity:
+    """What gives ``pool``'s pages their meaning, from SGLang's storage
+    config (``HiCacheStorageConfig``; None: one rank, no model name)."""
+    sc = storage_config
+    g = lambda name, default: getattr(sc, name, default) if sc is not None else default  # noqa: E731
+    return keyspace.PageIdentity(
+        model_name=str(g("model_name", "") or ""),
+        is_mla=bool(g("is_mla_model", False)),
+        tp_size=int(g("tp_size", 1) or 1),
+        tp_rank=int(g("tp_rank", 0) or 0),
+        pp_size=int(g("pp_size", 1) or 1),
+        pp_rank=int(g("pp_rank", 0) or 0),
+        page_size=int(pool.page_size),
+        dtype=str(getattr(pool, "dtype", "")),
+        layout=str(getattr(pool, "layout", "")),
+        object_bytes=(),
+        extra_backend_tag=tag,
+        attn_cp_size=int(g("attn_cp_size", 1) or 1),
+        attn_cp_rank=int(g("attn_cp_rank", 0) or 0),
+        dcp_size=int(g("dcp_size", 1) or 1),
+        dcp_rank=int(g("dcp_rank", 0) or 0),
+        # SGLang sets should_split_heads only where tp_lcm_size > tp_size;
+        # ranks at tp_lcm_size must name their heads the same way to share.
+        tp_lcm_size=(
+            int(g("tp_lcm_size", 0) or 0) or None
+            if getattr(pool, "layout", None) == "page_head" and not g("is_mla_model", False)
+            else None
+        ),
+        pool=pool_name,
+    )
 
-    def _take(self, page_keys: Sequence[str]) -> list[str] | None:
-        try:
-            with self._lock:
-                kept = self._batches.pop(page_keys[0], None)
-                if kept is not None:
-                    self._kept -= len(kept[1])
-        except (TypeError, IndexError):  # an unhashable page key, or no pages
-            return None
-        if kept is None:
-            return None
-        pages, objs = kept
-        n = len(page_keys)
-        # The same str objects (SGLang slices one list of hashes): identity
-        # makes this compare cheap; equal strings of other objects match too.
-        if n > len(pages) or pages[:n] != (page_keys if page_keys.__class__ is list else list(page_keys)):
-            return None
-        return objs if n == len(pages) else objs[: n * len(self.suffixes)]
 
-    def _keep(self, pages: list[str], objs: list[str]) -> None:
-        if len(objs) > KEY_CACHE_LIMIT:
-            return
-        batches = self._batches
-        # The prefetch thread keeps, the I/O thread takes: one short lock.
-        with self._lock:
-            old = batches.pop(pages[0], None)
-            if old is not None:
-                self._kept -= len(old[1])
-            batches[pages[0]] = (pages, objs)
-            self._kept += len(objs)
-            while self._kept > KEY_CACHE_LIMIT:
-                _, (_, dropped) = batches.popitem(last=False)
-                self._kept -= len(dropped)
+def bind_kv_pool(client: KVClient, pool: Any, storage_config: Any, config: SiMMConfig) -> PoolBinding:
+    """Bind the KV host pool (``kv_pool_of``'s): its layout checked, its
+    identity, geometry and keys derived, its memory registered."""
+    layout = getattr(pool, "layout", None)
+    if layout not in SUPPORTED_LAYOUTS:
+        raise UnsupportedPoolError(
+            f"sglang-simm supports the host pool layouts {', '.join(SUPPORTED_LAYOUTS)}, "
+            f"not {layout!r}: start SGLang with --hicache-mem-layout page_first "
+            "(page_head for heterogeneous TP with tp_lcm_size)"
+        )
+    identity = page_identity(storage_config, pool, hybrid.KV, config.extra_backend_tag)
+    meta = pool.get_page_buffer_meta
+    if identity.split_factor > 1:
+        split = identity.split_factor
+        meta = lambda idx: pool.get_split_heads_page_buffer_meta(idx, split)  # noqa: E731
+    return PoolBinding(client=client, pool=pool, identity=identity, scheme=config.key_scheme, meta=meta)
 
-    def of_usable(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-        """The usable pages (indices into ``page_keys``) and their object keys."""
-        fits = [keyspace.key_fits(k, self.budget) for k in page_keys]
-        pages = np.flatnonzero(fits) if not all(fits) else np.arange(len(page_keys))
-        usable = page_keys if len(pages) == len(page_keys) else [page_keys[i] for i in pages.tolist()]
-        return pages, keyspace.object_keys(self.prefix, usable, self.suffixes)
+
+def bind_side_pool(client: KVClient, pool: Any, name: str, storage_config: Any, config: SiMMConfig) -> PoolBinding:
+    """Bind a hybrid side pool (Mamba, SWA, draft, DSA indexer) called
+    ``name``: refused where only some ranks would write it
+    (``hybrid.writer_only_refusal``), else bound as the KV pool is."""
+    sc = storage_config
+    model_is_mla = bool(getattr(sc, "is_mla_model", False))
+    layout = hybrid.describe_side_pool(pool, name, model_is_mla=model_is_mla)
+    refusal = hybrid.writer_only_refusal(
+        layout, name, type(pool).__name__, model_is_mla=model_is_mla,
+        tp_size=int(getattr(sc, "tp_size", 1) or 1), dcp_size=int(getattr(sc, "dcp_size", 1) or 1),
+    )
+    if refusal:
+        raise UnsupportedPoolError(refusal)
+    identity = replace(
+        page_identity(sc, pool, name, config.extra_backend_tag), is_mla=layout.replicated, tp_lcm_size=None
+    )
+    return PoolBinding(
+        client=client, pool=pool, identity=identity, scheme=config.key_scheme,
+        meta=pool.get_page_buffer_meta, regions=layout.regions, part_names=layout.part_names,
+    )
+
+
+# ------------------------------------------------------------------ batch
+
+
+class Batch(NamedTuple):
+    """One pool's batch resolved to SiMM objects: what a data-path call
+    hands the client, and what its answer is read against."""
+
+    binding: PoolBinding
+    #: pages asked for
+    n: int
+    #: the pages resolved (ascending indices into the ``n``): those whose
+    #: page key is usable (``keys.key_fits``); the rest miss
+    rows: list[int]
+    #: object keys of the resolved pages, page-major
+    keys: list[str]
+    #: one view per key (empty for a lookup, which moves no bytes)
+    views: Sequence[Any]
+    #: first host slot of every resolved page; None where the bytes are not
+    #: in the host pool (a lookup; the copying path's client-owned blocks)
+    starts: np.ndarray | None
 
 
 # ---------------------------------------------------------------- binding
@@ -246,12 +270,14 @@ class PoolBinding:
         )
         self.prefix, self.suffixes = keyspace.key_layout(self.identity, scheme, g.chunks, part_names)
         check_parts(pool, self.identity, g, self.suffixes)
-        self.keys = KeyCache(self.prefix, self.suffixes)
+        #: the longest page key whose object keys fit SiMM's limit
+        self.budget = keyspace.max_page_key_bytes(self.prefix, self.suffixes)
         self.page_size = g.page_size
         self.parts = g.parts
         self.sizes = g.sizes
         self.sizes_list = g.sizes.tolist()
         self.page_bytes = g.page_bytes
+        #: token slots the pool holds (a page's first slot lies below)
         self.slots = g.num_pages * g.page_size
         #: where each part starts in SGLang's flat page (``get_data_page``
         #: flattens a slice of the pool's buffer: its parts in address
@@ -276,14 +302,17 @@ class PoolBinding:
         self.mrs = register_regions(client, tensors)
         #: the memory region of each part, in part order
         self.part_mrs = [self.mrs[r] for r in part_region.tolist()]
-        self._view = client.view
+
+    def describe(self) -> str:
+        """One line for the attach log: pages, objects, sizes, regions, chunks."""
         g = self.geometry
-        #: the pointer formula's terms as Python ints, for small batches
-        self._stride_list = (
-            [int(x) for x in g.token_stride] if isinstance(g.token_stride, np.ndarray)
-            else [int(g.token_stride)] * g.parts
+        return (
+            f"{type(self.pool).__name__}, {getattr(self.pool, 'layout', '?')}, {g.num_pages} pages of "
+            f"{g.page_size} slots, {g.parts} objects of "
+            f"{'/'.join(str(s) for s in sorted(set(self.sizes_list)))} bytes per page in "
+            f"{len(self.mrs)} region(s){f', split in {g.chunks} chunks' if g.chunks > 1 else ''}, "
+            f"key prefix {self.prefix!r}"
         )
-        self._base_list = g.base.tolist()
 
     # ------------------------------------------------------------ in flight
 
@@ -315,40 +344,42 @@ class PoolBinding:
 
     # ---------------------------------------------------------------- per call
 
-    def starts(self, host_indices: Any, n: int) -> np.ndarray | list[int] | None:
-        """First slot of every page of a batch of ``n``, or None when the
-        indices are not ``n`` distinct whole pages inside this pool."""
+    def lookup(self, page_keys: Sequence[Any], wanted: Sequence[bool] | None = None) -> Batch:
+        """The object keys of a batch's pages, no bytes to move: every page
+        whose key is usable (a string within ``budget`` bytes) and, where
+        ``wanted`` is given, wanted; the others are left out of ``rows``."""
+        rows, usable = self._usable(page_keys, wanted)
+        return Batch(self, len(page_keys), rows, keyspace.object_keys(self.prefix, usable, self.suffixes), [], None)
+
+    def batch(self, page_keys: Sequence[Any], host_indices: Any) -> Batch | None:
+        """A batch of pages to move between SiMM and these host slots: its
+        object keys and one view per object (``lookup``, ``views``); None
+        when ``host_indices`` are not ``len(page_keys)`` distinct whole pages
+        inside this pool (``geometry.page_starts``), a batch we refuse to
+        act on rather than read or write the wrong slots."""
         indices = _as_numpy(host_indices)
-        if indices is None:
+        starts = None if indices is None else page_starts(indices, self.page_size, len(page_keys), self.slots)
+        if starts is None:
             return None
-        if (n == 1 and indices.ndim == 1 and indices.shape[0] == self.page_size
-                and indices.dtype in _INDEX_DTYPES):
-            # one page: one integer comparison over its bytes, no numpy arithmetic
-            first = one_page_start(indices.tobytes(), indices.itemsize, self.page_size, self.slots)
-            return None if first is None else [first]
-        return page_starts(indices, self.page_size, n, self.slots)
+        rows, usable = self._usable(page_keys)
+        starts = starts[rows]
+        return Batch(self, len(page_keys), rows, keyspace.object_keys(self.prefix, usable, self.suffixes),
+                     self.views(starts), starts)
 
-    def views(self, starts: Any) -> list[Any]:
-        """The ``BlockView`` of every object of the pages at ``starts`` (their
-        first slots, a list or an array), page-major, made now."""
+    def _usable(self, page_keys: Sequence[Any], wanted: Sequence[bool] | None = None) -> tuple[list[int], list[str]]:
+        """The pages to resolve (indices) and their page keys."""
+        budget = self.budget
+        rows = [i for i, k in enumerate(page_keys) if keyspace.key_fits(k, budget)]
+        if wanted is not None:
+            rows = [i for i in rows if wanted[i]]
+        return rows, [page_keys[i] for i in rows]
+
+    def views(self, starts: np.ndarray) -> list[Any]:
+        """The view of every object of the pages at ``starts`` (their first
+        slots), page-major, made now."""
         n = len(starts)
-        return list(map(self._view, self.pointers(starts), self.sizes_list * n, self.part_mrs * n))
-
-    def pointers(self, starts: Any) -> list[int]:
-        """Object addresses of the pages at ``starts``, page-major, as Python
-        ints: in Python for small batches, numpy above ``SMALL_BATCH``."""
-        if len(starts) > SMALL_BATCH:
-            return self.geometry.pointers(np.asarray(starts)).tolist()
-        if starts.__class__ is not list:
-            starts = starts.tolist()
-        if self.parts == 2:
-            (b0, b1), (t0, t1) = self._base_list, self._stride_list
-            out: list[int] = []
-            for s in starts:
-                out += (b0 + s * t0, b1 + s * t1)
-            return out
-        bases = list(zip(self._base_list, self._stride_list))
-        return [b + s * t for s in starts for b, t in bases]
+        ptrs = self.geometry.pointers(starts).tolist()
+        return list(map(self.client.view, ptrs, self.sizes_list * n, self.part_mrs * n))
 
     def overrun_pages(self, starts: np.ndarray | None, got: np.ndarray) -> np.ndarray:
         """Pages (rows of ``got``, one per page at ``starts``) whose bytes
@@ -390,10 +421,6 @@ class PoolBinding:
             hit[i // parts] = True
         return hit
 
-    def page_object_keys(self, page_keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-        """The usable pages of a batch and their object keys (no indices)."""
-        return self.keys.of_usable(page_keys)
-
     def close(self) -> None:
         """Deregister the pool's memory (once)."""
         mrs, self.mrs = self.mrs, []
@@ -401,10 +428,6 @@ class PoolBinding:
         for mr in mrs:
             if mr is not None:
                 self.client.deregister(mr)
-
-
-#: index dtypes the one-page check reads as raw bytes (``one_page_start``)
-_INDEX_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 
 
 def _as_numpy(host_indices: Any) -> np.ndarray | None:

@@ -16,8 +16,6 @@ just more parts with their own base offsets.
 
 from __future__ import annotations
 
-import functools
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -264,10 +262,10 @@ def page_starts(
     the same slots would leave one page holding the other's bytes while both
     answer True.
 
-    How, cheaply: every page start is aligned, distinct and inside the pool
-    (in Python for up to 64 pages, where numpy's fixed cost per call is more
-    than the work; numpy above), and every slot minus its page's start is
-    its place in the page: one broadcast subtraction, compared in one
+    How: the page starts (at most SGLang's 128 per batch) are aligned,
+    distinct and inside the pool, checked over a Python list of them; and
+    every slot minus its page's start is its place in the page: one
+    broadcast subtraction over the batch's slots, compared in one
     ``memcmp`` with a row of ``0 .. page_size - 1`` per page.
     """
     if host_indices.ndim != 1 or host_indices.dtype.kind not in "iu":
@@ -275,61 +273,16 @@ def page_starts(
     if host_indices.shape[0] != num_keys * page_size:
         return None
     starts = host_indices[::page_size]
-    if num_keys <= 64:
-        first = starts.tolist()
-        if num_keys == 1:
-            if first[0] % page_size or (slots is not None and not 0 <= first[0] < slots):
-                return None
-        elif any(slot % page_size for slot in first) or len(set(first)) != num_keys:
-            return None
-        elif slots is not None and first and (min(first) < 0 or max(first) >= slots):
-            return None
-    else:
-        ordered = np.sort(starts)  # contiguous: the checks below cost a third of a strided view's
-        if (ordered % page_size).any() or (ordered[1:] == ordered[:-1]).any():
-            return None
-        if slots is not None and (ordered[0] < 0 or ordered[-1] >= slots):
-            return None
+    first = starts.tolist()
+    if any(slot % page_size for slot in first) or len(set(first)) != num_keys:
+        return None
+    if slots is not None and first and (min(first) < 0 or max(first) >= slots):
+        return None
     if page_size > 1:
-        # new and contiguous; a scalar subtraction costs less than a broadcast
-        offsets = (host_indices - first[0] if num_keys == 1
-                   else host_indices.reshape(num_keys, page_size) - starts[:, None])
+        offsets = host_indices.reshape(num_keys, page_size) - starts[:, None]  # new and contiguous
         if not _ramps(offsets.dtype, page_size, num_keys).startswith(offsets.data):
             return None
     return starts
-
-
-def one_page_start(raw: bytes, itemsize: int, page_size: int, slots: int) -> int | None:
-    """``page_starts`` of a batch of one page whose slot indices are given
-    as ``raw`` bytes (native byte order, ``itemsize`` bytes each): its first
-    slot, or None when they are not ``first .. first + page_size - 1`` from
-    an aligned ``first`` inside the pool.
-
-    One comparison of two integers instead of numpy's fixed costs: read as
-    one unsigned integer, the indices ``first + i`` are ``RAMP + first *
-    ONES`` (``RAMP`` holding ``i`` in lane ``i``, ``ONES`` a 1 in every lane),
-    with no carry between lanes while every index stays below the lane's
-    sign bit; a base-2^bits number has one representation, so equal
-    integers mean equal indices in every lane."""
-    if len(raw) != itemsize * page_size:
-        return None
-    order = sys.byteorder
-    first = int.from_bytes(raw[:itemsize], order, signed=True)
-    if first % page_size or not 0 <= first < slots or first + page_size > 1 << (8 * itemsize - 1):
-        return None
-    ramp, ones = _lanes(itemsize, page_size)
-    if int.from_bytes(raw, order) != ramp + first * ones:
-        return None
-    return first
-
-
-@functools.lru_cache(maxsize=16)
-def _lanes(itemsize: int, page_size: int) -> tuple[int, int]:
-    """``RAMP`` and ``ONES`` of ``one_page_start``."""
-    dtype = np.dtype(f"=i{itemsize}")
-    order = sys.byteorder
-    return (int.from_bytes(np.arange(page_size, dtype=dtype).tobytes(), order),
-            int.from_bytes(np.ones(page_size, dtype=dtype).tobytes(), order))
 
 
 #: (dtype, page_size) -> ``0 .. page_size - 1`` repeated, as bytes (grown as needed)

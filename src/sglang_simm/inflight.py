@@ -1,12 +1,13 @@
-"""One data-path call: the pools it uses, counted in and out, and its faults.
+"""Which host pools are bound, and which data-path calls are using each.
 
-Every data-path method runs its body in ``with Call(backend, where) as
-call``: ``call.use(binding)`` counts the call in on a pool (None once the
-pool is retired), and leaving the block counts it out of every pool it
-used, whatever happened. An exception in the body is a fault: counted by
-type, logged rate-limited, and swallowed, so the method goes on to answer
-its misses after the block. SGLang's storage threads die on an exception;
-a False is only a miss.
+``Pools`` holds a backend's bound pools (the KV pool and the hybrid side
+pools by name) and whether the backend is closed. Every data-path method
+runs its body in ``with Call(fault, where) as call``: ``pools.use(call,
+name)`` hands it a pool counted in (None once the pool is retired), and
+leaving the block counts it out of every pool it used, whatever happened.
+An exception in the body is a fault, handed to ``fault`` (counted and
+logged by the backend) and swallowed, so the method goes on to answer
+its misses after the block.
 
 A retired pool (replaced by a re-registration, or the backend closed) is
 deregistered by ``release`` once *its* calls are over: at once when none
@@ -21,6 +22,9 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from sglang_simm.errors import BackendClosedError
+from sglang_simm.hybrid import KV
+
 if TYPE_CHECKING:  # pragma: no cover
     from sglang_simm.binding import PoolBinding
 
@@ -28,16 +32,17 @@ logger = logging.getLogger("sglang_simm.backend")
 
 
 class Call:
-    """The context of one data-path call (see the module docstring)."""
+    """The context of one data-path call: the pools it uses, counted in
+    (``use``) and out (on leaving the block), and its fault (handed to
+    ``fault``, then swallowed)."""
 
-    __slots__ = ("_fault", "_where", "one", "more")
+    __slots__ = ("_fault", "_where", "used")
 
     def __init__(self, fault: Callable[[str, BaseException], None], where: str) -> None:
         self._fault = fault
         self._where = where
-        #: the first pool used (nearly every call uses one), then the rest
-        self.one: PoolBinding | None = None
-        self.more: list[PoolBinding] | None = None
+        #: the pools this call is counted in on
+        self.used: list[PoolBinding] = []
 
     def __enter__(self) -> Call:
         return self
@@ -47,24 +52,84 @@ class Call:
         is none or it was retired (the call then has nothing to use)."""
         if binding is None or not binding.enter():
             return None
-        if self.one is None:
-            self.one = binding
-        elif self.more is None:
-            self.more = [binding]
-        else:
-            self.more.append(binding)
+        self.used.append(binding)
         return binding
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        if self.one is not None:
-            self.one.leave()
-            if self.more is not None:
-                for b in self.more:
-                    b.leave()
+        for b in self.used:
+            b.leave()
         if exc is not None and isinstance(exc, Exception):
             self._fault(self._where, exc)
             return True  # the caller answers misses after the block
         return False
+
+
+class Pools:
+    """The host pools bound to one backend: ``kv``, the KV pool, and
+    ``side``, the hybrid side pools by name (Mamba, SWA, draft, DSA
+    indexer); and ``closed``, once the backend is.
+
+    Attach and close change them under ``lock``; data-path threads read
+    them without it (an attribute or a dict read is atomic) and count
+    themselves in on the binding they get (``use``), so a pool replaced
+    meanwhile is either counted in or skipped, never deregistered under a
+    call."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+        self.kv: PoolBinding | None = None
+        self.side: dict[str, PoolBinding] = {}
+
+    def get(self, name: str) -> PoolBinding | None:
+        """The pool bound as ``name`` (``hybrid.KV``: the KV pool), or None."""
+        return self.kv if name == KV else self.side.get(name)
+
+    def bound(self) -> list[tuple[str, PoolBinding]]:
+        """Every bound pool by name, the KV pool first."""
+        kv = [(KV, self.kv)] if self.kv is not None else []
+        return kv + sorted(self.side.items())
+
+    def use(self, call: Call, name: str) -> PoolBinding | None:
+        """The pool bound as ``name``, counted in on ``call``; None when none
+        is bound (or the backend is closed)."""
+        return call.use(self.get(name)) or call.use(self.get(name))  # again if replaced since read
+
+    def check_open(self, where: str) -> None:
+        if self.closed:
+            raise BackendClosedError(
+                f"{where}: this HiCacheSiMM backend is closed; SGLang attaches a new backend "
+                "(create_backend) instead of reusing a closed one"
+            )
+
+    def install(self, name: str, binding: PoolBinding, where: str) -> PoolBinding | None:
+        """Make ``binding`` the pool bound as ``name``; the one it replaces,
+        if any (for the caller to ``release``). A backend closed meanwhile
+        refuses it: it is closed and BackendClosedError raised."""
+        old = None
+        with self.lock:
+            closed = self.closed
+            if not closed:
+                old = self.get(name)
+                if name == KV:
+                    self.kv = binding
+                else:
+                    self.side[name] = binding
+        if closed:
+            binding.close()
+            self.check_open(where)
+        return old
+
+    def close(self) -> list[PoolBinding] | None:
+        """Mark closed and unbind every pool; the pools that were bound, or
+        None when already closed."""
+        with self.lock:
+            if self.closed:
+                return None
+            self.closed = True
+            bindings = [b for _, b in self.bound()]
+            self.kv, self.side = None, {}
+        return bindings
 
 
 def release(

@@ -217,34 +217,10 @@ def _chunked(parts: Sequence[str], chunks: int) -> tuple[str, ...]:
 def object_keys(prefix: str, page_keys: Sequence[str], suffixes: Sequence[str]) -> list[str]:
     """Flat, page-major list: every suffix of page 0, then page 1, ...
 
-    Making the strings (one per object) is the cost, and an f-string per
-    object in a comprehension is the cheapest way measured to make them
-    (``join``/``split`` per suffix, ``str.format`` or ``%`` through ``map``
-    and an ``append`` loop all cost more); with two suffixes (K, V) one
-    comprehension per suffix fills the even and the odd places."""
-    if len(suffixes) == 1:
-        (s0,) = suffixes
-        return [f"{prefix}{k}{s0}" for k in page_keys]
-    if len(suffixes) == 2:
-        s0, s1 = suffixes
-        if len(page_keys) == 1:
-            (k,) = page_keys
-            return [f"{prefix}{k}{s0}", f"{prefix}{k}{s1}"]
-        out: list[str] = [""] * (2 * len(page_keys))
-        out[0::2] = [f"{prefix}{k}{s0}" for k in page_keys]
-        out[1::2] = [f"{prefix}{k}{s1}" for k in page_keys]
-        return out
+    Making the strings (one per object) is the cost: an f-string per object
+    in one comprehension (``join``/``split`` per suffix, ``str.format`` or
+    ``%`` through ``map`` and an ``append`` loop all cost more)."""
     return [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
-
-
-def batch_object_keys(
-    prefix: str, page_keys: Sequence[object], suffixes: Sequence[str], budget: int
-) -> list[str] | None:
-    """``object_keys`` of a whole batch, or None when any page key is
-    unusable (``keys_fit``; then take the usable ones apart)."""
-    if not page_keys or not keys_fit(page_keys, budget):
-        return None
-    return object_keys(prefix, page_keys, suffixes)  # type: ignore[arg-type]
 
 
 def max_page_key_bytes(prefix: str, suffixes: Sequence[str]) -> int:

@@ -78,14 +78,14 @@ class BackendCounters:
         self.errors: Counter[str] = Counter()
         self._pending = _Pending()
 
-    def record_get(self, hits: int, misses: int, nbytes: int, seconds: float, page_bytes: int) -> None:
+    def record_get(self, hits: int, misses: int, nbytes: int, seconds: float) -> None:
         with self._lock:
             self.pages_read += hits
             self.pages_missed += misses
             self.bytes_read += nbytes
             if hits and self.storage_metrics:
                 self._pending.prefetch_pgs.append(hits)
-                self._pending.prefetch_bandwidth.append(_gib_per_s(hits * page_bytes, seconds))
+                self._pending.prefetch_bandwidth.append(_gib_per_s(nbytes, seconds))
 
     def record_set(self, written: int, skipped: int, failed: int, nbytes: int, seconds: float) -> None:
         with self._lock:

@@ -1,28 +1,33 @@
-"""What every data path shares: a batch resolved to objects, and the client's answers read.
+"""The client's answers read: one bool per page from a batch call's codes, counted.
 
-``_resolve`` turns one pool's batch (page keys, host indices) into object
-keys and views, or None (counted) when its indices are unusable.
-``_pages_read`` and ``_put_rows`` turn ``mget``/``mput`` codes into one
-bool per page, counting and logging every fault by its SiMM code.
+A data-path call hands the client the objects of one or more ``Batch``es
+(``binding.PoolBinding.lookup``/``batch``) and gets one code per object,
+in the batches' order. ``Answers`` reads those codes back into one bool
+per page asked for, per batch (a page is True only where every one of its
+objects is), and counts what happened (``metrics.BackendCounters``):
+pages, bytes and seconds, and every fault by its SiMM code, logged
+rate-limited. An answer of the wrong length raises (the calling method's
+``Call`` turns it into a fault and misses).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from time import perf_counter as _now
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from sglang_simm import errors
-from sglang_simm.binding import PoolBinding
+from sglang_simm.binding import Batch
+from sglang_simm.client import KVClient
+from sglang_simm.metrics import BackendCounters, RateLimitedLog
 
 logger = logging.getLogger("sglang_simm.backend")
 
 #: The one code that means "not there" for certain (SiMM's async get). The
 #: synchronous client folds every server-side failure of a get, a plain miss
-#: included, into GetObjectFailed, which ``_read_faults`` tells apart.
+#: included, into GetObjectFailed, which ``Answers._get_failed`` tells apart.
 _MISS_CODES = (errors.DS_KEY_NOT_FOUND,)
 _GET_FAILED = errors.GET_OBJECT_FAILED
 #: The object was there already: the v0.1.0.post1 tag's mput keeps it and
@@ -30,67 +35,68 @@ _GET_FAILED = errors.GET_OBJECT_FAILED
 ALREADY_EXISTS = errors.DS_DATA_ALREADY_EXISTS
 
 
-class Batch(NamedTuple):
-    """One pool's batch resolved to SiMM objects."""
-
-    binding: PoolBinding
-    #: pages asked for
-    n: int
-    #: indices of the pages the objects belong to; None: every page, in order
-    rows: np.ndarray | None
-    keys: list[str]
-    #: one view per key (a list, or a sequence that makes them on demand)
-    views: Sequence[Any]
-    #: first host slot of every resolved page; None for client-owned blocks
-    starts: np.ndarray | None
+def leading(pages: list[bool]) -> int:
+    """How many leading pages are True."""
+    return pages.index(False) if False in pages else len(pages)
 
 
-class Transfers:
-    """The shared steps of ``HiCacheSiMM``'s data paths."""
+class Answers:
+    """Reads a batch call's codes into pages, and counts them.
 
-    def _resolve(self, b: PoolBinding, keys: Sequence[str], host_indices: Any, where: str) -> Batch | None:
-        n = len(keys)
-        starts = b.starts(host_indices, n)
-        if starts is None:
-            self.counters.record_error("bad_indices")
-            self._log(
-                "bad_indices",
-                "SiMM %s: host_indices do not hold %d distinct, whole, page-aligned pages of %d slots "
-                "inside the host pool; treating the batch as misses",
-                where, n, b.page_size,
-            )
-            return None
-        obj_keys = b.keys.of_all(keys)
-        if obj_keys is not None:
-            return Batch(b, n, None, obj_keys, b.views(starts), starts)
-        rows, obj_keys = b.keys.of_usable(keys)
-        if len(rows) != n:
-            self._log("bad_key", "SiMM: %d page keys are not strings within %d bytes; those pages miss",
-                      n - len(rows), b.keys.budget)
-        starts = np.asarray(starts)[rows]
-        return Batch(b, n, rows, obj_keys, b.views(starts), starts)
+    ``client`` is used only to tell a miss from a fault when a get answers
+    GetObjectFailed (``_get_failed``); ``profile`` logs every call's pages
+    and time (the ``enable_profile`` setting)."""
+
+    def __init__(self, client: KVClient, counters: BackendCounters, log: RateLimitedLog, *,
+                 profile: bool = False) -> None:
+        self.client = client
+        self.counters = counters
+        self.log = log
+        self.profile = profile
+
+    # ------------------------------------------------------------ lookups
+
+    def found(self, batches: Sequence[Batch], codes: Sequence[int]) -> list[list[bool]]:
+        """``mexists`` codes (0: the object exists) to one bool per page
+        asked for, per batch: every object of the page exists."""
+        self.counters.record_exists()
+        out = []
+        for bt, seg in _split(batches, codes, "mexists"):
+            parts = bt.binding.parts
+            none = [0] * parts
+            out.append(_pages(bt, [seg[i:i + parts] == none for i in range(0, len(seg), parts)]))
+        return out
 
     # ------------------------------------------------------------- reads
 
-    def _pages_read(self, batch: Batch, codes: np.ndarray) -> tuple[list[bool], int]:
-        """One bool per page asked for from mget's codes for ``batch``: True
-        where every object read back exactly its size and no other object of
-        the batch ran over it; and how many were. Faults among the rest are
-        counted."""
-        b = batch.binding
-        got = codes.reshape(-1, b.parts)
-        ok = (got == b.sizes[None, :]).all(axis=1)
-        if not ok.all():
-            ok &= ~self._read_faults(batch, codes)
-        result = np.zeros(batch.n, dtype=bool)
-        result[slice(None) if batch.rows is None else batch.rows] = ok
-        return result.tolist(), int(ok.sum())
+    def read(self, batches: Sequence[Batch], codes: Sequence[int], seconds: float, where: str) -> list[list[bool]]:
+        """``mget`` codes (bytes read, or a negative SiMM code) to one bool
+        per page asked for, per batch: True where every object read back
+        exactly its size and no other object of the batch ran over it.
+        Faults among the rest are counted and logged."""
+        rows: list[list[bool]] = []
+        hits = total = nbytes = 0
+        for bt, seg in _split(batches, codes, "mget"):
+            b = bt.binding
+            parts, sizes = b.parts, b.sizes_list
+            ok = [seg[i:i + parts] == sizes for i in range(0, len(seg), parts)]
+            if not all(ok):
+                reached = self._read_faults(bt, np.asarray(seg, dtype=np.int64)).tolist()
+                ok = [good and not hit for good, hit in zip(ok, reached)]
+            good = sum(ok)
+            rows.append(_pages(bt, ok))
+            hits, total, nbytes = hits + good, total + bt.n, nbytes + good * b.page_bytes
+        self.counters.record_get(hits, total - hits, nbytes, seconds)
+        if self.profile:
+            logger.info("SiMM %s: %d pages in %d pool(s), %d hits, %.1f us, %.2f GiB/s", where, total,
+                        len(batches), hits, seconds * 1e6, nbytes / (1 << 30) / seconds if seconds else 0.0)
+        return rows
 
     def _read_faults(self, batch: Batch, codes: np.ndarray) -> np.ndarray:
         """Count and log what went wrong in one pool's mget answer (one code
         per object); return the pages an object read back longer than its
-        view may have overwritten (``overrun_pages``), which must miss too.
-        Off the fast path: only batches with a miss get here."""
+        view may have overwritten (``PoolBinding.overrun_pages``), which
+        must miss too. Only batches with a miss get here."""
         b = batch.binding
         sizes = np.tile(b.sizes, codes.size // b.parts)
         failed = codes < 0
@@ -101,19 +107,19 @@ class Transfers:
         if other.size:
             counted = Counter(other.tolist())
             self.counters.record_codes(counted)
-            self._log("codes", "SiMM read errors: %s",
-                      ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counted.items()))
+            self.log("codes", "SiMM read errors: %s",
+                     ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counted.items()))
         short = int(((codes >= 0) & (codes < sizes)).sum())
         if short:
             self.counters.record_error("size_mismatch", short)
-            self._log("size", "SiMM: %d objects read back shorter than expected; those pages miss", short)
+            self.log("size", "SiMM: %d objects read back shorter than expected; those pages miss", short)
         over = np.flatnonzero(codes > sizes)
         if not over.size:
             return np.zeros(codes.size // b.parts, dtype=bool)
         reached = b.overrun_pages(batch.starts, codes)
         self.counters.record_error("get_overrun", int(over.size))
         first = int(over[0])
-        self._log(
+        self.log(
             "overrun",
             "SiMM: object %r read back %d bytes into a view of %d (%d such objects in this batch): "
             "SiMM's client writes a get up to the end of the registered host pool, so the bytes "
@@ -142,61 +148,72 @@ class Transfers:
         if not faults:
             return
         self.counters.record_codes(Counter({_GET_FAILED: faults}))
-        self._log("get_failed", "SiMM: %d objects exist but their get failed (%s); those pages miss",
-                  faults, errors.code_name(_GET_FAILED))
+        self.log("get_failed", "SiMM: %d objects exist but their get failed (%s); those pages miss",
+                 faults, errors.code_name(_GET_FAILED))
 
     # ------------------------------------------------------------ writes
 
-    def _put(self, batches: Sequence[Batch]) -> list[list[bool]]:
-        """The write step of the zero-copy paths (v1, v2): one ``mput`` of
-        every object, no lookup first. Serving's backups are new pages; an
-        object already stored is put again (SiMM HEAD deletes and re-puts
-        it, the same bytes; the v0.1.0.post1 tag keeps it and answers
-        DataServerDataAlreadyExists, which counts as stored), which costs
-        less than asking ``mexists`` before every write (docs/per-call-cost.md)."""
-        if len(batches) == 1:
-            keys, views = batches[0].keys, batches[0].views
-        else:
-            keys = [k for bt in batches for k in bt.keys]
-            views = [v for bt in batches for v in bt.views]
-        t0 = _now()
-        codes = self.client.mput_views(keys, views if views.__class__ is list else list(views))
-        seconds = _now() - t0
-        if codes.__class__ is not list:
-            codes = list(codes)
-        if len(codes) != len(keys):
-            raise RuntimeError(f"mput answered {len(codes)} results for {len(keys)} objects")
-        if len(batches) == 1 and batches[0].rows is None and not any(codes):
-            bt = batches[0]  # the common backup: every page new and now stored
-            self.counters.record_set(bt.n, 0, 0, bt.n * bt.binding.page_bytes, seconds)
-            return [[True] * bt.n]
-        return self._put_rows(batches, np.asarray(codes, dtype=np.int64), seconds)
-
-    def _put_rows(self, batches: Sequence[Batch], codes: np.ndarray, seconds: float) -> list[list[bool]]:
-        """One bool per page asked for, per batch, from one code per object
-        (0: put now; ALREADY_EXISTS: stored before); counted."""
-        stored = (codes == 0) | (codes == ALREADY_EXISTS)
-        if not stored.all():
-            counts = Counter(codes[~stored].tolist())
-            self.counters.record_codes(counts)
-            self._log("put", "SiMM write errors: %s",
-                      ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counts.items()))
+    def written(self, batches: Sequence[Batch], codes: Sequence[int], seconds: float, where: str) -> list[list[bool]]:
+        """``mput`` codes (0: put now; ALREADY_EXISTS: stored before, which
+        counts as stored) to one bool per page asked for, per batch: True
+        where every object of the page is stored. Failures are counted by
+        code and logged."""
         rows: list[list[bool]] = []
         written = skipped = failed = nbytes = 0
-        start = 0
-        for bt in batches:
+        for bt, seg in _split(batches, codes, "mput"):
             b = bt.binding
-            stop = start + len(bt.keys)
-            seg = codes[start:stop].reshape(-1, b.parts)
-            ok = stored[start:stop].reshape(-1, b.parts).all(axis=1)
-            before = ok & (seg == ALREADY_EXISTS).all(axis=1)
-            nbytes += int(((seg == 0) * b.sizes[None, :]).sum())
-            written += int(ok.sum()) - int(before.sum())
-            skipped += int(before.sum())
-            failed += bt.n - int(ok.sum())
-            row = np.zeros(bt.n, dtype=bool)
-            row[slice(None) if bt.rows is None else bt.rows] = ok
-            rows.append(row.tolist())
-            start = stop
+            parts = b.parts
+            ok = []
+            for i in range(0, len(seg), parts):
+                page = seg[i:i + parts]
+                new, before = page.count(0), page.count(ALREADY_EXISTS)
+                ok.append(new + before == parts)
+                skipped += before == parts
+            nbytes += sum(size for code, size in zip(seg, b.sizes_list * len(ok)) if code == 0)
+            stored = sum(ok)
+            written, failed = written + stored, failed + bt.n - stored
+            if stored != len(ok):
+                counts = Counter(c for c in seg if c != 0 and c != ALREADY_EXISTS)
+                self.counters.record_codes(counts)
+                self.log("put", "SiMM write errors: %s",
+                         ", ".join(f"{errors.code_name(c)} x{k}" for c, k in counts.items()))
+            rows.append(_pages(bt, ok))
+        written -= skipped
         self.counters.record_set(written, skipped, failed, nbytes, seconds)
+        if self.profile:
+            logger.info("SiMM %s: %d pages in %d pool(s), %d stored, %.1f us", where,
+                        sum(bt.n for bt in batches), len(batches), written + skipped, seconds * 1e6)
         return rows
+
+
+def _pages(batch: Batch, resolved: list[bool]) -> list[bool]:
+    """One bool per page asked for, from one per resolved page (``rows``);
+    False for the pages left out."""
+    out = [False] * batch.n
+    for page, good in zip(batch.rows, resolved):
+        out[page] = good
+    return out
+
+
+def _split(batches: Sequence[Batch], codes: Sequence[int], what: str) -> Iterator[tuple[Batch, list[int]]]:
+    """Each batch with its own codes, cut from one answer for every batch's
+    objects, checked to hold one code per object."""
+    got = codes.tolist() if hasattr(codes, "tolist") else list(codes)
+    want = sum(len(bt.keys) for bt in batches)
+    if len(got) != want:
+        raise RuntimeError(f"{what} answered {len(got)} results for {want} objects")
+    start = 0
+    for bt in batches:
+        stop = start + len(bt.keys)
+        yield bt, got[start:stop]
+        start = stop
+
+
+def object_keys(batches: Sequence[Batch]) -> list[str]:
+    """Every batch's object keys, in order: one client call's keys."""
+    return [k for bt in batches for k in bt.keys]
+
+
+def object_views(batches: Sequence[Batch]) -> list[Any]:
+    """Every batch's views, in order: one client call's views."""
+    return [v for bt in batches for v in bt.views]

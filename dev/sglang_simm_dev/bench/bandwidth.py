@@ -37,7 +37,7 @@ class BandwidthRig:
         self.src_pages = list(range(pages))
         self.dst_pages = list(range(pages, min(2 * pages, host_pages)))
         self.ours = make_ours(self.pool, geom, "embedded", capacity=capacity)
-        b = self.ours._kv
+        b = self.ours.pools.kv
         self.object_sizes = sorted(set(b.sizes_list))
         self.page_bytes = b.page_bytes
         self.keys = page_keys(pages, f"bw-{label}")

@@ -36,12 +36,15 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from sglang_simm.binding import KEY_CACHE_LIMIT
 from sglang_simm_dev.bench.backends import make_intree, make_ours, set_exists_answer
 from sglang_simm_dev.bench.checks import Checks, check_result
 from sglang_simm_dev.bench.pages import KeyRing, bytes_of, host_indices, page_keys
 from sglang_simm_dev.bench.timing import Timer, median, spread, time_samples
 from sglang_simm_dev.pools import ModelGeometry, build_host_pool
+
+#: Distinct page keys per backend: the ring wraps around only after this
+#: many, so every call meets keys new to it, as serving's do.
+RING_KEYS = 1 << 16
 
 OPS = ("set", "exists", "get", "get-cold")
 
@@ -126,7 +129,7 @@ class OverheadRig:
         self.src_pages = perm[:half].tolist()
         self.dst_pages = perm[half: 2 * half].tolist()
         self.backends = {"ours": make_ours(self.pool, geom, client), "in-tree": make_intree(self.pool, geom, client)}
-        keys = page_keys(2 * KEY_CACHE_LIMIT + 2 * max_pages, f"fresh-{client}")
+        keys = page_keys(RING_KEYS + 2 * max_pages, f"fresh-{client}")
         self.rings = {name: KeyRing(keys) for name in self.backends}
         #: the CPU time of this thread for the null client (all its work is
         #: here); wall time on the store (copies on other threads, a store process)
@@ -189,9 +192,7 @@ class OverheadRig:
 
     def _looked_up(self, name: str, n: int) -> Callable[[int], None]:
         """``prepare(k)``: ``batch_exists`` of the next ``k`` batches, as the
-        prefetch thread looks up what its I/O thread then reads. (A key cache
-        of at least ``k * n`` pages would hold them all: ``k * n`` stays far
-        below ``KEY_CACHE_LIMIT``, a millisecond of calls.)"""
+        prefetch thread looks up what its I/O thread then reads."""
         b, ring = self.backends[name], self.rings[name]
 
         def prepare(k: int) -> None:

@@ -36,8 +36,8 @@ def fill_pool(pool: Any, seed: int = 0) -> None:
 class KeyRing:
     """Distinct page keys handed out batch by batch, as serving meets them:
     each batch new. The ring wraps around only after more keys than a key
-    cache holds (make it at least twice ``binding.KEY_CACHE_LIMIT`` plus a
-    batch), so no batch is ever found in a cache filled by an earlier one.
+    cache holds (make it at least twice a cache's length plus a batch), so
+    no batch is ever found in a cache filled by an earlier one.
     """
 
     def __init__(self, keys: Sequence[str]):

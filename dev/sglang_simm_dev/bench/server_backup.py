@@ -9,7 +9,7 @@ our backend on a host store of its own (its store process started here, a
 separate process, as in a server). Each layer's entry point is wrapped with
 a timer for the run, so one call gives the time spent in every layer:
 
-* ``backend``: ``HiCacheSiMM.batch_set_v1`` itself (``v1.py``,
+* ``backend``: ``HiCacheSiMM.batch_set_v1`` itself (``backend.py``,
   ``transfer.py``, ``binding.py``: keys, views, answers, counters);
 * ``client``: ``Store.mput`` (``embedded/_client.py``: argument and region
   checks, the fault injector);
@@ -52,7 +52,7 @@ from sglang_simm.embedded._paths import private_store_dir
 
 #: the layers, outermost first, each with what it covers
 LAYERS = {
-    "backend": "HiCacheSiMM.batch_set_v1 less Store.mput (v1, transfer, binding)",
+    "backend": "HiCacheSiMM.batch_set_v1 less Store.mput (backend, transfer, binding)",
     "client": "Store.mput less HostServer.put_from (embedded/_client.py)",
     "handle": "HostServer.put_from less its requests and copy (embedded/_host.py)",
     "put": "PUT round trip (store process reserves)",
