@@ -350,7 +350,7 @@ def test_tap_times_every_batch_of_a_real_backend_through_the_controllers_own_cod
     assert dist["get"]["1-8"]["n"] == 1 and dist["set"]["1-8"]["n"] == 1
 
 
-def test_patches_apply_to_modules_imported_after_install(monkeypatch):
+def test_patches_apply_to_modules_imported_after_install(monkeypatch, tmp_path):
     seen = []
     name = "_sglang_simm_test_late_module"
     monkeypatch.setattr(server_tap, "_PATCHES", {name: seen.append})
@@ -358,9 +358,8 @@ def test_patches_apply_to_modules_imported_after_install(monkeypatch):
     server_tap.install()
     assert not seen
     import importlib
-    import tempfile
 
-    folder = tempfile.mkdtemp()
+    folder = str(tmp_path)  # pytest's: nothing is left behind
     with open(os.path.join(folder, f"{name}.py"), "w") as f:
         f.write("VALUE = 1\n")
     monkeypatch.syspath_prepend(folder)

@@ -23,6 +23,7 @@ from sglang_simm.config import (
     SiMMConfig,
     client_flag,
     default_log_file,
+    find_unknown_keys,
     load_config,
     log_resolved,
     parse_byte_size,
@@ -329,6 +330,18 @@ def test_unknown_key_in_file_warns_naming_file(caplog, write_file):
     texts = [r.getMessage() for r in caplog.records]
     assert any("did you mean 'manager_address'" in t and path in t for t in texts)
     assert any("'zzz'" in t and "did you mean" not in t for t in texts)
+
+
+def test_a_misspelt_environment_variable_warns_with_the_right_name(caplog):
+    environ = {"SGLANG_SIMM_REQUEST_TIMOUT_MS": "50", "SGLANG_SIMM_STORE_DIR": "/tmp/x",
+               "SGLANG_SIMM_TEST_WORKERS": "2", "SGLANG_SIMM_WARMUP": "0"}
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.config"):
+        resolved = load_config({"manager_address": ADDR}, environ)
+    [record] = caplog.records  # the store's and the tools' own variables are not fields' near misses
+    text = record.getMessage()
+    assert "SGLANG_SIMM_REQUEST_TIMOUT_MS" in text and "did you mean 'SGLANG_SIMM_REQUEST_TIMEOUT_MS'" in text
+    assert resolved.config.request_timeout_ms == 1000 and resolved.config.warmup is False
+    assert [u.key for u in find_unknown_keys({}, environ)] == ["SGLANG_SIMM_REQUEST_TIMOUT_MS"]
 
 
 def test_sglang_keys_accepted_silently(caplog):

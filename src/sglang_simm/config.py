@@ -302,6 +302,8 @@ class UnknownKey:
 
     def message(self) -> str:
         hint = f"; did you mean {self.suggestion!r}?" if self.suggestion else ""
+        if self.source == "the environment":
+            return f"unknown variable {self.key} in {self.source} is ignored{hint}"
         return f"unknown key {self.key!r} in {self.source} is ignored{hint} (valid keys: {', '.join(FIELD_NAMES)})"
 
 
@@ -313,6 +315,22 @@ def unknown_keys_of(data: Mapping[str, Any], where: str) -> list[UnknownKey]:
             continue
         close = difflib.get_close_matches(str(key), FIELD_NAMES, n=1)
         out.append(UnknownKey(str(key), where, close[0] if close else None))
+    return out
+
+
+def unknown_env_vars(environ: Mapping[str, str]) -> list[UnknownKey]:
+    """``SGLANG_SIMM_*`` variables that look like a field's but are none
+    (``SGLANG_SIMM_REQUEST_TIMOUT_MS``): ignored, so said. Only near misses
+    count: other ``SGLANG_SIMM_*`` variables belong to the store and the tools."""
+    fields = {env_var_name(f)[len(ENV_PREFIX):]: env_var_name(f) for f in FIELD_NAMES}
+    out = []
+    for var in environ:
+        suffix = var[len(ENV_PREFIX):]
+        if not var.startswith(ENV_PREFIX) or suffix in fields:
+            continue
+        close = difflib.get_close_matches(suffix, fields, n=1, cutoff=0.8)
+        if close:
+            out.append(UnknownKey(var, "the environment", fields[close[0]]))
     return out
 
 
@@ -332,7 +350,7 @@ def find_unknown_keys(
         named = None
     if named is not None:
         found += unknown_keys_of(*named)
-    return found
+    return found + unknown_env_vars(env)
 
 
 def _fields_of(data: Mapping[str, Any], where: str, label: Callable[[str], str]) -> Sourced:
@@ -390,6 +408,8 @@ def _from_json_file(extra_config: Mapping[str, Any] | None, environ: Mapping[str
 
 
 def _from_environ(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
+    for unknown in unknown_env_vars(environ):
+        logger.warning("SiMM config: %s", unknown.message())
     out: Sourced = {}
     # SGLANG_SIMM_MANAGER_ADDRESS comes later, so it wins over SIMM_CLUSTER_MANAGER.
     for name, var in [("manager_address", MANAGER_ENV)] + [(f, env_var_name(f)) for f in FIELD_NAMES]:

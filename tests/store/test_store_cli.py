@@ -35,6 +35,17 @@ def test_status_of_nothing_starts_nothing(capsys, host_store_dir, name):
     assert not os.path.exists(StorePaths(host_store_dir, name).socket)
 
 
+def test_stop_and_clear_of_an_unknown_store_say_so_and_fail(capsys, host_store_dir, name):
+    root = os.path.join(host_store_dir, f"unknown-{uuid.uuid4().hex[:6]}")
+    code, out = store(capsys, "stop", name, "--dir", root)
+    assert code == 1 and f"no store named {name!r}" in " ".join(out.split())
+    code, out = store(capsys, "clear", name, "--dir", root)
+    flat = " ".join(out.split())
+    assert code == 1 and "is not running" in flat and "nothing to clear" in flat
+    assert "-2301" not in flat and "BuildConnectionFailed" not in flat  # no transport code to decode
+    assert not os.path.exists(StorePaths(root, name).socket)  # neither started one
+
+
 def test_start_status_clear_stop(capsys, host_store_dir, name):
     code, out = store(capsys, "start", name, "--capacity", "64MiB", "--eviction", "lru", "--dir", host_store_dir)
     assert code == 0 and "64.0 MiB" in out and "lru" in out

@@ -8,6 +8,7 @@ adds a problem, and any problem makes the exit status 1.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,10 @@ PLUGIN_SINCE = (0, 5, 11)
 
 @dataclass
 class Report:
+    #: what blocks a start (exit status 1)
     problems: list[str] = field(default_factory=list)
+    #: what works but is likely not what was meant (an ignored key, a store of another size)
+    warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -148,10 +152,13 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
 
     # 1. configuration
     config = resolved = None
-    config_problems = [
-        f"configuration: {u.message()}. Rename or remove it: the backend ignores it"
-        for u in find_unknown_keys(extra)
-    ]
+    unknown = find_unknown_keys(extra)
+    report.warnings += [f"configuration: {u.message()}. Rename or remove it: the backend ignores it"
+                        for u in unknown]
+    # the launch lines carry what the backend reads, not the keys it ignores
+    ignored = {u.key for u in unknown if u.source == "extra_config"}
+    extra = {k: v for k, v in extra.items() if k not in ignored}
+    config_problems: list[str] = []
     try:
         with _quiet_config_log():
             resolved = load_config(extra)
@@ -193,6 +200,17 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
                 report.problems.append(str(exc))
             else:
                 report.notes.append(str(exc))
+        if target is not None and target.host:
+            # the client's own round trip needs SiCL and RDMA; whether the manager
+            # listens at all is one TCP connect, which every machine can try
+            reached = _reach(target.host, target.port)
+            table.add_row(f"manager {target.host}:{target.port}",
+                          "reachable (TCP)" if reached is None else f"[red]not reachable[/red]: {_text(reached)}")
+            if reached is not None:
+                report.problems.append(
+                    f"the cluster manager {target.host}:{target.port} does not accept a TCP "
+                    f"connection ({reached}): check manager_address, the manager process and the firewall"
+                )
     console.print(table)
 
     # 3. RDMA devices
@@ -242,17 +260,36 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
 
     # 5. a round trip
     if config is not None and not report.problems:
-        _round_trip(console, config, report)
+        if config.embedded_scope == "host":
+            _host_round_trip(console, extra, config, report)
+        else:
+            _round_trip(console, config, report)
 
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {_text(note)}", soft_wrap=True)  # paths stay whole, to copy
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/yellow] {_text(warning)}", soft_wrap=True)
     for problem in report.problems:
         console.print(f"[red]problem:[/red] {_text(problem)}", soft_wrap=True)
     if report.problems:
         console.print(f"[red]{len(report.problems)} problem(s) block a start.[/red]")
         return 1
+    if report.warnings:
+        console.print(f"[yellow]No problem blocks a start; {len(report.warnings)} warning(s) above.[/yellow]")
+        return 0
     console.print("[green]No problem found.[/green]")
     return 0
+
+
+def _reach(host: str, port: int, timeout_s: float = 2.0) -> str | None:
+    """None when ``host:port`` accepts a TCP connection, else why not."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 def _print_launch_lines(console: Any, extra: dict[str, Any], resolved: Any) -> None:
@@ -272,6 +309,61 @@ def _print_launch_lines(console: Any, extra: dict[str, Any], resolved: Any) -> N
             "start the server with the same environment[/dim]",
             soft_wrap=True,
         )
+
+
+def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: Report) -> None:
+    """The round trip on a local store: on the running store of the
+    config's name, whose size is what servers get; where none runs, on a
+    store of doctor's own in a private directory, stopped after it, so
+    that doctor never leaves a store of its own choosing behind for the
+    next server to find."""
+    from sglang_simm.config import client_flag, load_config, with_client_flag
+    from sglang_simm.embedded._host import HostServer, StoreUnreachable
+    from sglang_simm.embedded._copy import human_bytes
+    from sglang_simm.embedded._paths import StorePaths, private_store_dir, store_dir
+
+    name, parent = config.embedded_name, client_flag(extra, "embedded_store_dir")
+    root = store_dir(parent)
+    running = None
+    if os.path.exists(StorePaths(root, name).socket):
+        try:
+            handle = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5.0, fault_in=False)
+            handle.open(wait_s=1.0)
+            try:
+                running = handle.status()
+            finally:
+                handle.close()
+        except StoreUnreachable as exc:
+            report.problems.append(f"the local store {name!r} in {root} does not answer ({exc}); "
+                                   f"its log: {StorePaths(root, name).log}")
+            return
+    if running is not None:
+        held, asked = running["capacity_bytes"], config.embedded_capacity_bytes
+        console.print(f"local store {name!r} is running (pid {running['pid']}, capacity {human_bytes(held)}, "
+                      f"{running['policy']} eviction, {running['objects']} objects)")
+        if held != asked:
+            report.warnings.append(
+                f"the running local store {name!r} has capacity {human_bytes(held)}, the configuration asks for "
+                f"{human_bytes(asked)}: servers get the running store's; to change it, 'sglang-simm store stop "
+                f"{name}' (its objects are lost), then 'sglang-simm store start {name} --capacity ...' or start "
+                "the servers")
+        _round_trip(console, config, report)
+        return
+    console.print(f"no local store {name!r} is running in {root}: the first server starts it with capacity "
+                  f"{human_bytes(config.embedded_capacity_bytes)}; the round trip below runs on a store of "
+                  "doctor's own, stopped after it")
+    from sglang_simm import embedded
+
+    # the embedded client's flags are process-global, as SiMM's are: the
+    # private directory's flag must not outlive this round trip
+    saved = embedded.get_flag("embedded_store_dir")
+    try:
+        with private_store_dir("sglang-simm-doctor-", parent=parent) as private:
+            with _quiet_config_log():
+                own = load_config(with_client_flag(extra, "embedded_store_dir", private)).config
+            _round_trip(console, own, report)
+    finally:
+        embedded.set_flag("embedded_store_dir", saved)
 
 
 def _round_trip(console: Any, config: Any, report: Report, *, size: int = 1 << 20, rounds: int = 5) -> None:

@@ -63,10 +63,11 @@ def add_arguments(sub: Any) -> None:
 
 
 def _handle(root: str, name: str) -> HostServer:
-    server = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5.0, fault_in=False)
-    if not os.path.exists(server.paths.socket) and not lock_held(server.paths):
+    paths = StorePaths(root, name)
+    if not os.path.exists(paths.socket) and not lock_held(paths):
         # nothing runs and nothing starts: say so now (status walks every name of the directory)
         raise StoreUnreachable(BUILD_CONNECTION_FAILED, "no store process is running", no_store=True)
+    server = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5.0, fault_in=False)
     server.open(wait_s=1.0)
     return server
 
@@ -147,7 +148,12 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
                       f"{args.eviction} eviction, socket {StorePaths(root, args.name).socket}")
         return 0
     if what == "clear":
-        server = _handle(root, check_name(args.name))
+        try:
+            server = _handle(root, check_name(args.name))
+        except StoreUnreachable as exc:
+            console.print(f"[red]store {args.name!r} is not running in {root}[/red] ({_why(exc)}): nothing to "
+                          f"clear; {_known(root)}")
+            return 1
         try:
             done = server.admin("clear")
         finally:
@@ -186,8 +192,22 @@ def _confirmed(console: Any, root: str, names: list[str], yes: bool) -> bool:
     return input("stop them? [y/N] ").strip().lower() in ("y", "yes")
 
 
+def _why(exc: StoreUnreachable) -> str:
+    """What went wrong, without the transport code an operator cannot act on."""
+    return str(exc).partition(": ")[2] or str(exc)
+
+
+def _known(root: str) -> str:
+    names = store_names(root)
+    return f"stores in this directory: {', '.join(names)}" if names else "no store has run in this directory"
+
+
 def _stop(console: Any, root: str, name: str) -> int:
     paths = StorePaths(root, name)
+    if name not in store_names(root) and not os.path.exists(paths.lock):
+        console.print(f"[red]no store named {name!r} in {root}[/red]; {_known(root)} "
+                      "(--dir or $SGLANG_SIMM_STORE_DIR names another directory)")
+        return 1
     try:
         server = _handle(root, name)
     except StoreUnreachable:
