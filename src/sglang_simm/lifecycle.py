@@ -19,6 +19,7 @@ from sglang_simm.binding import PoolBinding
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, log_resolved
 from sglang_simm.errors import BackendClosedError, UnsupportedPoolError
+from sglang_simm.exporter import exporter_for
 from sglang_simm.geometry import SUPPORTED_LAYOUTS
 from sglang_simm.inflight import Call, release
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
@@ -65,7 +66,8 @@ class Lifecycle:
         self.config = config
         # SGLang drains get_stats() only with --enable-metrics (off by default).
         self.counters = BackendCounters(
-            storage_metrics=bool(getattr(storage_config, "enable_storage_metrics", False))
+            storage_metrics=bool(getattr(storage_config, "enable_storage_metrics", False)),
+            exporter=exporter_for(storage_config),  # our series in SGLang's /metrics, same switch
         )
         self._log = RateLimitedLog(logger)
         self._profile = bool(config.enable_profile)
