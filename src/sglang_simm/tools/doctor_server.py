@@ -153,12 +153,20 @@ def extra_config_of(info: dict[str, Any], storage: dict[str, Any] | None = None)
         return dict(raw)
     if not raw:
         return {}
+    text = str(raw)
     try:
-        from sglang_simm.tools.cli import parse_extra_config
+        if text.startswith("@"):  # a file of the server's host: read where doctor runs beside it
+            with open(text[1:], encoding="utf-8") as fh:
+                text = fh.read()
+            if not text.lstrip().startswith("{"):
+                import yaml  # SGLang depends on PyYAML (JSON is YAML too)
 
-        return parse_extra_config(str(raw), option="--hicache-storage-backend-extra-config")
-    except ValueError:
+                data = yaml.safe_load(text)
+                return data if isinstance(data, dict) else {}
+        data = json.loads(text)
+    except Exception:  # a TOML file, an unreadable path: the fields' defaults then
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def is_ours(backend: str | None, extra: dict[str, Any]) -> bool | None:
