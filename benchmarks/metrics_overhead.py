@@ -52,6 +52,30 @@ def one_round(backend, pages: int, calls: int) -> dict[str, float]:
     return {op: s / calls * 1e6 for op, s in out.items()}
 
 
+def counters_alone(rounds: int, calls: int = 20000) -> dict[bool, list[float]]:
+    """What metrics add to a call's counting by itself: one ``record_get``
+    and one ``record_set`` per call, with and without an exporter (its
+    Prometheus registry this process's own), in ns per call."""
+    from prometheus_client import CollectorRegistry
+
+    from sglang_simm.exporter import L3Exporter
+    from sglang_simm.metrics import BackendCounters
+
+    labels = {"model_name": "m", "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
+    made = {False: BackendCounters(storage_metrics=False),
+            True: BackendCounters(storage_metrics=False, exporter=L3Exporter(labels, registry=CollectorRegistry()))}
+    out: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for m, c in made.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                c.record_get(8, 0, 8192, 0.0002, 1024)
+                c.record_set(8, 0, 0, 8192, 0.0003)
+            out[m].append((time.perf_counter() - t0) / calls * 1e9)
+            c.flush_export()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", default="1,8,128")
@@ -77,6 +101,10 @@ def main() -> None:
     finally:
         for b in backends.values():
             b.close()
+    alone = counters_alone(args.rounds)
+    print(f"counting alone (record_get + record_set), median of {args.rounds} rounds: "
+          f"metrics off {statistics.median(alone[False]):.0f} ns, on {statistics.median(alone[True]):.0f} ns "
+          f"per call")
     print(f"per call, median of {args.rounds} rounds of {args.calls} calls, "
           f"{geom.page_size}-token pages of {geom.page_bytes()} bytes, in-process store")
     print(f"{'op':7s} {'pages':>5s} {'metrics off':>12s} {'metrics on':>12s} {'on - off':>10s} {'spread off':>11s}")

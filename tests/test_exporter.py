@@ -98,6 +98,14 @@ def test_breaker_one_call():
     assert value(registry, "sglang_simm:breaker_transitions_total", to="closed") == 1
 
 
+def test_every_series_exists_from_attach():
+    """A scrape before any L3 call tells the plugin's zeros from no plugin."""
+    registry = prometheus_client.CollectorRegistry()
+    L3Exporter(LABELS, registry=registry)
+    assert value(registry, "sglang_simm:l3_pages_hit_total") == 0
+    assert value(registry, "sglang_simm:l3_call_seconds_count", op="set") == 0
+
+
 def test_two_backends_share_families():
     """SGLang re-attaches a backend at runtime: the names register once."""
     registry = prometheus_client.CollectorRegistry()

@@ -158,6 +158,13 @@ class L3Exporter:
         self._last_sums = dict.fromkeys(OPERATIONS, 0.0)
         self._breaker: str | None = None
         self._last_transitions: dict[str, int] = {}
+        # every series of this backend exists, at 0, from its attach: a scrape
+        # tells "the plugin counts, nothing happened" from "no plugin here"
+        f = self._families
+        for field, _name, _text in COUNTERS:
+            f.counters[field].labels(**self.labels)
+        for op in OPERATIONS:
+            f.latency.labels(**self.labels, op=op)
 
     def flush(self, snapshot: Mapping[str, Any], latency: tuple[dict[str, list[int]], dict[str, float]] | None = None,
               breaker: tuple[str | None, Mapping[str, int]] | None = None) -> None:
