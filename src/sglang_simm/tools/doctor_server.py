@@ -213,8 +213,10 @@ def analyse(info: dict[str, Any], metrics: dict[str, Any] | None = None, storage
                            "server's environment, or is older than its metrics",
                            "pip install sglang-simm into the server's environment"))
 
-    policy = (storage or {}).get("hicache_write_policy") or info.get("hicache_write_policy") or "write_through"
-    if policy == "write_back":
+    policy = (storage or {}).get("hicache_write_policy") or info.get("hicache_write_policy")
+    if policy is None:
+        pass  # not published: nothing to say
+    elif policy == "write_back":
         out.append(Finding("warn", "write policy write_back: a page goes to host memory, and from there to L3, "
                            "only when the GPU pool evicts it; until the GPU pool fills, L3 receives nothing and "
                            "nothing can hit there", "--hicache-write-policy write_through"))
@@ -226,7 +228,7 @@ def analyse(info: dict[str, Any], metrics: dict[str, Any] | None = None, storage
         out.append(Finding("info", f"write policy {policy}: every computed prefix is written to host memory "
                            "and then to L3 as it is computed"))
 
-    prefetch = (storage or {}).get("hicache_storage_prefetch_policy") or info.get("hicache_storage_prefetch_policy") or "best_effort"
+    prefetch = (storage or {}).get("hicache_storage_prefetch_policy") or info.get("hicache_storage_prefetch_policy")
     base = float(extra.get("prefetch_timeout_base", DEFAULT_TIMEOUT_BASE))
     per_ki = float(extra.get("prefetch_timeout_per_ki_token", DEFAULT_TIMEOUT_PER_KI))
     if prefetch == "best_effort":
