@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_simm.errors import code_name
-from sglang_simm.exporter import LatencyTally
+from sglang_simm.exporter import LATENCY_BUCKETS, LatencyTally
 
 
 def storage_metrics_class() -> type | None:
@@ -76,6 +77,9 @@ class BackendCounters:
         #: ``exporter.L3Exporter`` (SGLang's /metrics), flushed by ``drain_storage_metrics``; None: off
         self.exporter = exporter
         self._latency = LatencyTally() if exporter is not None else None
+        # the tally's bucket lists, held here so a call reaches them in one step
+        self._get_buckets = self._latency.counts["get"] if self._latency is not None else None
+        self._set_buckets = self._latency.counts["set"] if self._latency is not None else None
         self._flushed_at = float("-inf")
         self.breaker_state: str | None = None
         self.breaker_transitions: Counter[str] = Counter()
@@ -95,8 +99,9 @@ class BackendCounters:
             self.pages_read += hits
             self.pages_missed += misses
             self.bytes_read += nbytes
-            if self._latency is not None and seconds > 0:
-                self._latency.observe("get", seconds)
+            if self._get_buckets is not None and seconds > 0:
+                self._get_buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+                self._latency.sums["get"] += seconds
             if hits and self.storage_metrics:
                 self._pending.prefetch_pgs.append(hits)
                 self._pending.prefetch_bandwidth.append(_gib_per_s(hits * page_bytes, seconds))
@@ -107,8 +112,9 @@ class BackendCounters:
             self.pages_skipped += skipped
             self.pages_write_failed += failed
             self.bytes_written += nbytes
-            if self._latency is not None and seconds > 0:
-                self._latency.observe("set", seconds)
+            if self._set_buckets is not None and seconds > 0:
+                self._set_buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+                self._latency.sums["set"] += seconds
             if written and self.storage_metrics:
                 self._pending.backup_pgs.append(written)
                 self._pending.backup_bandwidth.append(_gib_per_s(nbytes, seconds))
