@@ -8,6 +8,11 @@ One server per route, shared by the module's tests:
   ``direct`` io backend, metrics off (SGLang's default), a small embedded
   store (so the soak runs at its capacity, evicting).
 
+and ``l3-threshold``: the plugin entry point with a prefetch threshold above
+every prompt the tests send, one cause that keeps L3 from hitting, for
+``doctor --server`` to name (the other two are its healthy and metrics-off
+cases; the backend's own /metrics series are checked on both routes).
+
 Reference outputs are fresh computations: the same prompt sent before any
 tier holds it, or under its own ``extra_key`` (which namespaces every tier).
 A restored prompt must report its prefix from L3 (``cached_tokens_details``)
