@@ -25,7 +25,7 @@ restore tests can fail. Its store sets the embedded client's
 every byte of every successful read is flipped after the copy, and the read
 still reports success. Its warm-up round trip is off, since it would see the
 bad bytes and refuse to start. It lives in this file so that a run spread
-over pytest-xdist workers by file (scripts/test.sh) starts the three servers
+over pytest-xdist workers by file (scripts/test.sh) starts the four servers
 once, on one worker.
 """
 
