@@ -25,7 +25,7 @@ ROOT = Path(sglang_simm.__file__).resolve().parent
 #: The operator's commands, all the wheel holds besides the backend and the
 #: store: every other instrument (demo, bench, CPU stand-ins, CPU servers,
 #: tiny models, host pools, null client, compat probe) lives in dev/.
-COMMANDS = {TOOLS, f"{TOOLS}.cli", f"{TOOLS}.doctor", f"{TOOLS}.store"}
+COMMANDS = {TOOLS, f"{TOOLS}.cli", f"{TOOLS}.doctor", f"{TOOLS}.doctor_server", f"{TOOLS}.store"}
 
 #: The instruments: a project of its own in the repository, never in the wheel.
 DEV_PACKAGE = "sglang_simm_dev"

@@ -39,6 +39,7 @@ from sglang_simm import copying, hybrid
 from sglang_simm.binding import Batch, PoolBinding, bind_kv_pool, bind_side_pool, kv_pool_of
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, log_resolved
+from sglang_simm.exporter import exporter_for
 from sglang_simm.inflight import Call, Pools, release
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
 from sglang_simm.transfer import ALREADY_EXISTS, Answers, leading, object_keys, object_views
@@ -97,7 +98,8 @@ class HiCacheSiMM(HiCacheStorage):
         self.config: SiMMConfig = config
         #: SGLang drains get_stats() only with --enable-metrics (off by default)
         self.counters = BackendCounters(
-            storage_metrics=bool(getattr(storage_config, "enable_storage_metrics", False))
+            storage_metrics=bool(getattr(storage_config, "enable_storage_metrics", False)),
+            exporter=exporter_for(storage_config),  # our series in SGLang's /metrics, same switch
         )
         self.log = RateLimitedLog(logger)
         self.pools = Pools()

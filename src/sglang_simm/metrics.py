@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_simm.errors import code_name
+from sglang_simm.exporter import LATENCY_BUCKETS, LatencyTally
 
 
 def storage_metrics_class() -> type | None:
@@ -37,6 +39,11 @@ def storage_metrics_class() -> type | None:
 #: past this many the oldest are dropped, so memory stays bounded even when
 #: nobody drains (a few KiB per list).
 PENDING_LIMIT = 1024
+
+#: The exporter is flushed at most this often (seconds): SGLang calls
+#: ``get_stats()`` on every pass of its scheduler loop, scrapes come every
+#: few seconds.
+EXPORT_INTERVAL_S = 0.5
 
 
 def _bounded() -> deque:
@@ -64,9 +71,18 @@ class BackendCounters:
     entries per list wait for the next drain.
     """
 
-    def __init__(self, *, storage_metrics: bool = True) -> None:
+    def __init__(self, *, storage_metrics: bool = True, exporter: Any = None) -> None:
         self._lock = threading.Lock()
         self.storage_metrics = bool(storage_metrics)
+        #: ``exporter.L3Exporter`` (SGLang's /metrics), flushed by ``drain_storage_metrics``; None: off
+        self.exporter = exporter
+        self._latency = LatencyTally() if exporter is not None else None
+        # the tally's bucket lists, held here so a call reaches them in one step
+        self._get_buckets = self._latency.counts["get"] if self._latency is not None else None
+        self._set_buckets = self._latency.counts["set"] if self._latency is not None else None
+        self._flushed_at = float("-inf")
+        self.breaker_state: str | None = None
+        self.breaker_transitions: Counter[str] = Counter()
         self.pages_read = 0
         self.pages_missed = 0
         self.pages_written = 0
@@ -83,6 +99,9 @@ class BackendCounters:
             self.pages_read += hits
             self.pages_missed += misses
             self.bytes_read += nbytes
+            if self._get_buckets is not None and seconds > 0:
+                self._get_buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+                self._latency.sums["get"] += seconds
             if hits and self.storage_metrics:
                 self._pending.prefetch_pgs.append(hits)
                 self._pending.prefetch_bandwidth.append(_gib_per_s(nbytes, seconds))
@@ -93,6 +112,9 @@ class BackendCounters:
             self.pages_skipped += skipped
             self.pages_write_failed += failed
             self.bytes_written += nbytes
+            if self._set_buckets is not None and seconds > 0:
+                self._set_buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+                self._latency.sums["set"] += seconds
             if written and self.storage_metrics:
                 self._pending.backup_pgs.append(written)
                 self._pending.backup_bandwidth.append(_gib_per_s(nbytes, seconds))
@@ -110,6 +132,26 @@ class BackendCounters:
         with self._lock:
             self.errors[kind] += n
 
+    def record_breaker(self, state: str) -> None:
+        """The circuit breaker's state (``closed``, ``half_open``, ``open``):
+        a change counts one transition into ``state``."""
+        with self._lock:
+            if state != self.breaker_state:
+                if self.breaker_state is not None:
+                    self.breaker_transitions[state] += 1
+                self.breaker_state = state
+
+    def flush_export(self) -> None:
+        """Push what changed since the last flush into SGLang's /metrics
+        (nothing without an exporter)."""
+        if self.exporter is None:
+            return
+        snap = self.snapshot()
+        with self._lock:
+            latency = self._latency.copy() if self._latency is not None else None
+            breaker = (self.breaker_state, dict(self.breaker_transitions))
+        self.exporter.flush(snap, latency, breaker)
+
     @property
     def pending(self) -> int:
         """Operations waiting for the next ``drain_storage_metrics``."""
@@ -117,7 +159,13 @@ class BackendCounters:
             return len(self._pending)
 
     def drain_storage_metrics(self) -> Any:
-        """SGLang's StorageMetrics of what happened since the last call."""
+        """SGLang's StorageMetrics of what happened since the last call;
+        flushes the exporter (SGLang calls this on its scheduler thread)."""
+        if self.exporter is not None:
+            now = time.monotonic()
+            if now - self._flushed_at >= EXPORT_INTERVAL_S:
+                self._flushed_at = now
+                self.flush_export()
         with self._lock:
             pending, self._pending = self._pending, _Pending()
         cls = storage_metrics_class()

@@ -53,6 +53,9 @@ SERVERS: dict[str, Callable[[str], ServerConfig]] = {
     # soak fills to capacity
     "route-dynamic": _server("route-dynamic", "dynamic", {"embedded_capacity_bytes": "32MiB"},
                              mem_layout="page_first_direct", io_backend="direct", enable_metrics=False),
+    # one cause that keeps L3 from hitting: a prefetch threshold above every
+    # prompt the tests send (doctor --server must name it); metrics on
+    "l3-threshold": _server("l3-threshold", "simm", {"prefetch_threshold": 4096}, enable_metrics=True),
     # the control: every successful L3 read comes back with flipped bytes;
     # no warm-up round trip (it would see them and refuse to start)
     "corrupt-reads": _server("corrupt-reads", "simm",

@@ -8,6 +8,11 @@ One server per route, shared by the module's tests:
   ``direct`` io backend, metrics off (SGLang's default), a small embedded
   store (so the soak runs at its capacity, evicting).
 
+and ``l3-threshold``: the plugin entry point with a prefetch threshold above
+every prompt the tests send, one cause that keeps L3 from hitting, for
+``doctor --server`` to name (the other two are its healthy and metrics-off
+cases; the backend's own /metrics series are checked on both routes).
+
 Reference outputs are fresh computations: the same prompt sent before any
 tier holds it, or under its own ``extra_key`` (which namespaces every tier).
 A restored prompt must report its prefix from L3 (``cached_tokens_details``)
@@ -20,11 +25,13 @@ restore tests can fail. Its store sets the embedded client's
 every byte of every successful read is flipped after the copy, and the read
 still reports success. Its warm-up round trip is off, since it would see the
 bad bytes and refuse to start. It lives in this file so that a run spread
-over pytest-xdist workers by file (scripts/test.sh) starts the three servers
+over pytest-xdist workers by file (scripts/test.sh) starts the four servers
 once, on one worker.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from e2e_util import DEVICE_TOKENS, PAGE, TINY, matchable_tokens, prompt
@@ -144,6 +151,91 @@ def test_metrics_count_backups_and_l3_hits(server):
     assert delta("sglang:backuped_tokens_total") >= LONG
     assert delta("sglang:storage_prefetch_hit_tokens_total") == matchable_tokens(LONG, PAGE)
     assert delta("sglang:prefetched_tokens_total") == matchable_tokens(LONG, PAGE)
+
+
+def scrape(server: SGLangServer) -> tuple[int, str]:
+    """``/metrics`` as text, with its HTTP status (404 where metrics are off)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode("utf-8", "replace")
+
+
+def test_plugin_series_in_metrics_only_with_the_flag(server):
+    """With --enable-metrics the backend's own series reach the server's
+    /metrics from its scheduler (SGLang's multiprocess files), labelled like
+    SGLang's; without it there are none."""
+    from sglang_simm.tools.doctor_server import metric_sum, parse_metrics
+
+    ids = prompt(6, LONG)
+    stored = server.l3_pages_stored()
+    fresh = server.generate(ids, max_new_tokens=1)
+    backed_up(server, fresh, stored)
+    server.flush_cache()
+    server.generate(ids, max_new_tokens=1)
+    if not server.config.enable_metrics:
+        status, text = scrape(server)
+        assert "sglang_simm:" not in text, text[:500]
+        return
+    # the backend flushes its counters from the scheduler loop at most every 0.5 s
+    deadline = time.monotonic() + 30
+    while True:
+        status, text = scrape(server)
+        parsed = parse_metrics(text)
+        if (metric_sum(parsed, "sglang_simm:l3_pages_hit_total") or 0) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert status == 200
+    for name in ("sglang_simm:l3_pages_hit_total", "sglang_simm:l3_pages_written_total",
+                 "sglang_simm:l3_exists_calls_total"):
+        assert (metric_sum(parsed, name) or 0) > 0, why(server, f"{name} has no samples: {sorted(parsed)[:80]}")
+    assert (metric_sum(parsed, "sglang_simm:l3_call_seconds_count", op="get") or 0) > 0
+    assert (metric_sum(parsed, "sglang_simm:l3_call_seconds_count", op="set") or 0) > 0
+    labels, _ = parsed["sglang_simm:l3_pages_hit_total"][0]
+    assert labels["tp_rank"] == "0" and labels["model_name"], labels
+    print("\n".join(line for line in text.splitlines() if line.startswith("sglang_simm:l3_pages")))
+
+
+def test_doctor_server_names_what_it_reads(server, capsys):
+    from sglang_simm.tools.cli import main
+
+    rc = main(["doctor", "--server", server.url])
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == 0, out
+    assert "write policy write_through" in out
+    if server.config.enable_metrics:
+        assert "pages hit" in out and "metrics are off" not in out, out
+    else:
+        assert "SGLang's metrics are off" in out and "--enable-metrics" in out, out
+    # its local store is running and holds one namespace of pages
+    assert "under one namespace" in out, out
+
+
+def test_doctor_server_names_a_threshold_above_the_prompts(servers, capsys):
+    """The server's prefetch threshold (extra config) exceeds every prompt
+    it serves: L3 is never asked, and doctor says so, exit status 1."""
+    from sglang_simm.tools.cli import main
+
+    server = servers.get("l3-threshold")
+    server.generate(prompt(7, 400), max_new_tokens=1)
+    deadline = time.monotonic() + 30
+    while True:  # SGLang's own counters reach /metrics from its tokenizer process
+        rc = main(["doctor", "--server", server.url])
+        out = capsys.readouterr().out
+        if rc == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    print(out)
+    assert rc == 1, out
+    assert "the prefetch threshold is 4096 tokens and the prompts served so far average" in out, out
+    assert '"prefetch_threshold": N' in out
+    # the plugin's series are there from its attach, at 0 before any L3 call
+    assert "in-tree HiCacheSiMM" not in out, out
 
 
 def test_soak_keeps_scheduler_memory_flat(server):

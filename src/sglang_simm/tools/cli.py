@@ -160,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check configuration, client, RDMA devices and SGLang")
     add_config_args(doctor)
     doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
+    doctor.add_argument("--server", metavar="URL", action="append",
+                        help="read a running SGLang server (http://host:port) and name every reason its L3 "
+                             "does not hit; repeat for servers that should share pages")
+    doctor.add_argument("--api-key", metavar="KEY",
+                        help="with --server: the server's admin API key (for /hicache/storage-backend)")
 
     for name in MOVED:  # every argument accepted, so that the answer is where it went
         moved = sub.add_parser(name, help=f"not in this package: run from a clone (sglang-simm-dev {name})",
@@ -217,6 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(or, from a clone of this repo, pip install '.[cli]')", file=sys.stderr)
         return 2
     try:
+        if args.command == "doctor" and args.server:
+            from sglang_simm.tools.doctor_server import run_doctor_server
+
+            return run_doctor_server(console, args.server, api_key=args.api_key)
         if args.command == "doctor":
             from sglang_simm.tools.doctor import run_doctor
 

@@ -1,0 +1,170 @@
+"""``doctor --server``'s analysis on recorded /server_info dicts (one cause
+each); the real servers are tests/e2e/test_observability.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_simm.tools import doctor_server as ds
+from sglang_simm.tools.cli import main
+
+#: the fields of a 0.5.23 CPU server's /server_info that doctor reads
+#: (recorded from the e2e tests' route-simm server, the rest left out)
+HEALTHY = {
+    "version": "0.5.23",
+    "model_path": "/tmp/models/llama-tiny",
+    "served_model_name": "/tmp/models/llama-tiny",
+    "tp_size": 1,
+    "pp_size": 1,
+    "page_size": 16,
+    "dtype": "float32",
+    "kv_cache_dtype": "auto",
+    "max_total_num_tokens": 2048,
+    "enable_hierarchical_cache": True,
+    "hicache_ratio": 2.0,
+    "hicache_size": 0,
+    "hicache_mem_layout": "page_first",
+    "hicache_write_policy": "write_through",
+    "hicache_storage_prefetch_policy": "wait_complete",
+    "hicache_storage_backend": "simm",
+    "hicache_storage_backend_extra_config": json.dumps({"manager_address": "local://e2e-route-simm"}),
+    "enable_metrics": True,
+}
+
+
+def server(**changes):
+    info = dict(HEALTHY)
+    for k, v in changes.items():
+        if v is None:
+            info.pop(k, None)
+        else:
+            info[k] = v
+    return info
+
+
+def levels(findings, level):
+    return [f.what for f in findings if f.level == level]
+
+
+def test_healthy_server_blocks_nothing():
+    found = ds.analyse(HEALTHY, {"sglang_simm:l3_pages_hit_total": [({}, 3.0)]})
+    assert levels(found, "block") == []
+
+
+@pytest.mark.parametrize(
+    "changes, words, fix",
+    [
+        ({"enable_hierarchical_cache": False}, "HiCache is off", "--enable-hierarchical-cache"),
+        ({"hicache_storage_backend": None}, "no L3 storage backend", "--hicache-storage-backend simm"),
+        ({"hicache_storage_backend": "file"}, "SGLang's 'file' backend", "--hicache-storage-backend simm"),
+        ({"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config":
+          json.dumps({"module_path": "other.mod", "class_name": "X"})}, "other.mod.X", "sglang_simm"),
+        # SGLang <= 0.5.14: prefetch capacity 0.8 x (host - device) = 0 at ratio 1.0
+        ({"version": "0.5.11", "hicache_ratio": 1.0}, "0.8 x (2048 - 2048)", "--hicache-ratio 2"),
+    ],
+    ids=["hicache-off", "no-backend", "other-backend", "other-dynamic", "ratio-1.0-old-sglang"],
+)
+def test_each_blocking_cause_is_named_with_its_flag(changes, words, fix):
+    found = ds.analyse(server(**changes))
+    blocking = [f for f in found if f.level == "block"]
+    assert blocking and words in blocking[0].what and fix in blocking[0].fix, found
+
+
+def test_ratio_1_does_not_clamp_from_0_5_15():
+    assert levels(ds.analyse(server(hicache_ratio=1.0)), "block") == []
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"hicache_write_policy": "write_back"}, "only when the GPU pool evicts it"),
+        ({"hicache_write_policy": "write_through_selective"}, "hit twice"),
+        ({"hicache_storage_prefetch_policy": "best_effort"}, "cut short"),
+        ({"enable_metrics": False}, "metrics are off"),
+        ({"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config":
+          json.dumps({"module_path": "sglang_simm", "class_name": "HiCacheSiMM"})}, "interface_v1"),
+    ],
+    ids=["write-back", "selective", "best-effort", "metrics-off", "no-interface-v1"],
+)
+def test_each_warning_is_named(changes, words):
+    found = ds.analyse(server(**changes))
+    assert any(words in w for w in levels(found, "warn")), found
+    assert levels(found, "block") == []
+
+
+def test_threshold_above_the_prompts_served_blocks():
+    metrics = {"sglang:prompt_tokens_total": [({}, 1000.0)], "sglang:num_requests_total": [({}, 10.0)],
+               "sglang_simm:l3_pages_hit_total": [({}, 0.0)]}
+    found = ds.analyse(HEALTHY, metrics)
+    assert any("threshold is 256" in w and "average 100" in w for w in levels(found, "block")), found
+    # the same prompts under a threshold of 64 are fine
+    lower = server(hicache_storage_backend_extra_config=json.dumps({"prefetch_threshold": 64}))
+    assert levels(ds.analyse(lower, metrics), "block") == []
+
+
+def test_runtime_attachment_wins_over_launch_args():
+    storage = {"hicache_storage_backend": None, "hicache_write_policy": "write_through"}
+    assert any("no L3 storage backend" in w for w in levels(ds.analyse(HEALTHY, None, storage), "block"))
+
+
+def test_in_tree_simm_is_told_apart_by_its_missing_series():
+    metrics = {"sglang:prompt_tokens_total": [({}, 5000.0)], "sglang:num_requests_total": [({}, 10.0)]}
+    assert any("in-tree HiCacheSiMM" in w for w in levels(ds.analyse(HEALTHY, metrics), "warn"))
+
+
+def test_faults_and_open_breaker_from_metrics():
+    metrics = {"sglang_simm:l3_faults_total": [({"code": "BuildConnectionFailed"}, 4.0)],
+               "sglang_simm:breaker_state": [({}, 2.0)], "sglang_simm:l3_pages_hit_total": [({}, 0.0)]}
+    found = ds.analyse(HEALTHY, metrics)
+    assert any("BuildConnectionFailed x4" in w for w in levels(found, "warn"))
+    assert any("breaker is open" in w for w in levels(found, "block"))
+
+
+def test_parse_metrics():
+    text = ('# HELP x y\n# TYPE x counter\nsglang_simm:l3_faults_total{code="a\\"b",tp_rank="0"} 3.0\n'
+            'sglang:num_requests_total 7\n')
+    parsed = ds.parse_metrics(text)
+    assert parsed["sglang_simm:l3_faults_total"] == [({"code": 'a"b', "tp_rank": "0"}, 3.0)]
+    assert ds.metric_sum(parsed, "sglang:num_requests_total") == 7
+    assert ds.metric_sum(parsed, "absent") is None
+
+
+def test_store_not_running_blocks():
+    found = ds.analyse_store({"name": "e2e", "running": False, "why": "no store process is running"}, None)
+    assert found[0].level == "block" and "sglang-simm store start e2e" in found[0].fix
+
+
+def test_store_full_and_evicting_warns():
+    found = ds.analyse_store({"name": "s", "running": True, "used_bytes": 95 << 20, "capacity_bytes": 100 << 20,
+                              "evictions": 12}, [])
+    assert any("full (95%" in w and "evicted 12" in w for w in levels(found, "warn"))
+
+
+def test_store_namespaces_from_key_prefixes():
+    keys = ["s1.0123456789abcdef/" + "a" * 64 + "_0_k", "s1.0123456789abcdef/" + "b" * 64 + "_0_v",
+            "tag/s1.fedcba9876543210/" + "c" * 64 + "_k", "sglang_simm_warmup_x", "deadbeef_0_k"]
+    assert ds.namespaces(keys) == {"s1.0123456789abcdef": 2, "tag/s1.fedcba9876543210": 1,
+                                   "legacy (no namespace)": 1}
+    found = ds.analyse_store({"name": "s", "running": True}, keys)
+    assert any("3 key namespaces" in w for w in levels(found, "warn"))
+
+
+def test_servers_sharing_a_store_with_different_namespaces():
+    a = ("http://a", HEALTHY)
+    b = ("http://b", server(tp_size=2))
+    found = ds.compare_namespaces([a, b])
+    assert found and "tp_size" in found[0].what and "http://b 2" in found[0].what
+    assert ds.compare_namespaces([a, ("http://c", HEALTHY)]) == []
+
+
+def test_cli_server_that_does_not_answer_exits_1(capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["doctor", "--server", f"127.0.0.1:{port}"]) == 1
+    out = capsys.readouterr().out
+    assert "does not answer" in out and "keep L3 from hitting" in out
