@@ -1,4 +1,4 @@
-"""The host store's opt-in HTTP /metrics (sglang_simm/store_http.py): the
+"""The host store's opt-in HTTP /metrics (embedded/_http.py): the
 names of ``store status --prometheus``, from a real store process."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import urllib.request
 import uuid
 
 from sglang_simm.embedded._host import HostServer
-from sglang_simm.store_http import PORT_ENV, store_metrics_from_env
+from sglang_simm.embedded._http import PORT_ENV, store_metrics_from_env
 
 from raw_peer import StoreProc, wait_for  # noqa: E402
 

@@ -55,7 +55,7 @@ from sglang_simm.embedded._paths import StorePaths, ensure_dir
 from sglang_simm.embedded._protocol import Op, ProtocolError, Reader, frame, pack_ints, pack_json
 from sglang_simm.embedded._table import IndexTable
 from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, MAX_VALUE_BYTES, TARGET_UNAVAILABLE
-from sglang_simm.store_http import store_metrics_from_env
+from sglang_simm.embedded._http import store_metrics_from_env
 
 logger = logging.getLogger("sglang_simm.embedded.daemon")
 
@@ -856,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon.max_connections, f"{settings.limits.idle_exit_s:g} s" if settings.limits.idle_exit_s else "never",
     )
     try:
-        store_metrics_from_env(args.dir, args.name)  # opt-in HTTP /metrics (sglang_simm/store_http.py)
+        store_metrics_from_env(args.dir, args.name)  # opt-in HTTP /metrics (embedded/_http.py)
         daemon.serve_forever()
     finally:
         daemon.close()
