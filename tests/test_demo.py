@@ -223,6 +223,12 @@ def test_list_models_and_bad_options(tmp_path):
     assert set(server_names()) == before
 
 
+def test_server_demo_options_without_server_are_refused_not_ignored(capsys):
+    code = cli.main(["demo", "--preset", "llama-tiny", "--new-tokens", "4"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 2 and "--preset, --new-tokens belong to the server demo: add --server" in out
+
+
 def test_cli_entry_point(tmp_path):
     name = f"demo-cli-{uuid.uuid4().hex[:8]}"
     out = tmp_path / "cli.json"

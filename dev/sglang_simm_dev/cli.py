@@ -79,10 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: KV-demo options that mean nothing to --server (it runs a real model: --preset)
 _NOT_WITH_SERVER = {"model": "--model", "pages": "--pages", "direct": "--direct"}
+#: server-demo options that mean nothing without --server
+_ONLY_WITH_SERVER = {"preset": "--preset", "model_dir": "--model-dir", "system_tokens": "--system-tokens",
+                     "question_tokens": "--question-tokens", "new_tokens": "--new-tokens", "route": "--route",
+                     "workdir": "--workdir", "startup_timeout": "--startup-timeout", "seed": "--seed"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     exit_through_cleanup_on_sigterm()
     try:
         console = make_console()
@@ -103,6 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_server_demo(args)
         if args.command == "demo":
+            defaults = vars(parser.parse_args(["demo"]))
+            given = [flag for name, flag in _ONLY_WITH_SERVER.items() if getattr(args, name) != defaults[name]]
+            if given:  # said, not ignored: the KV demo has no model to run
+                console.print(f"[red]error:[/red] {', '.join(given)} belong to the server demo: add --server "
+                              "(the KV demo takes --model, see --list-models)")
+                return 2
             from sglang_simm_dev.demo import run_demo
 
             return run_demo(console, args, extra_from_args(args))
