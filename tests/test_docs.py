@@ -69,3 +69,14 @@ def test_anchors_follow_githubs_rule(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# The `--docs` option: a page's A/B\n\n## Twice\n\n## Twice\n\n```\n# not a heading\n```\n")
     assert anchors(page) == {"the---docs-option-a-pages-ab", "twice", "twice-1"}
+
+
+def test_every_test_a_page_names_exists():
+    missing = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for path, name in set(re.findall(r"(tests/[\w/]+\.py)::(\w+)", text)):
+            test_file = ROOT / path
+            if not test_file.is_file() or not re.search(rf"def {name}\(", test_file.read_text(encoding="utf-8")):
+                missing.append(f"{page.relative_to(ROOT)}: {path}::{name}")
+    assert missing == []
