@@ -4,6 +4,7 @@ model with the ``file`` backend and ours (one repetition), so it cannot rot."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from sglang_simm_dev.bench import server_metrics, server_tap
+from sglang_simm_dev.bench.report import write_docs_section
 from sglang_simm_dev.bench.server import _error_line, _failure, checks, goals, plan_from_args
 from sglang_simm_dev.bench.server_backends import (
     MOONCAKE_INSTALL,
@@ -21,7 +23,6 @@ from sglang_simm_dev.bench.server_backends import (
     Shape,
     mooncake_status,
 )
-from sglang_simm_dev.bench.server_cli import update_docs
 from sglang_simm_dev.bench.server_workloads import (
     Workload,
     compare_turns,
@@ -268,17 +269,27 @@ def test_histograms_sum_over_ranks():
 # -- docs --------------------------------------------------------------------------------
 
 
-def test_docs_replace_their_own_section_and_keep_the_others(tmp_path):
-    path = str(tmp_path / "benchmarks.md")
-    update_docs(path, "run-1", "first")
-    update_docs(path, "run-2", "second")
-    update_docs(path, "run-1", "first again")
-    text = open(path).read()
-    assert text.startswith("# Benchmarks") and "first again" in text and "second" in text
-    assert "first\n" not in text.replace("first again", "")
-    assert text.index("first again") < text.index("second")
-    with pytest.raises(ValueError, match="--label takes letters"):
-        update_docs(path, "a b", "x")
+def test_docs_keep_only_the_latest_result_of_each_bench(tmp_path):
+    path = tmp_path / "benchmarks.md"
+    path.write_text("# Benchmarks\n\n## The server bench\n\nWhat it measures.\n\n## The copy ceiling\n\nBy hand.\n")
+    write_docs_section(str(path), "server", "first run", commit="abc1234", today=datetime.date(2026, 1, 2))
+    write_docs_section(str(path), "other", "other bench", commit="abc1234")
+    write_docs_section(str(path), "server", "second run\n", commit="def5678", today=datetime.date(2026, 1, 3))
+    text = path.read_text()
+    assert "first run" not in text and "abc1234`, 2026-01-02" not in text
+    assert text.count("<!-- bench:server latest -->") == 1 and text.count("<!-- /bench:server -->") == 1
+    assert "Latest result: commit `def5678`, 2026-01-03.\n\nsecond run\n<!-- /bench:server -->" in text
+    assert text.startswith("# Benchmarks\n\n## The server bench\n\nWhat it measures.") and "By hand." in text
+    assert "other bench" in text
+
+
+def test_docs_need_the_page_and_a_whole_section(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        write_docs_section(str(tmp_path / "missing.md"), "server", "x", commit="abc1234")
+    path = tmp_path / "benchmarks.md"
+    path.write_text("# Benchmarks\n<!-- bench:server latest -->\nno end\n")
+    with pytest.raises(ValueError, match="no '<!-- /bench:server -->'"):
+        write_docs_section(str(path), "server", "x", commit="abc1234")
 
 
 # -- the tap, on SGLang's real factory and file backend ----------------------------------

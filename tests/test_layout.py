@@ -237,54 +237,38 @@ def test_the_cycle_finder_finds_cycles():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-#: The backend's parts are tabled in their own page, which the README links.
-BACKEND_MODULES_DOC = "docs/backend-core.md"
+#: The one inventory of the project's modules: one table per folder, each row a module (``x.py``) or a
+#: subpackage (``x/``), after a line ``Layout of `FOLDER/` ``.
+MODULES_DOC = "docs/architecture.md"
 
 
-def test_the_readme_layout_names_every_module():
-    root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("Layout of `src/sglang_simm/`"):]
-    section = section[: section.index("\n## ")]
-    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| `")}
-    backend_doc = (root / BACKEND_MODULES_DOC).read_text(encoding="utf-8")
-    for line in backend_doc.splitlines():
-        if line.startswith("| `") and line.split("|")[1].strip() not in rows:
-            rows[line.split("|")[1].strip()] = line
-    missing = []
-    for module, path in MODULES.items():
-        rel = path.relative_to(ROOT).as_posix()
-        parts = rel.split("/")
-        if len(parts) == 1 or (parts[0] == "tools" and len(parts) == 2):
-            if rel != "tools/__init__.py" and f"`{rel}`" not in rows:
-                missing.append(rel)
-        else:  # a subpackage: its row names it, and a tool package's row names its modules
-            folder = "/".join(parts[:-1]) + "/"
-            row = rows.get(f"`{folder}`")
-            if row is None:
-                missing.append(folder)
-            elif folder.startswith("tools/") and parts[-1] != "__init__.py" and f"`{parts[-1]}`" not in row:
-                missing.append(rel)
-    assert sorted(set(missing)) == []
+def _inventory() -> dict[str, set[str]]:
+    doc = (REPO / MODULES_DOC).read_text(encoding="utf-8")
+    tables: dict[str, set[str]] = {}
+    for chunk in doc.split("\nLayout of `")[1:]:
+        folder = chunk[: chunk.index("`")].rstrip("/")
+        rows = []
+        for line in chunk.splitlines()[1:]:
+            if line.startswith("|"):
+                rows.append(line)
+            elif rows:
+                break
+        tables[folder] = {line.split("|")[1].strip().strip("`") for line in rows if line.startswith("| `")}
+    return tables
 
 
-#: The instruments' inventory: the page that says what dev/ is and why.
-DEV_MODULES_DOC = "docs/architecture.md"
+def _folder(path: Path) -> set[str]:
+    return ({p.name for p in path.glob("*.py")}
+            | {p.name + "/" for p in path.iterdir() if p.is_dir() and (p / "__init__.py").is_file()})
 
 
-def test_the_architecture_page_names_every_dev_module():
-    doc = (REPO / DEV_MODULES_DOC).read_text(encoding="utf-8")
-    section = doc[doc.index("Layout of `dev/sglang_simm_dev/`"):]
-    section = section[: section.index("\n## ")] if "\n## " in section else section
-    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| `")}
-    missing = []
-    for path in _modules(DEV_ROOT, DEV_PACKAGE).values():
-        parts = path.relative_to(DEV_ROOT).as_posix().split("/")
-        if len(parts) == 1:
-            if f"`{parts[0]}`" not in rows:
-                missing.append(parts[0])
-        else:
-            row = rows.get(f"`{'/'.join(parts[:-1])}/`")
-            if row is None or (parts[-1] != "__init__.py" and f"`{parts[-1]}`" not in row):
-                missing.append("/".join(parts))
-    assert sorted(missing) == []
+def test_the_architecture_page_names_every_module_and_only_those():
+    tables = _inventory()
+    folders = [p for root in (REPO / "src" / PACKAGE, DEV_ROOT) for p in [root, *root.rglob("*")]
+               if p.is_dir() and (p / "__init__.py").is_file()]
+    for path in folders:
+        folder = path.relative_to(REPO).as_posix()
+        assert folder in tables, f"{MODULES_DOC} has no 'Layout of `{folder}/`' table"
+        assert sorted(tables[folder] - _folder(path)) == [], f"{folder}: rows for modules that do not exist"
+        assert sorted(_folder(path) - tables[folder]) == [], f"{folder}: modules without a row"
+    assert sorted(set(tables) - {p.relative_to(REPO).as_posix() for p in folders}) == []

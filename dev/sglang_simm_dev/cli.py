@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host-ratio", type=float, metavar="R",
                         help="host pool size over the device pool's (default 2.5); below the multi-turn "
                              "working set, later rounds read from L3")
-    server.add_argument("--docs", metavar="PATH", help="write this run's section of a Markdown results file")
-    server.add_argument("--label", default="latest", help="the section's name in --docs (default: %(default)s)")
+    server.add_argument("--docs", metavar="PATH",
+                        help="replace the server bench's section of this results page (docs/benchmarks.md) with this run")
     return parser
 
 

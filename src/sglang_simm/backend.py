@@ -17,12 +17,10 @@ Every data-path method reads the same way: resolve (the pool's binding
 turns page keys, and host indices where bytes move, into one ``Batch``),
 one call to the client, answer (``answers``).
 
-Attach-time work may raise: a wrong setup must stop the server with a
-message. Data-path methods never raise: SGLang's prefetch and backup
-threads die on an exception, while a False is only a miss. A fault there
-(an exception in the body of its ``with Call(...)`` block) is counted by
-type, logged rate-limited, and answered as misses after the block.
-``close()`` keeps one order always: no new call starts; calls in flight
+What raises and what never does is the contract on ``HiCacheSiMM``
+(its docstring). A fault in a data-path method (an exception in the body
+of its ``with Call(...)`` block) goes to ``_fault`` and the method answers
+misses after the block. ``close()`` keeps one order always: no new call starts; calls in flight
 finish; then memory is deregistered; then the client closes
 (``inflight.release``).
 """
@@ -78,6 +76,25 @@ class HiCacheSiMM(HiCacheStorage):
     through ``register_mem_pool_host``). ``client=`` injects a connected
     ``KVClient`` (it stays its owner's if the attach fails); by default one
     is built from the configuration. ``config=`` skips reading it.
+
+    Errors, the one statement of this contract (the docs and the other
+    modules refer here):
+
+    * **Attach raises.** Construction and ``register_mem_pool_host`` raise,
+      with the fix in the message, on a bad configuration, an unreachable
+      cluster (the warm-up names the address and ``sglang-simm doctor``), an
+      unsupported pool or a pool registered with a closed backend: a wrong
+      setup must stop the server. A failed attach deregisters what it
+      registered and closes the client it opened.
+    * **The data path never raises into SGLang**: every data-path method
+      (v1, v2, the copying path), ``get_stats`` and ``close``. SGLang's
+      prefetch and backup threads die on an exception, while a False is
+      only a miss. A client error code, a timeout, a wrong size, an
+      exception, or a bad input from the controller (misaligned, reordered
+      or out-of-range indices, bad keys, mismatched lengths; the host pool
+      is not touched then) is answered as misses (or failed writes),
+      counted by SiMM code or exception type (``stats()["errors"]``) and
+      logged at most once per 10 s per kind.
     """
 
     def __init__(
@@ -455,7 +472,7 @@ class HiCacheSiMM(HiCacheStorage):
         """No new call starts; calls in flight finish (for up to ``wait_s``,
         default ``CLOSE_WAIT_S``, here; after that in the background); then
         every pool's memory is deregistered; then the client closes.
-        Idempotent, and never raises."""
+        Idempotent (errors: the class's contract)."""
         bindings = self.pools.close()
         if bindings is None:  # closed already
             return

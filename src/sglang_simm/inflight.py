@@ -5,9 +5,9 @@ pools by name) and whether the backend is closed. Every data-path method
 runs its body in ``with Call(fault, where) as call``: ``pools.use(call,
 name)`` hands it a pool counted in (None once the pool is retired), and
 leaving the block counts it out of every pool it used, whatever happened.
-An exception in the body is a fault, handed to ``fault`` (counted and
-logged by the backend) and swallowed, so the method goes on to answer
-its misses after the block.
+An exception in the body is a fault, handed to ``fault`` and swallowed,
+so the method goes on to answer its misses after the block (the error
+contract on ``backend.HiCacheSiMM``).
 
 A retired pool (replaced by a re-registration, or the backend closed) is
 deregistered by ``release`` once *its* calls are over: at once when none

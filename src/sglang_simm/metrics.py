@@ -1,8 +1,9 @@
 """Counters, SGLang's StorageMetrics, and rate-limited fault logging.
 
-The data path never raises into SGLang, so faults must be visible some other
-way: every one is counted (by SiMM code or exception type) and logged at
-most once per interval per kind.
+A fault on the data path is answered as a miss (the error contract on
+``backend.HiCacheSiMM``), so it must be visible some other way: every one is
+counted (by SiMM code or exception type) and logged at most once per
+interval per kind.
 """
 
 from __future__ import annotations

@@ -1,9 +1,17 @@
-"""What every bench command does around its run: --plot checked first, a status line, the table, --json and --plot."""
+"""What every bench command does around its run: --plot checked first, a status line, the table, --json, --plot
+and --docs (the bench's section of ``docs/benchmarks.md``, replaced by the latest result)."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import subprocess
 from typing import Any, Callable
+
+#: a bench's section of the results page lies between these two lines
+SECTION_START = "<!-- bench:{name} latest -->"
+SECTION_END = "<!-- /bench:{name} -->"
 
 
 def check_plot_extra(args: Any) -> None:
@@ -31,3 +39,40 @@ def run_and_report(console: Any, args: Any, label: str, run_with: Callable[[Call
         console.print(f"wrote {args.plot}")
     return result
 
+
+
+def source_commit(cwd: str | None = None) -> str:
+    """The commit the bench ran from (``abc1234``, ``+dirty`` when the tree had changes), or ``unknown``."""
+    where = cwd or os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}+dirty" if dirty else head
+
+
+def write_docs_section(path: str, name: str, body: str, *, commit: str | None = None,
+                       today: datetime.date | None = None) -> None:
+    """Replace bench ``name``'s section of the results page ``path`` with ``body``, stamped with the commit and date.
+
+    The page keeps one result per bench, the latest; earlier results are in git's history. The rest of
+    the page (what each bench measures, its command) is written by hand and left as it is. A page
+    without the section gets it at its end; ``path`` must exist (the page is the docs', not the bench's).
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    start, end = SECTION_START.format(name=name), SECTION_END.format(name=name)
+    stamp = f"Latest result: commit `{commit or source_commit()}`, {(today or datetime.date.today()).isoformat()}."
+    section = f"{start}\n{stamp}\n\n{body.strip()}\n{end}"
+    if start in text:
+        head, rest = text.split(start, 1)
+        if end not in rest:
+            raise ValueError(f"{path}: {start!r} has no {end!r} after it")
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
