@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host-ratio", type=float, metavar="R",
                         help="host pool size over the device pool's (default 2.5); below the multi-turn "
                              "working set, later rounds read from L3")
+    server.add_argument("--workloads", metavar="LIST",
+                        help="comma list of long,turns,itl,restart (default: all); itl: decoders' inter-token "
+                             "latency while other prompts go to and come back from L3")
     server.add_argument("--docs", metavar="PATH", help="write this run's section of a Markdown results file")
     server.add_argument("--label", default="latest", help="the section's name in --docs (default: %(default)s)")
     return parser
