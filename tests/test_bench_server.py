@@ -517,12 +517,20 @@ def test_inter_token_latency_spreads_a_chunk_over_its_tokens_and_splits_on_the_w
     s = Stream(started=100.0, times=[0.0, 0.1, 0.2, 0.8, 0.9], counts=[1, 2, 3, 5, 6])
     parts = split([s], (100.15, 100.85))  # the gaps ending at 0.2 and 0.8 are under the window
     assert parts["under"][0] == pytest.approx([0.1, 0.3, 0.3]) and parts["under"][1] == pytest.approx([0.1, 0.6])
-    assert parts["quiet"][0] == pytest.approx([0.1, 0.1])
+    assert parts["quiet"][0] == pytest.approx([0.1, 0.1]) and parts["prefill"] == ([], [])
+    # a background prefill's first token inside the long gap (or just after its end): a prefill, not a decode step
+    parts = split([s], (100.15, 100.85), prefills=[100.5], slack=0.02)
+    assert parts["prefill"][1] == pytest.approx([0.6]) and parts["under"][1] == pytest.approx([0.1])
+    # read just after the decoders' next token: both gaps may hold it
+    assert split([s], (100.15, 100.85), prefills=[100.81], slack=0.02)["prefill"][1] == pytest.approx([0.6, 0.1])
+    assert split([s], (100.15, 100.85), prefills=[100.83], slack=0.02)["prefill"][1] == pytest.approx([0.1])
     st = itl_stats(*parts["under"])
     assert st["tokens"] == 3 and st["max"] == pytest.approx(0.6) and st["p50"] == pytest.approx(0.3)
-    rep = {"window_s": 0.7, "covered": 1.0, "l3_tokens": 0, "expected_l3_tokens": 0,
+    rep = {"window_s": 0.7, "covered": 1.0, "l3_tokens": 0, "expected_l3_tokens": 0, "background": [],
            "decoders": [{"window_offset_s": 0.15, "times_s": s.times, "counts": s.counts}]}
     assert pooled([rep, rep])["under"]["tokens"] == 6
+    rep["background"] = [{"first_token_s": 0.5}]  # seconds after the window's start: 0.65 in the stream's clock
+    assert pooled([rep])["prefill"]["tokens"] == 2 and pooled([rep])["under"]["tokens"] == 1
     ratios = against({"none": {"under": {"p50": 0.1, "p99": 0.2, "max": 0.4}},
                       "ours": {"under": {"p50": 0.1, "p99": 0.21, "max": 0.2}}}, "none")
     assert ratios["ours"]["p99"] == pytest.approx(1.05) and ratios["none"]["p99"] == 1.0

@@ -33,6 +33,18 @@ and its modules; the method in short:
   that succeeded over the call's wall time), and SGLang's own `/metrics`
   histograms as each backend reports them (`file` reports none; Mooncake
   counts K and V objects as pages on writes and only the K bytes on reads);
+- the decoders under L3 traffic (`--workloads itl`,
+  `dev/sglang_simm_dev/bench/server_itl.py`): clients stream long answers
+  (every token's arrival timed) while another client sends prompts that
+  come back from L3 after a `/flush_cache` and new prompts that are backed
+  up; the decoders' inter-token latency (p50, p99, max) of the decode steps
+  under that traffic, per backend and over no HiCache's, measured in one
+  run; gaps that hold a background prefill are counted apart (backends
+  without L3 recompute the stored prompts there), and the same decoders
+  with no background give each server's noise floor. SGLang runs the
+  backend's threads in the scheduler's process, so a backend's GIL holds
+  show up as longer decode steps. Goal: ours' p99 within 5% of no
+  HiCache's, and no worse than the other L3 backends';
 - figures are medians with their min-max over repetitions; the machine is
   shared, its load average is stamped on each run.
 
@@ -44,12 +56,14 @@ pip install mooncake-transfer-engine-non-cuda     # optional: Mooncake (leaves t
 apt-get install -y libibverbs1 libnl-3-200 libnl-route-3-200   # what Mooncake's binaries link
 sglang-simm-dev bench --server --json out.json --plot out.png --docs docs/benchmarks.md --label NAME
 sglang-simm-dev bench --server --quick                # ours and file, tiny model, one repetition
+sglang-simm-dev bench --server --workloads itl --backends ours,file,host,none   # the decoders alone
 ```
 
 Options: `--backends ours,file,mooncake,mooncake-standalone,host,none` (default
 all but `mooncake-standalone`), `--repeat N` (default 2), `--preset
 llama-tiny|llama-demo` (16 KiB of KV per token), `--python` (the servers'
-interpreter), `--no-restart`, `--small` (a lighter workload), `--host-ratio R`
+interpreter), `--no-restart`, `--workloads long,turns,itl,restart` (default
+all), `--small` (a lighter workload), `--host-ratio R`
 (the host pool over the device pool, default 2.5: below the multi-turn working
 set, later rounds read from L3). Without Mooncake importable in the servers'
 Python the bench prints the install line and runs the others. The bench

@@ -22,14 +22,21 @@ The workload, on one server at a time:
 Inter-token latency: a chunk carrying ``k`` new tokens ``dt`` after the
 previous one counts ``k`` tokens of ``dt / k`` each (SGLang streams every
 token by default, so ``k`` is 1 but for a late reader); ``max`` is the
-longest single gap. ``under`` counts the gaps that end inside the window,
-``quiet`` the others (the same decoders on the same server, with no
-background traffic: that server's own noise floor).
+longest single gap. Each gap that ends inside the window is either
 
-The same seeded prompts go to every backend. Backends without L3 (``host``,
-``none``) recompute the stored prompts, so their background holds longer
-prefills than an L3 hit leaves: the decoders see the whole server, L3's
-savings included; ``background`` in the result says what each tier served.
+* ``under``: a decode step while the background's L3 reads and writes run
+  on the backend's threads in the scheduler's process: the ruler, where a
+  backend's GIL holds show;
+* ``prefill``: a gap holding a background request's prefill (its first
+  token arrived in it, or up to ``PREFILL_SLACK_S`` before its end): the
+  scheduler ran a prefill batch between two decode steps. Backends without
+  L3 (``host``, ``none``) recompute the stored prompts, so theirs are
+  longer; kept apart so that the ruler compares decode steps, not prefills;
+
+and ``quiet`` counts the gaps outside the window with no prefill in them
+(the same decoders on the same server without background traffic: that
+server's own noise floor). The same seeded prompts go to every backend;
+``background`` in the result says what each tier served.
 """
 
 from __future__ import annotations
@@ -50,6 +57,11 @@ from sglang_simm_dev.sglang_server import SGLangServer, ServerError
 #: the goal: the decoders' p99 inter-token latency under L3 traffic, ours
 #: over no L3, at most this (and no worse than the peers')
 ITL_GOAL_RATIO = 1.05
+
+#: how far before a decoder's gap ends a background request's first token
+#: may have been read and still count as that gap's prefill (the threads
+#: reading the streams run on a loaded machine too)
+PREFILL_SLACK_S = 0.02
 
 
 @dataclass
@@ -146,16 +158,24 @@ def itl_stats(per_token: Sequence[float], stalls: Sequence[float]) -> dict[str, 
             "mean": sum(per_token) / len(per_token), "tokens": len(per_token)}
 
 
-def split(streams: Sequence[Stream], window: tuple[float, float]) -> dict[str, tuple[list[float], list[float]]]:
-    """Per-token latencies and gaps, ``under`` the window (absolute
-    ``perf_counter`` seconds) or ``quiet`` outside it."""
-    out: dict[str, tuple[list[float], list[float]]] = {"under": ([], []), "quiet": ([], [])}
+SIDES = ("under", "prefill", "quiet")
+
+
+def split(streams: Sequence[Stream], window: tuple[float, float], prefills: Sequence[float] = (),
+          slack: float = PREFILL_SLACK_S) -> dict[str, tuple[list[float], list[float]]]:
+    """Per-token latencies and gaps by side (module doc): ``window`` and
+    ``prefills`` (background first tokens) in the streams' clock."""
+    out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in SIDES}
     lo, hi = window
     for s in streams:
         for at, dt, k in gaps(s):
             if k <= 0:
                 continue
-            side = out["under" if lo <= s.started + at <= hi else "quiet"]
+            end = s.started + at
+            if any(end - dt < p <= end + slack for p in prefills):
+                side = out["prefill"]
+            else:
+                side = out["under" if lo <= end <= hi else "quiet"]
             side[0].extend([dt / k] * k)
             side[1].append(dt)
     return out
@@ -215,8 +235,12 @@ def decode_under_l3(server: SGLangServer, backups: Backups | None, w: Workload, 
 
     def send(item: tuple[str, int]) -> dict[str, Any]:
         kind, i = item
+        sent = time.perf_counter()
         g = server.generate(p[kind][i], max_new_tokens=1, stream=True)
-        return {"kind": kind, "prompt_tokens": g.prompt_tokens, "ttft_s": g.ttft_s or g.latency_s,
+        ttft = g.ttft_s or g.latency_s
+        return {"kind": kind, "prompt_tokens": g.prompt_tokens, "ttft_s": ttft,
+                #: its first token's arrival, seconds after the window's start
+                "first_token_s": sent + ttft - window_start,
                 "cached": {"device": g.device_tokens, "host": g.host_tokens, "storage": g.storage_tokens}}
 
     with ThreadPoolExecutor(max_workers=max(1, w.itl_bg_clients)) as pool:
@@ -231,7 +255,7 @@ def decode_under_l3(server: SGLangServer, backups: Backups | None, w: Workload, 
     streams: list[Stream] = results  # type: ignore[assignment]
     if backups is not None:
         backups.settle()
-    parts = split(streams, (window_start, window_end))
+    parts = split(streams, (window_start, window_end), [window_start + b["first_token_s"] for b in background])
     decoders_end = min(s.started + s.times[-1] for s in streams)
     span = max(window_end - window_start, 1e-9)
     stored_reads = [b for b in background if b["kind"] == "stored"]
@@ -251,14 +275,14 @@ def decode_under_l3(server: SGLangServer, backups: Backups | None, w: Workload, 
 
 
 def pooled(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per-token latencies of every repetition together (``under`` and
-    ``quiet``), from the kept token times."""
-    sides: dict[str, tuple[list[float], list[float]]] = {"under": ([], []), "quiet": ([], [])}
+    """Per-token latencies of every repetition together, by side, from the
+    kept token times."""
+    sides: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in SIDES}
     for rep in reps:
         for d in rep["decoders"]:
             s = Stream(started=0.0, times=d["times_s"], counts=d["counts"])
             lo = d["window_offset_s"]
-            got = split([s], (lo, lo + rep["window_s"]))
+            got = split([s], (lo, lo + rep["window_s"]), [lo + b["first_token_s"] for b in rep["background"]])
             for k in sides:
                 sides[k][0].extend(got[k][0])
                 sides[k][1].extend(got[k][1])
@@ -280,5 +304,5 @@ def against(summary: dict[str, dict[str, Any]], reference: str) -> dict[str, dic
     return out
 
 
-__all__ = ["ITL_GOAL_RATIO", "Stream", "against", "decode_under_l3", "gaps", "itl_stats", "percentile", "pooled", "prompts",
+__all__ = ["ITL_GOAL_RATIO", "PREFILL_SLACK_S", "SIDES", "Stream", "against", "decode_under_l3", "gaps", "itl_stats", "percentile", "pooled", "prompts",
            "read_stream", "split", "sse_payloads", "stream_generate"]

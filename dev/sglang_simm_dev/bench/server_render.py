@@ -104,19 +104,21 @@ def itl_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
         d = result["summary"].get(n, {}).get("itl")
         if not d:
             continue
-        under, quiet = d.get("under") or {}, d.get("quiet") or {}
+        under, quiet, pre = d.get("under") or {}, d.get("quiet") or {}, d.get("prefill") or {}
         ratio = result.get("itl_ratios", {}).get(n, {})
         reads = f"{d['l3_tokens']}/{d['expected_l3_tokens']}" if n in L3_BACKENDS else "-"
         rows.append([TITLES.get(n, n), _ms1(under.get("p50")), _ms1(under.get("p99")), _ms1(under.get("max")),
                      _x(ratio.get("p50")), _x(ratio.get("p99")), str(under.get("tokens", 0)),
-                     f"{_ms1(quiet.get('p50'))} / {_ms1(quiet.get('p99'))}", reads,
+                     f"{_ms1(quiet.get('p50'))} / {_ms1(quiet.get('p99'))}",
+                     f"{pre.get('tokens', 0)}: {_ms1(pre.get('p50'))} / {_ms1(pre.get('max'))}", reads,
                      "-" if d.get("covered") is None else f"{d['covered']:.0%}"])
     title = (f"Decoders under L3 traffic: {w['itl_decoders']} clients streaming {w['itl_answer_tokens']} tokens while "
              f"{w['itl_stored']} prompts of {w['itl_bg_tokens']} tokens come back from L3 after a flush and "
-             f"{w['itl_fresh']} new ones are backed up; inter-token latency ms over {s['repeat']} repetition(s)"
-             + (f", ratios over {TITLES.get(ref, ref)}" if ref else ""))
+             f"{w['itl_fresh']} new ones are backed up; inter-token latency ms of the decode steps under that "
+             f"traffic over {s['repeat']} repetition(s)" + (f", ratios over {TITLES.get(ref, ref)}" if ref else "")
+             + "; gaps holding a background prefill apart; quiet: the same server with no background")
     return (title, ["backend", "p50", "p99", "max", "p50 x", "p99 x", "tokens", "quiet p50 / p99",
-                    "L3 tokens read", "window decoded"], rows)
+                    "prefill gaps: n: p50 / max", "L3 tokens read", "window decoded"], rows)
 
 
 def _ms1(v: float | None) -> str:
