@@ -524,6 +524,9 @@ def test_inter_token_latency_spreads_a_chunk_over_its_tokens_and_splits_on_the_w
     # read just after the decoders' next token: both gaps may hold it
     assert split([s], (100.15, 100.85), prefills=[100.81], slack=0.02)["prefill"][1] == pytest.approx([0.6, 0.1])
     assert split([s], (100.15, 100.85), prefills=[100.83], slack=0.02)["prefill"][1] == pytest.approx([0.1])
+    # before every decoder had its first token: another decoder's prefill, none of the sides
+    parts = split([s], (100.15, 100.85), steady_from=100.1, slack=0.0)
+    assert parts["quiet"][0] == pytest.approx([0.1]) and parts["under"][1] == pytest.approx([0.1, 0.6])
     st = itl_stats(*parts["under"])
     assert st["tokens"] == 3 and st["max"] == pytest.approx(0.6) and st["p50"] == pytest.approx(0.3)
     rep = {"window_s": 0.7, "covered": 1.0, "l3_tokens": 0, "expected_l3_tokens": 0, "background": [],

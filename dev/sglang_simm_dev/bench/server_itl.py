@@ -162,16 +162,18 @@ SIDES = ("under", "prefill", "quiet")
 
 
 def split(streams: Sequence[Stream], window: tuple[float, float], prefills: Sequence[float] = (),
-          slack: float = PREFILL_SLACK_S) -> dict[str, tuple[list[float], list[float]]]:
+          slack: float = PREFILL_SLACK_S, steady_from: float = -math.inf) -> dict[str, tuple[list[float], list[float]]]:
     """Per-token latencies and gaps by side (module doc): ``window`` and
-    ``prefills`` (background first tokens) in the streams' clock."""
+    ``prefills`` (background first tokens) in the streams' clock; gaps that
+    end by ``steady_from`` (+ slack: every decoder's first token, so the
+    decoders' own prefills) are none of them."""
     out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in SIDES}
     lo, hi = window
     for s in streams:
         for at, dt, k in gaps(s):
-            if k <= 0:
-                continue
             end = s.started + at
+            if k <= 0 or end <= steady_from + slack:
+                continue
             if any(end - dt < p <= end + slack for p in prefills):
                 side = out["prefill"]
             else:
@@ -255,12 +257,16 @@ def decode_under_l3(server: SGLangServer, backups: Backups | None, w: Workload, 
     streams: list[Stream] = results  # type: ignore[assignment]
     if backups is not None:
         backups.settle()
-    parts = split(streams, (window_start, window_end), [window_start + b["first_token_s"] for b in background])
+    steady = max(s.started + s.times[0] for s in streams)
+    parts = split(streams, (window_start, window_end), [window_start + b["first_token_s"] for b in background],
+                  steady_from=steady)
     decoders_end = min(s.started + s.times[-1] for s in streams)
     span = max(window_end - window_start, 1e-9)
     stored_reads = [b for b in background if b["kind"] == "stored"]
     return {
         "window_s": window_end - window_start,
+        #: the last decoder's first token, seconds after the window's start (negative: before it)
+        "steady_from_s": steady - window_start,
         #: share of the window during which every decoder was still decoding
         "covered": max(0.0, min(1.0, (decoders_end - window_start) / span)),
         "backup_s": backup_s,
@@ -282,7 +288,8 @@ def pooled(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for d in rep["decoders"]:
             s = Stream(started=0.0, times=d["times_s"], counts=d["counts"])
             lo = d["window_offset_s"]
-            got = split([s], (lo, lo + rep["window_s"]), [lo + b["first_token_s"] for b in rep["background"]])
+            got = split([s], (lo, lo + rep["window_s"]), [lo + b["first_token_s"] for b in rep["background"]],
+                        steady_from=lo + rep.get("steady_from_s", -math.inf))
             for k in sides:
                 sides[k][0].extend(got[k][0])
                 sides[k][1].extend(got[k][1])
