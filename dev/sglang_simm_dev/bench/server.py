@@ -87,14 +87,14 @@ class ServerPlan:
 QUICK_WORKLOAD = Workload(long_tokens=512, filler_tokens=1024, filler_chunk=256, new_tokens=4, clients=2,
                           rounds=2, turn_tokens=160, answer_tokens=8, restart_prompts=2, restart_tokens=320,
                           itl_decoders=2, itl_prompt_tokens=32, itl_answer_tokens=128, itl_lead_tokens=8,
-                          itl_stored=4, itl_fresh=4, itl_bg_tokens=320)
+                          itl_stored=4, itl_fresh=4, itl_bg_tokens=320, itl_bg_spacing_tokens=8)
 
 
 #: ``--small``: the same shapes at about a third of the prefill work (a
 #: shared two-core machine prefills a few hundred tokens a second)
 SMALL_WORKLOAD = Workload(long_tokens=1536, filler_tokens=2048, filler_chunk=1024, warmup_tokens=512, clients=4,
                           rounds=3, turn_tokens=384, answer_tokens=32, restart_prompts=3, restart_tokens=512,
-                          itl_answer_tokens=256, itl_stored=6, itl_fresh=6, itl_bg_tokens=512)
+                          itl_answer_tokens=320, itl_stored=6, itl_fresh=6, itl_bg_tokens=512, itl_bg_spacing_tokens=16)
 
 
 def plan_from_args(args: Any) -> ServerPlan:

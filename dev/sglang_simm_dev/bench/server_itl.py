@@ -13,11 +13,16 @@ The workload, on one server at a time:
 2. **decoders**: ``itl_decoders`` clients each stream a long answer
    (``itl_answer_tokens``, ``"stream": true``) of a short prompt of their
    own; every chunk's arrival time and token count is kept;
-3. **background**: once every decoder has ``itl_lead_tokens`` tokens,
-   ``itl_bg_clients`` clients send, in a seeded order, the stored prompts
-   again (L3 prefetches) interleaved with ``itl_fresh`` new prompts of the
-   same length (prefills whose pages are backed up), one output token each;
-   the window is from the first background request to the last answer.
+3. **background**: once every decoder has ``itl_lead_tokens`` tokens, a
+   client sends, in a seeded order, the stored prompts again (L3
+   prefetches) interleaved with ``itl_fresh`` new prompts of the same length
+   (prefills whose pages are backed up), one output token each, each
+   request once every decoder has ``itl_bg_spacing_tokens`` more tokens
+   than at the previous answer (paced in decode steps, not seconds, so
+   every backend's decoders take the same number of steps per background
+   request, whatever the machine's speed); the window runs from the first
+   request to ``itl_bg_spacing_tokens`` steps after the last answer (its
+   backup included).
 
 Inter-token latency: a chunk carrying ``k`` new tokens ``dt`` after the
 previous one counts ``k`` tokens of ``dt / k`` each (SGLang streams every
@@ -47,7 +52,6 @@ import random
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -212,9 +216,29 @@ def decode_under_l3(server: SGLangServer, backups: Backups | None, w: Workload, 
     # each decoder sets its event at its lead (or when it ends): never blocks its reading
     lead = [threading.Event() for _ in range(w.itl_decoders)]
     results: list[Stream | BaseException | None] = [None] * w.itl_decoders
+    done = [False] * w.itl_decoders
+    progress = [0] * w.itl_decoders
+    moved = threading.Condition()
+
+    def on_progress(i: int, n: int | None) -> None:
+        with moved:
+            if n is None:
+                done[i] = True
+            else:
+                progress[i] = n
+            moved.notify_all()
+
+    def steps_after(base: int) -> int:
+        """Wait until every decoder still decoding has ``base +
+        itl_bg_spacing_tokens`` tokens; the least count then."""
+        with moved:
+            moved.wait_for(lambda: all(d or n >= base + w.itl_bg_spacing_tokens for d, n in zip(done, progress)),
+                           timeout=wait_s)
+            return min(progress)
 
     def decoder(i: int) -> None:
         def on_tokens(n: int) -> None:
+            on_progress(i, n)
             if n >= w.itl_lead_tokens:
                 lead[i].set()
 
@@ -224,6 +248,7 @@ def decode_under_l3(server: SGLangServer, backups: Backups | None, w: Workload, 
         except BaseException as exc:  # noqa: BLE001 - raised again from the caller's thread
             results[i] = exc
         finally:
+            on_progress(i, None)
             lead[i].set()
 
     threads = [threading.Thread(target=decoder, args=(i,), daemon=True) for i in range(w.itl_decoders)]
@@ -245,8 +270,15 @@ def decode_under_l3(server: SGLangServer, backups: Backups | None, w: Workload, 
                 "first_token_s": sent + ttft - window_start,
                 "cached": {"device": g.device_tokens, "host": g.host_tokens, "storage": g.storage_tokens}}
 
-    with ThreadPoolExecutor(max_workers=max(1, w.itl_bg_clients)) as pool:
-        background = list(pool.map(send, p["order"]))
+    with moved:
+        base = min(progress)
+    for k, item in enumerate(p["order"]):
+        if k:
+            base = steps_after(base)
+        background.append(send(item))
+        with moved:
+            base = min(progress)
+    steps_after(base)
     window_end = time.perf_counter()
     for t in threads:
         t.join(timeout=wait_s)

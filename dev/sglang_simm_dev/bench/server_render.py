@@ -114,7 +114,7 @@ def itl_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
                      "-" if d.get("covered") is None else f"{d['covered']:.0%}"])
     title = (f"Decoders under L3 traffic: {w['itl_decoders']} clients streaming {w['itl_answer_tokens']} tokens while "
              f"{w['itl_stored']} prompts of {w['itl_bg_tokens']} tokens come back from L3 after a flush and "
-             f"{w['itl_fresh']} new ones are backed up; inter-token latency ms of the decode steps under that "
+             f"{w['itl_fresh']} new ones are backed up, one every {w['itl_bg_spacing_tokens']} decode steps; inter-token latency ms of the decode steps under that "
              f"traffic over {s['repeat']} repetition(s)" + (f", ratios over {TITLES.get(ref, ref)}" if ref else "")
              + "; gaps holding a background prefill apart; quiet: the same server with no background")
     return (title, ["backend", "p50", "p99", "max", "p50 x", "p99 x", "tokens", "quiet p50 / p99",

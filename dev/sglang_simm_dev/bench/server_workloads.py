@@ -65,7 +65,8 @@ class Workload:
     #: background prompts new to the server (prefilled, then backed up)
     itl_fresh: int = 6
     itl_bg_tokens: int = 1024
-    itl_bg_clients: int = 1
+    #: decode steps between a background answer and the next request
+    itl_bg_spacing_tokens: int = 16
 
 
 def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
