@@ -37,7 +37,8 @@ and its modules; the method in short:
   `dev/sglang_simm_dev/bench/server_itl.py`): clients stream long answers
   (every token's arrival timed) while another client sends prompts that
   come back from L3 after a `/flush_cache` and new prompts that are backed
-  up; the decoders' inter-token latency (p50, p99, max) of the decode steps
+  up, one request every few decode steps (paced in steps, so every backend
+  decodes as many steps per request); the decoders' inter-token latency (p50, p99, max) of the decode steps
   under that traffic, per backend and over no HiCache's, measured in one
   run; gaps that hold a background prefill are counted apart (backends
   without L3 recompute the stored prompts there), and the same decoders
