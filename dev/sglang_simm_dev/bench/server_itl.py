@@ -285,7 +285,8 @@ def decode_under_l3(server: SGLangServer, backups: Backups | None, w: Workload, 
     failed = [r for r in results if not isinstance(r, Stream)]
     if failed:
         why = failed[0]
-        raise ServerError(f"{server.name}: a decoder failed: {why!r}") from (why if isinstance(why, BaseException) else None)
+        cause = why if isinstance(why, BaseException) else None
+        raise ServerError(f"{server.name}: a decoder failed: {why!r}") from cause
     streams: list[Stream] = results  # type: ignore[assignment]
     if backups is not None:
         backups.settle()
@@ -343,5 +344,5 @@ def against(summary: dict[str, dict[str, Any]], reference: str) -> dict[str, dic
     return out
 
 
-__all__ = ["ITL_GOAL_RATIO", "PREFILL_SLACK_S", "SIDES", "Stream", "against", "decode_under_l3", "gaps", "itl_stats", "percentile", "pooled", "prompts",
-           "read_stream", "split", "sse_payloads", "stream_generate"]
+__all__ = ["ITL_GOAL_RATIO", "PREFILL_SLACK_S", "SIDES", "Stream", "against", "decode_under_l3", "gaps", "itl_stats",
+           "percentile", "pooled", "prompts", "read_stream", "split", "sse_payloads", "stream_generate"]
