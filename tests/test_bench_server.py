@@ -448,6 +448,11 @@ def test_quick_bench_on_file_and_ours(tmp_path):
             assert all(0 < c[2] <= c[1] and c[3] > 0 for c in moved)
         rounds = result["multi_turn"][name][0]["rounds"]
         assert rounds[0]["hit_rate"] == 0 and rounds[1]["hit_rate"] > 0
+        itl = result["itl"][name][0]  # decoders streamed while the background went through L3
+        assert itl["l3_tokens"] == itl["expected_l3_tokens"] > 0
+        assert all(len(d["times_s"]) > 1 and d["counts"][-1] == plan.workload.itl_answer_tokens
+                   for d in itl["decoders"])
+        assert result["summary"][name]["itl"]["under"]["tokens"] > 0
     assert result["histograms"]["ours"]["sglang:backup_bandwidth"]["n"] > 0
     assert result["histograms"]["file"]["sglang:backup_bandwidth"] is None
     assert [t[0] for t in tables(result)][:2] and "| backend |" in markdown(result, "bench --server --quick")
@@ -488,3 +493,111 @@ def test_backup_breakdown_reaches_every_layer_of_a_real_backup():
         assert result["sizes"][n]["cpu"]["total"]["median"] <= layers["total"]["median"] * 1.05 + 50
     assert result["ping_us"]["median"] > 0
     assert "| commit |" in render(result) and "| room |" in render(result)
+
+
+# -- decoders under L3 traffic ------------------------------------------------------------
+
+
+def _sse(*chunks):
+    lines = []
+    for c in chunks:
+        lines += [b"data: " + json.dumps(c).encode() + b"\n", b"\n"]
+    return lines + [b"data: [DONE]\n"]
+
+
+def test_a_stream_is_timed_chunk_by_chunk_and_a_chunk_without_a_new_token_is_no_token():
+    from sglang_simm_dev.bench.server_itl import read_stream
+
+    meta = lambda n: {"completion_tokens": n, "prompt_tokens": 5,  # noqa: E731
+                      "cached_tokens_details": {"device": 0, "host": 0, "storage": 3}}
+    body = _sse({"output_ids": [7], "meta_info": meta(1)}, {"output_ids": [7, 8], "meta_info": meta(2)},
+                {"output_ids": [7, 8, 9, 4], "meta_info": meta(4)}, {"output_ids": [7, 8, 9, 4], "meta_info": meta(4)})
+    clock = iter([10.1, 10.3, 10.9, 11.0]).__next__
+    seen = []
+    s = read_stream(body, started=10.0, clock=clock, on_tokens=seen.append)
+    assert s.times == pytest.approx([0.1, 0.3, 0.9]) and s.counts == [1, 2, 4] and seen == [1, 2, 4]
+    assert s.output_ids == [7, 8, 9, 4] and s.prompt_tokens == 5 and s.cached["storage"] == 3
+    with pytest.raises(Exception, match="an error"):
+        read_stream(_sse({"error": {"message": "bad"}}), started=0.0)
+
+
+def test_inter_token_latency_spreads_a_chunk_over_its_tokens_and_splits_on_the_window():
+    from sglang_simm_dev.bench.server_itl import Stream, against, itl_stats, percentile, pooled, split
+
+    assert percentile([1, 2, 3, 4], 0.5) == 2.5 and percentile([5], 0.99) == 5 and percentile([], 0.5) is None
+    s = Stream(started=100.0, times=[0.0, 0.1, 0.2, 0.8, 0.9], counts=[1, 2, 3, 5, 6])
+    parts = split([s], (100.15, 100.85))  # the gaps ending at 0.2 and 0.8 are under the window
+    assert parts["under"][0] == pytest.approx([0.1, 0.3, 0.3]) and parts["under"][1] == pytest.approx([0.1, 0.6])
+    assert parts["quiet"][0] == pytest.approx([0.1, 0.1]) and parts["prefill"] == ([], [])
+    # a background prefill's first token inside the long gap (or just after its end): a prefill, not a decode step
+    parts = split([s], (100.15, 100.85), prefills=[100.5], slack=0.02)
+    assert parts["prefill"][1] == pytest.approx([0.6]) and parts["under"][1] == pytest.approx([0.1])
+    # read just after the decoders' next token: both gaps may hold it
+    assert split([s], (100.15, 100.85), prefills=[100.81], slack=0.02)["prefill"][1] == pytest.approx([0.6, 0.1])
+    assert split([s], (100.15, 100.85), prefills=[100.83], slack=0.02)["prefill"][1] == pytest.approx([0.1])
+    # before every decoder had its first token: another decoder's prefill, none of the sides
+    parts = split([s], (100.15, 100.85), steady_from=100.1, slack=0.0)
+    assert parts["quiet"][0] == pytest.approx([0.1]) and parts["under"][1] == pytest.approx([0.1, 0.6])
+    st = itl_stats(*parts["under"])
+    assert st["tokens"] == 3 and st["max"] == pytest.approx(0.6) and st["p50"] == pytest.approx(0.3)
+    rep = {"window_s": 0.7, "covered": 1.0, "l3_tokens": 0, "expected_l3_tokens": 0, "background": [],
+           "decoders": [{"window_offset_s": 0.15, "times_s": s.times, "counts": s.counts}]}
+    assert pooled([rep, rep])["under"]["tokens"] == 6
+    rep["background"] = [{"first_token_s": 0.5}]  # seconds after the window's start: 0.65 in the stream's clock
+    assert pooled([rep])["prefill"]["tokens"] == 2 and pooled([rep])["under"]["tokens"] == 1
+    ratios = against({"none": {"under": {"p50": 0.1, "p99": 0.2, "max": 0.4}},
+                      "ours": {"under": {"p50": 0.1, "p99": 0.21, "max": 0.2}}}, "none")
+    assert ratios["ours"]["p99"] == pytest.approx(1.05) and ratios["none"]["p99"] == 1.0
+
+
+def test_every_backend_gets_the_same_seeded_background():
+    from sglang_simm_dev.bench.server_itl import prompts
+
+    w = Workload(itl_decoders=2, itl_prompt_tokens=8, itl_stored=3, itl_fresh=2, itl_bg_tokens=20)
+    p = prompts(w, seed=3, vocab=100)
+    assert p == prompts(w, seed=3, vocab=100) and p != prompts(w, seed=4, vocab=100)
+    assert [len(x) for x in p["decoders"]] == [8, 8] and len(p["stored"]) == 3 and len(p["fresh"]) == 2
+    assert sorted(p["order"]) == [("fresh", 0), ("fresh", 1), ("stored", 0), ("stored", 1), ("stored", 2)]
+
+
+def test_workloads_are_chosen_by_name():
+    plan = plan_from_args(argparse.Namespace(quick=True, workloads="itl"))
+    assert plan.workloads == ("itl",) and not plan.restart
+    assert plan_from_args(argparse.Namespace(workloads="restart,long")).workloads == ("long", "restart")
+    with pytest.raises(ValueError, match="--workloads takes a comma list of long, turns, itl, restart"):
+        plan_from_args(argparse.Namespace(workloads="itl,x"))
+
+
+@pytest.mark.e2e
+def test_decoders_under_l3_traffic_against_no_hicache(tmp_path):
+    """The inter-token latency workload alone, ours and no HiCache: streamed
+    token times for every decoder, the window's tokens counted, ours' p99
+    over none's in the JSON, the table and the goal line."""
+    from sglang_simm_dev.bench.server import run
+    from sglang_simm_dev.bench.server_render import markdown, notes, tables
+
+    plan = plan_from_args(argparse.Namespace(quick=True, workloads="itl", backends="ours,none"))
+    plan.workdir = str(tmp_path / "work")
+    plan.model_dir = str(tmp_path / "model")
+    result = run(plan)
+    assert result["checks"]["ok"], result["checks"]["failures"]
+    assert set(result["itl"]) == {"ours", "none"} and not result["long_prompt"]["ours"] and not result["restart"]
+    w = plan.workload
+    for name in ("ours", "none"):
+        rep = result["itl"][name][0]
+        assert len(rep["decoders"]) == w.itl_decoders and rep["window_s"] > 0
+        for d in rep["decoders"]:
+            assert d["counts"][-1] == w.itl_answer_tokens and d["times_s"] == sorted(d["times_s"])
+        assert [b["kind"] for b in rep["background"]].count("stored") == w.itl_stored
+        s = result["summary"][name]["itl"]
+        assert s["under"]["tokens"] > 0 and 0 < s["under"]["p50"] <= s["under"]["p99"] <= s["under"]["max"]
+    assert result["itl"]["ours"][0]["l3_tokens"] == result["itl"]["ours"][0]["expected_l3_tokens"] > 0
+    assert result["itl"]["none"][0]["l3_tokens"] == 0
+    assert result["itl_vs"] == "none" and result["itl_ratios"]["none"]["p99"] == 1.0
+    assert result["itl_ratios"]["ours"]["p99"] > 0
+    titles = [t[0] for t in tables(result)]
+    assert any(t.startswith("Decoders under L3 traffic") for t in titles)
+    assert not any("Long prompt" in t for t in titles)
+    assert any("p99 inter-token latency under L3 traffic: ours" in line for line in notes(result))
+    assert "| p99 |" in markdown(result, "bench --server --quick --workloads itl")
+    json.dumps(result, default=str)

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host-ratio", type=float, metavar="R",
                         help="host pool size over the device pool's (default 2.5); below the multi-turn "
                              "working set, later rounds read from L3")
+    server.add_argument("--workloads", metavar="LIST",
+                        help="comma list of long,turns,itl,restart (default: all); itl: decoders' inter-token "
+                             "latency while other prompts go to and come back from L3")
     server.add_argument("--docs", metavar="PATH",
                         help="replace the server bench's section of this results page (docs/benchmarks.md) with this run")
     return parser

@@ -5,7 +5,8 @@ host tier only, no HiCache), the same model, flags and prompts, all started
 side by side and left idle with ``--sleep-on-idle`` while another works.
 Each repetition runs the workloads of ``server_workloads`` (a long prompt
 from scratch, from the host tier and from L3; a multi-turn conversation)
-on every server in turn, in an order rotated per repetition; backups are
+on every server in turn, in an order rotated per repetition, and the
+decoders' inter-token latency under L3 traffic (``server_itl``); backups are
 let finish before the next server's turn. Then the L3 servers are restarted
 on the same L3 and asked for what they stored. Per backend, the storage
 histograms of SGLang's ``/metrics`` (``server_metrics``) and the timing of
@@ -36,6 +37,7 @@ from sglang_simm_dev.bench.server_backends import (
     Shape,
 )
 from sglang_simm_dev.bench.server_metrics import scrape, summary
+from sglang_simm_dev.bench.server_itl import against, decode_under_l3, pooled
 from sglang_simm_dev.bench.server_tap import RESERVE_ENV, TAP_ENV, by_size, read_ops, write_tap
 from sglang_simm_dev.bench.server_workloads import (
     BACKUP_WAIT_S,
@@ -59,6 +61,9 @@ HOST_RESERVE_BYTES = 1 << 30
 #: the goal of issue 20: ours over Mooncake, per-operation GiB/s, every batch size
 GOAL_RATIO = 2.0
 
+#: what ``--workloads`` picks from, in the order they run
+WORKLOADS = ("long", "turns", "itl", "restart")
+
 
 @dataclass
 class ServerPlan:
@@ -74,23 +79,27 @@ class ServerPlan:
     workdir: str | None = None
     model_dir: str | None = None
     seed: int = 0
+    workloads: tuple[str, ...] = WORKLOADS
 
 
 #: SGLang reads L3 only for a miss of at least 256 tokens (its default
 #: storage prefetch threshold): every quick prompt that should hit is longer
 QUICK_WORKLOAD = Workload(long_tokens=512, filler_tokens=1024, filler_chunk=256, new_tokens=4, clients=2,
-                          rounds=2, turn_tokens=160, answer_tokens=8, restart_prompts=2, restart_tokens=320)
+                          rounds=2, turn_tokens=160, answer_tokens=8, restart_prompts=2, restart_tokens=320,
+                          itl_decoders=2, itl_prompt_tokens=32, itl_answer_tokens=128, itl_lead_tokens=8,
+                          itl_stored=4, itl_fresh=4, itl_bg_tokens=320, itl_bg_spacing_tokens=8)
 
 
 #: ``--small``: the same shapes at about a third of the prefill work (a
 #: shared two-core machine prefills a few hundred tokens a second)
 SMALL_WORKLOAD = Workload(long_tokens=1536, filler_tokens=2048, filler_chunk=1024, warmup_tokens=512, clients=4,
-                          rounds=3, turn_tokens=384, answer_tokens=32, restart_prompts=3, restart_tokens=512)
+                          rounds=3, turn_tokens=384, answer_tokens=32, restart_prompts=3, restart_tokens=512,
+                          itl_answer_tokens=320, itl_stored=6, itl_fresh=6, itl_bg_tokens=512, itl_bg_spacing_tokens=16)
 
 
 def plan_from_args(args: Any) -> ServerPlan:
     """``--backends``, ``--repeat``, ``--quick``, ``--preset``, ``--python``, ``--no-restart``,
-    ``--small``, ``--host-ratio``."""
+    ``--small``, ``--host-ratio``, ``--workloads``."""
     quick = bool(getattr(args, "quick", False))
     names = getattr(args, "backends", None)
     backends = [b.strip() for b in names.split(",") if b.strip()] if names else (
@@ -105,8 +114,14 @@ def plan_from_args(args: Any) -> ServerPlan:
     preset = getattr(args, "preset", None) or ("llama-tiny" if quick else "llama-demo")
     if preset not in PRESETS:
         raise ValueError(f"--preset must be one of {', '.join(sorted(PRESETS))}, got {preset!r}")
+    asked = getattr(args, "workloads", None)
+    workloads = tuple(x.strip() for x in asked.split(",") if x.strip()) if asked else WORKLOADS
+    if not workloads or any(x not in WORKLOADS for x in workloads):
+        raise ValueError(f"--workloads takes a comma list of {', '.join(WORKLOADS)}; got {asked!r}")
+    workloads = tuple(x for x in WORKLOADS if x in workloads)
     plan = ServerPlan(backends=backends, repeat=repeat, preset=preset, python=getattr(args, "python", None) or "",
-                      restart=not getattr(args, "no_restart", False))
+                      restart=not getattr(args, "no_restart", False) and "restart" in workloads,
+                      workloads=workloads)
     if quick:
         plan = replace(plan, workload=QUICK_WORKLOAD, device_tokens=1024)
     elif getattr(args, "small", False):
@@ -163,8 +178,12 @@ def _spread(values: list[float]) -> dict[str, float] | None:
 
 
 def aggregate(result: dict[str, Any]) -> dict[str, Any]:
-    """Medians over repetitions of every TTFT, per backend (pure)."""
+    """Medians over repetitions of every TTFT, per backend, and the
+    decoders' inter-token latency over every repetition's tokens (pure)."""
     out: dict[str, Any] = {}
+    for name, reps in result.get("itl", {}).items():
+        if reps:
+            out.setdefault(name, {})["itl"] = pooled(reps)
     for name, reps in result["long_prompt"].items():
         by_label: dict[str, list[float]] = {}
         for rep in reps:
@@ -264,10 +283,10 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
                      "kv_bytes_per_token": preset.kv_bytes_per_token(), "page_size": plan.page_size,
                      "device_tokens": plan.device_tokens, "hicache_ratio": plan.hicache_ratio,
                      "host_memory_reserve_bytes": HOST_RESERVE_BYTES,
-                     "workload": asdict(plan.workload)},
+                     "workload": asdict(plan.workload), "workloads": list(plan.workloads)},
         "mooncake": {"available": env.mooncake.available, "why": env.mooncake.why,
                      "standalone_why": env.standalone_why},
-        "long_prompt": {n: [] for n in names}, "multi_turn": {n: [] for n in names},
+        "long_prompt": {n: [] for n in names}, "multi_turn": {n: [] for n in names}, "itl": {n: [] for n in names},
         "server_start_s": {}, "histograms": {}, "per_op": {}, "calls": {}, "restart": {}, "failed": {},
     }
     servers: dict[str, SGLangServer] = {}
@@ -293,12 +312,15 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
         for rep in range(plan.repeat):
             order = rotated(names, rep)
             seed = plan.seed * 1000 + rep
-            for name in order:
+            for name in order if "long" in plan.workloads else ():
                 progress(f"repetition {rep + 1}/{plan.repeat}: long prompt on {name}")
                 result["long_prompt"][name].append(long_prompt(servers[name], backups[name], w, seed, vocab))
-            for name in order:
+            for name in order if "turns" in plan.workloads else ():
                 progress(f"repetition {rep + 1}/{plan.repeat}: multi-turn on {name}")
                 result["multi_turn"][name].append(multi_turn(servers[name], backups[name], w, seed + 500, vocab))
+            for name in order if "itl" in plan.workloads else ():
+                progress(f"repetition {rep + 1}/{plan.repeat}: decoders under L3 traffic on {name}")
+                result["itl"][name].append(decode_under_l3(servers[name], backups[name], w, seed + 700, vocab))
         for name, server in servers.items():
             result["histograms"][name] = summary(scrape(server.url))
         l3 = [n for n in names if n in L3_BACKENDS]
@@ -334,9 +356,13 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
     names = result["settings"]["backends"]
     result["long_prompt"] = {n: v for n, v in result["long_prompt"].items() if n in names}
     result["multi_turn"] = {n: v for n, v in result["multi_turn"].items() if n in names}
+    result["itl"] = {n: v for n, v in result["itl"].items() if n in names and v}
     result["answers_vs"] = "none" if "none" in names else names[0]
     result["multi_turn_answers"] = compare_turns(result["multi_turn"], result["answers_vs"])
     result["summary"] = aggregate(result)
+    itl = {n: d["itl"] for n, d in result["summary"].items() if "itl" in d}
+    result["itl_vs"] = next((n for n in ("none", "host") if n in itl), None)
+    result["itl_ratios"] = against(itl, result["itl_vs"]) if result["itl_vs"] else {}
     result["goals"] = goals(result["per_op"])
     result["checks"] = checks(result)
     result["load"] = {"before": load_before, "after": os.getloadavg()}
@@ -363,6 +389,14 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
                 if flushed["cached"]["storage"] != rep["expected_prefix"]:
                     failures.append(f"{name} rep {i + 1}: after flush {flushed['cached']['storage']} tokens from L3, "
                                     f"expected {rep['expected_prefix']}")
+    for name, reps in result.get("itl", {}).items():
+        for i, rep in enumerate(reps):
+            if rep.get("backed_up") is False:
+                failures.append(f"{name} rep {i + 1}: the stored background prompts did not all reach L3 "
+                                f"within {BACKUP_WAIT_S:.0f} s")
+            if name in L3_BACKENDS and rep["l3_tokens"] != rep["expected_l3_tokens"]:
+                failures.append(f"{name} rep {i + 1}: the background read {rep['l3_tokens']} tokens from L3 "
+                                f"during the decoding, expected {rep['expected_l3_tokens']}")
     for name, d in result["multi_turn_answers"].items():
         if d["same"] != d["of"]:
             failures.append(f"{name}: {d['of'] - d['same']} of {d['of']} multi-turn answers differ from "

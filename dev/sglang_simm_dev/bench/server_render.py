@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_simm_dev.bench.server_backends import MOONCAKE_INSTALL
+from sglang_simm_dev.bench.server_backends import L3_BACKENDS, MOONCAKE_INSTALL
+from sglang_simm_dev.bench.server_itl import ITL_GOAL_RATIO
 from sglang_simm_dev.bench.server_tap import SIZE_CLASSES, size_class
 
 #: how each backend is named in tables
@@ -40,23 +41,27 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     names = s["backends"]
     out = []
     rows = []
-    for n in names:
+    for n in names if any(result["long_prompt"].get(n) for n in names) else ():
         long = summ.get(n, {}).get("long_ttft_s", {})
         tiers = [f"{r['cached']['host']}/{r['cached']['storage']}" for r in result["long_prompt"][n][-1]["requests"][1:]]
         rows.append([TITLES.get(n, n), *(_ms(long.get(k)) for k, _ in LONG_LABELS), " ".join(tiers)])
-    out.append((f"Long prompt ({s['workload']['long_tokens']} tokens), TTFT ms: median (min-max) of {s['repeat']}",
-                ["backend", *(t for _, t in LONG_LABELS), "tokens host/L3 (last rep)"], rows))
+    if rows:
+        out.append((f"Long prompt ({s['workload']['long_tokens']} tokens), TTFT ms: median (min-max) of {s['repeat']}",
+                    ["backend", *(t for _, t in LONG_LABELS), "tokens host/L3 (last rep)"], rows))
     rounds = range(1, s["workload"]["rounds"] + 1)
     rows = []
-    for n in names:
+    for n in names if any(result["multi_turn"].get(n) for n in names) else ():
         mt = summ.get(n, {}).get("multi_turn", {})
         rr = mt.get("rounds", {})
         rows.append([TITLES.get(n, n), _ms(mt.get("mean_ttft_s")),
                      *(f"{_ms(rr.get(r, {}).get('ttft_s'))} [{_pct(rr.get(r, {}).get('hit_rate'))}]" for r in rounds)])
     w = s["workload"]
-    out.append((f"Multi-turn ({w['clients']} clients x {w['rounds']} rounds of {w['turn_tokens']}-token turns): "
-                f"mean TTFT ms, and per round TTFT [hit rate]",
-                ["backend", "mean TTFT", *(f"round {r}" for r in rounds)], rows))
+    if rows:
+        out.append((f"Multi-turn ({w['clients']} clients x {w['rounds']} rounds of {w['turn_tokens']}-token turns): "
+                    f"mean TTFT ms, and per round TTFT [hit rate]",
+                    ["backend", "mean TTFT", *(f"round {r}" for r in rounds)], rows))
+    if result.get("itl"):
+        out.append(itl_table(result))
     rows = []
     for n in names:
         per = result["per_op"].get(n) or {}
@@ -90,6 +95,40 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     return out
 
 
+def itl_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """The decoders' inter-token latency under L3 traffic, per backend."""
+    s, w = result["settings"], result["settings"]["workload"]
+    ref = result.get("itl_vs")
+    rows = []
+    for n in s["backends"]:
+        d = result["summary"].get(n, {}).get("itl")
+        if not d:
+            continue
+        under, quiet, pre = d.get("under") or {}, d.get("quiet") or {}, d.get("prefill") or {}
+        ratio = result.get("itl_ratios", {}).get(n, {})
+        reads = f"{d['l3_tokens']}/{d['expected_l3_tokens']}" if n in L3_BACKENDS else "-"
+        rows.append([TITLES.get(n, n), _ms1(under.get("p50")), _ms1(under.get("p99")), _ms1(under.get("max")),
+                     _x(ratio.get("p50")), _x(ratio.get("p99")), str(under.get("tokens", 0)),
+                     f"{_ms1(quiet.get('p50'))} / {_ms1(quiet.get('p99'))}",
+                     f"{pre.get('tokens', 0)}: {_ms1(pre.get('p50'))} / {_ms1(pre.get('max'))}", reads,
+                     "-" if d.get("covered") is None else f"{d['covered']:.0%}"])
+    title = (f"Decoders under L3 traffic: {w['itl_decoders']} clients streaming {w['itl_answer_tokens']} tokens while "
+             f"{w['itl_stored']} prompts of {w['itl_bg_tokens']} tokens come back from L3 after a flush and "
+             f"{w['itl_fresh']} new ones are backed up, one every {w['itl_bg_spacing_tokens']} decode steps; inter-token latency ms of the decode steps under that "
+             f"traffic over {s['repeat']} repetition(s)" + (f", ratios over {TITLES.get(ref, ref)}" if ref else "")
+             + "; gaps holding a background prefill apart; quiet: the same server with no background")
+    return (title, ["backend", "p50", "p99", "max", "p50 x", "p99 x", "tokens", "quiet p50 / p99",
+                    "prefill gaps: n: p50 / max", "L3 tokens read", "window decoded"], rows)
+
+
+def _ms1(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def _seconds(s: float | None) -> str:
     return "not within the wait" if s is None else f"{s:.1f}"
 
@@ -110,6 +149,15 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"answers: long prompts checked against their first answer (ids and logprobs); multi-turn answers against "
         f"{result['answers_vs']}'s: " + ", ".join(f"{n} {d['same']}/{d['of']}" for n, d in result["multi_turn_answers"].items()),
     ]
+    ratio = (result.get("itl_ratios", {}).get("ours") or {}).get("p99")
+    if ratio is not None:
+        peers = {n: r.get("p99") for n, r in result["itl_ratios"].items() if n in L3_BACKENDS and n != "ours"}
+        behind = [n for n, r in peers.items() if r is not None and r < ratio]
+        lines.append(f"decoders' p99 inter-token latency under L3 traffic: ours {ratio:.2f}x "
+                     f"{TITLES.get(result['itl_vs'], result['itl_vs'])} (goal <= {ITL_GOAL_RATIO:.2f}x: "
+                     f"{'met' if ratio <= ITL_GOAL_RATIO else 'behind'})"
+                     + (f"; peers {', '.join(f'{n} {r:.2f}x' for n, r in peers.items() if r is not None)}"
+                        + (f" (ours behind {', '.join(behind)})" if behind else " (ours no worse)") if peers else ""))
     asked = [b for b in s["asked"] if b.startswith("mooncake")]
     if not result["mooncake"]["available"] and asked:
         lines.append(f"Mooncake left out: {result['mooncake']['why']}")

@@ -11,6 +11,9 @@
   tier served (``cached_tokens_details``). A turn's answer goes into the
   history as fixed tokens, so every backend sees the same prompts; answers
   are compared across backends afterwards.
+* ``itl`` (``server_itl``): clients decoding long answers while other
+  clients' prompts are backed up to L3 and read back from it; the
+  decoders' inter-token latency.
 * ``restart``: prompts stored in L3, the server restarted on the same L3,
   the prompts sent again: how many come back from L3, and are they the
   same answers.
@@ -51,6 +54,19 @@ class Workload:
     answer_tokens: int = 32
     restart_prompts: int = 5
     restart_tokens: int = 1024
+    #: decoders under L3 traffic (``server_itl``): clients streaming long answers
+    itl_decoders: int = 2
+    itl_prompt_tokens: int = 64
+    itl_answer_tokens: int = 384
+    #: tokens every decoder has before the background starts
+    itl_lead_tokens: int = 16
+    #: background prompts stored in L3, then read back during the decoding
+    itl_stored: int = 6
+    #: background prompts new to the server (prefilled, then backed up)
+    itl_fresh: int = 6
+    itl_bg_tokens: int = 1024
+    #: decode steps between a background answer and the next request
+    itl_bg_spacing_tokens: int = 16
 
 
 def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
