@@ -47,14 +47,25 @@ def counted_client(backend) -> list[str]:
     return touched
 
 
-def until(predicate, timeout: float, what: str, every: float = 0.02):
+def until(predicate, timeout: float, what: str, every: float = 0.02, why=lambda: ""):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = predicate()
         if got:
             return got
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{why()}")
+
+
+def store_story(backend, store_name):
+    """The breaker's state and the store process's log, for a failure message."""
+    server = get_server(store_name)
+    try:
+        with open(server.paths.log, encoding="utf-8", errors="replace") as f:
+            log = "".join(f.readlines()[-15:])
+    except OSError as exc:
+        log = f"(no store log: {exc})"
+    return f"\nbreaker: {backend.stats()['breaker']}\nstore log {server.paths.log}:\n{log}"
 
 
 @pytest.fixture
@@ -95,7 +106,8 @@ def test_a_killed_store_is_started_again_by_a_probe_and_its_pages_come_back(on_s
     assert backend.batch_exists(keys) == 0 and touched == []  # open: the client is not asked
     # Probes every 0.1-0.4 s: the first finds no store and starts one; a later
     # one reaches it (its start is seconds on a loaded machine).
-    until(lambda: backend.batch_exists(keys) == 4, 60, "a probe to find the pages again", every=0.05)
+    until(lambda: backend.batch_exists(keys) == 4, 60, "a probe to find the pages again", every=0.05,
+          why=lambda: store_story(backend, store_name))
     new_pid = get_server(store_name).pid
     assert new_pid != pid and pid_alive(new_pid)
     assert backend.stats()["breaker"]["probes"] >= 1
@@ -127,6 +139,7 @@ def test_a_stopped_store_costs_one_time_limit_per_probe_and_heals_when_resumed(o
         assert max(took) < 10 * TIMEOUT_MS / 1000, took
     finally:
         os.kill(pid, signal.SIGCONT)
-    until(lambda: backend.batch_exists(keys) == 4, 30, "a probe to reach the resumed store", every=0.05)
+    until(lambda: backend.batch_exists(keys) == 4, 30, "a probe to reach the resumed store", every=0.05,
+          why=lambda: store_story(backend, store_name))
     assert get_server(store_name).pid == pid  # the same process: nothing was started beside it
     assert_healed(backend, host, keys, want, store_name)
