@@ -69,7 +69,7 @@ def pytest_sessionfinish(session, exitstatus):
 #: to whichever worker is free: started first, these run beside each other
 #: while the short files fill in, instead of one starting last and running
 #: alone (what each takes: docs/testing.md).
-FIRST = ("e2e/test_server.py", "test_bench_server.py", "e2e/test_server_demo.py", "test_compat.py",
+FIRST = ("e2e/test_server.py", "e2e/test_store_faults.py", "test_bench_server.py", "e2e/test_server_demo.py", "test_compat.py",
          "store/test_tp2.py", "test_server_launch.py")
 
 

@@ -11,11 +11,15 @@ the objects it holds, each with one job:
   bool per page, and counted;
 * ``counters`` (``metrics.BackendCounters``) and ``log``
   (``metrics.RateLimitedLog``): what happened, and faults logged
-  rate-limited.
+  rate-limited;
+* ``breaker`` (``breaker.Breaker``): one circuit breaker for the backend,
+  shared by its pools and SGLang's threads (docs/resilience.md).
 
-Every data-path method reads the same way: resolve (the pool's binding
-turns page keys, and host indices where bytes move, into one ``Batch``),
-one call to the client, answer (``answers``).
+Every data-path method reads the same way: ask the breaker (``call.allow()``:
+while it is open, answer misses at once, holding nothing), resolve (the
+pool's binding turns page keys, and host indices where bytes move, into one
+``Batch``), one call to the client, tell the breaker what it answered
+(``call.record``), answer (``answers``).
 
 What raises and what never does is the contract on ``HiCacheSiMM``
 (its docstring). A fault in a data-path method (an exception in the body
@@ -35,6 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from sglang_simm import copying, hybrid
 from sglang_simm.binding import Batch, PoolBinding, bind_kv_pool, bind_side_pool, kv_pool_of
+from sglang_simm.breaker import Breaker
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, log_resolved
 from sglang_simm.exporter import exporter_for
@@ -119,6 +124,8 @@ class HiCacheSiMM(HiCacheStorage):
             exporter=exporter_for(storage_config),  # our series in SGLang's /metrics, same switch
         )
         self.log = RateLimitedLog(logger)
+        #: fail fast while the store is down; one per backend (every pool, every thread)
+        self.breaker = Breaker.from_config(config)
         self.pools = Pools()
         #: the KV host pool bound (SGLang's own attribute)
         self.mem_pool_host: Any = None
@@ -162,6 +169,7 @@ class HiCacheSiMM(HiCacheStorage):
             release([old], what="the replaced KV host pool")
         if self.config.key_scheme == "legacy":
             logger.warning(_LEGACY_WARNING)
+        self._find_fault_reporter()
         logger.info("sglang-simm: bound %s to %s", binding.describe(), self.client.description)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -186,6 +194,7 @@ class HiCacheSiMM(HiCacheStorage):
 
     def on_host_pools_registered(self) -> None:
         """Once per attach (SGLang 0.5.23), after every pool: log the set."""
+        self._find_fault_reporter()
         if self.pools.kv is None:
             logger.warning("sglang-simm: hybrid pools registered but no KV host pool is bound")
         logger.info(
@@ -201,14 +210,23 @@ class HiCacheSiMM(HiCacheStorage):
         n = len(keys) if keys is not None else 0
         if n == 0:
             return 0
-        with Call(self._fault, "batch_exists") as call:
-            lookup = self._resolve(call, KV, keys, None, "batch_exists")
-            if lookup is None:
+        with Call(self._fault, "batch_exists", self.breaker) as call:
+            if not call.allow():
                 return 0
-            codes = self.client.mexists_codes(lookup.keys)
-            (pages,) = self.answers.found([lookup], codes)
-            return leading(pages)
+            return self._kv_pages(call, keys)
         return 0
+
+    def _kv_pages(self, call: Call, keys: Sequence[Any]) -> int:
+        """The leading complete KV pages of ``keys`` (``batch_exists``'s
+        body, inside ``call``, which the breaker let through)."""
+        lookup = self._resolve(call, KV, keys, None, call.where)
+        if lookup is None:
+            return 0
+        t0 = perf_counter()
+        codes = self.client.mexists_codes(lookup.keys)
+        call.record(codes, perf_counter() - t0)
+        (pages,) = self.answers.found([lookup], codes)
+        return leading(pages)
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool; True only where every object of
@@ -216,13 +234,17 @@ class HiCacheSiMM(HiCacheStorage):
         n = len(keys) if keys is not None else 0
         if n == 0:
             return []
-        with Call(self._fault, "batch_get_v1") as call:
+        with Call(self._fault, "batch_get_v1", self.breaker) as call:
+            if not call.allow():
+                return [False] * n
             batch = self._resolve(call, KV, keys, host_indices, "batch_get_v1")
             if batch is None:
                 return [False] * n
             t0 = perf_counter()
             codes = self.client.mget_views(batch.keys, batch.views)
-            return self.answers.read([batch], codes, perf_counter() - t0, "batch_get_v1")[0]
+            dt = perf_counter() - t0
+            call.record(codes, dt)
+            return self.answers.read([batch], codes, dt, "batch_get_v1", call)[0]
         return [False] * n
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
@@ -234,13 +256,17 @@ class HiCacheSiMM(HiCacheStorage):
         n = len(keys) if keys is not None else 0
         if n == 0:
             return []
-        with Call(self._fault, "batch_set_v1") as call:
+        with Call(self._fault, "batch_set_v1", self.breaker) as call:
+            if not call.allow():
+                return [False] * n
             batch = self._resolve(call, KV, keys, host_indices, "batch_set_v1")
             if batch is None:
                 return [False] * n
             t0 = perf_counter()
             codes = self.client.mput_views(batch.keys, batch.views)
-            return self.answers.written([batch], codes, perf_counter() - t0, "batch_set_v1")[0]
+            dt = perf_counter() - t0
+            call.record(codes, dt)
+            return self.answers.written([batch], codes, dt, "batch_set_v1")[0]
         return [False] * n
 
     # -------------------------------------------------- v2: hybrid side pools
@@ -255,7 +281,9 @@ class HiCacheSiMM(HiCacheStorage):
         hit policy; the KV hit is the longest length left.
         """
         n = len(keys) if keys is not None else 0
-        with Call(self._fault, "batch_exists_v2") as call:
+        with Call(self._fault, "batch_exists_v2", self.breaker) as call:
+            if not call.allow():
+                return hybrid.to_pool_transfer_result(hybrid.miss())
             transfers = list(pool_transfers or [])
             for t in transfers:
                 reason = hybrid.unsupported_policy_reason(t.hit_policy)
@@ -263,14 +291,20 @@ class HiCacheSiMM(HiCacheStorage):
                     self.counters.record_error("unsupported_hit_policy")
                     self.log("hit_policy", "SiMM batch_exists_v2: pool %r: %s", hybrid.pool_name(t.name), reason)
                     return hybrid.to_pool_transfer_result(hybrid.miss())
-            kv_pages = self.batch_exists(keys, extra_info) if n else 0
+            kv_pages = self._kv_pages(call, keys) if n else 0
             if kv_pages <= 0 or not transfers:
                 return hybrid.to_pool_transfer_result(hybrid.fold_hits(kv_pages, []))
+            if not call.allow():  # the KV lookup faulted, or the breaker opened since
+                return hybrid.to_pool_transfer_result(hybrid.miss())
             page_keys = list(keys[:kv_pages])
             lookups = [self._resolve(call, hybrid.pool_name(t.name), page_keys, None, "batch_exists_v2")
                        for t in transfers]
             found = [lk for lk in lookups if lk is not None]
-            codes = self.client.mexists_codes(object_keys(found)) if found else []
+            codes = []
+            if found:
+                t0 = perf_counter()
+                codes = self.client.mexists_codes(object_keys(found))
+                call.record(codes, perf_counter() - t0)
             pages = iter(self.answers.found(found, codes) if found else [])
             absent = [False] * kv_pages
             queries = [
@@ -290,14 +324,18 @@ class HiCacheSiMM(HiCacheStorage):
         ``mget``: ``{pool name: one bool per key}``, True only where every
         object of the page read back exactly its expected size."""
         transfers = list(transfers or [])
-        with Call(self._fault, "batch_get_v2") as call:
+        with Call(self._fault, "batch_get_v2", self.breaker) as call:
             results = _all_false(transfers)
+            if not call.allow():
+                return results
             names, batches = self._resolve_v2(call, transfers, "batch_get_v2")
             if not batches:
                 return results
             t0 = perf_counter()
             codes = self.client.mget_views(object_keys(batches), object_views(batches))
-            results.update(zip(names, self.answers.read(batches, codes, perf_counter() - t0, "batch_get_v2")))
+            dt = perf_counter() - t0
+            call.record(codes, dt)
+            results.update(zip(names, self.answers.read(batches, codes, dt, "batch_get_v2", call)))
             return results
         return _all_false(transfers)
 
@@ -305,14 +343,18 @@ class HiCacheSiMM(HiCacheStorage):
         """Write hybrid pools' pages, every pool in one ``mput``, no lookup
         first (as ``batch_set_v1``): ``{pool name: one bool per key}``."""
         transfers = list(transfers or [])
-        with Call(self._fault, "batch_set_v2") as call:
+        with Call(self._fault, "batch_set_v2", self.breaker) as call:
             results = _all_false(transfers)
+            if not call.allow():
+                return results
             names, batches = self._resolve_v2(call, transfers, "batch_set_v2")
             if not batches:
                 return results
             t0 = perf_counter()
             codes = self.client.mput_views(object_keys(batches), object_views(batches))
-            results.update(zip(names, self.answers.written(batches, codes, perf_counter() - t0, "batch_set_v2")))
+            dt = perf_counter() - t0
+            call.record(codes, dt)
+            results.update(zip(names, self.answers.written(batches, codes, dt, "batch_set_v2")))
             return results
         return _all_false(transfers)
 
@@ -333,7 +375,9 @@ class HiCacheSiMM(HiCacheStorage):
         targets = list(target_locations) if target_locations is not None else []
         if n == 0:
             return []
-        with Call(self._fault, "batch_get") as call:
+        with Call(self._fault, "batch_get", self.breaker) as call:
+            if not call.allow():
+                return [None] * n
             b = self._bound(call, KV, "batch_get")
             if b is None or len(targets) != n:
                 if b is not None:
@@ -342,7 +386,9 @@ class HiCacheSiMM(HiCacheStorage):
             batch, blocks = copying.read_batch(self.client, b, keys, targets)
             t0 = perf_counter()
             codes = self.client.mget(batch.keys, batch.views)
-            (pages,) = self.answers.read([batch], codes, perf_counter() - t0, "batch_get")
+            dt = perf_counter() - t0
+            call.record(codes, dt)
+            (pages,) = self.answers.read([batch], codes, dt, "batch_get", call)
             return copying.copy_out(batch, blocks, pages, targets)
         return [None] * n
 
@@ -355,7 +401,9 @@ class HiCacheSiMM(HiCacheStorage):
         vals = list(values) if values is not None else []
         if n == 0:
             return False
-        with Call(self._fault, "batch_set") as call:
+        with Call(self._fault, "batch_set", self.breaker) as call:
+            if not call.allow():
+                return False
             b = self._bound(call, KV, "batch_set")
             if b is None or len(vals) != n:
                 if b is not None:
@@ -366,12 +414,17 @@ class HiCacheSiMM(HiCacheStorage):
                 return False
             t0 = perf_counter()
             present = self.client.mexists(batch.keys)
+            call.record((), perf_counter() - t0)  # bools: a hung store shows only as time
             if len(present) != len(batch.keys):
                 raise RuntimeError(f"mexists answered {len(present)} results for {len(batch.keys)} keys")
             missing = [i for i, here in enumerate(present) if not here]
             codes = [ALREADY_EXISTS if here else 0 for here in present]
             if missing:
+                if not call.allow():  # the lookup was a fault, or the breaker opened since
+                    return False
+                t1 = perf_counter()
                 put = self.client.mput([batch.keys[i] for i in missing], [batch.views[i] for i in missing])
+                call.record(put, perf_counter() - t1)
                 if len(put) != len(missing):
                     raise RuntimeError(f"mput answered {len(put)} results for {len(missing)} objects")
                 for i, code in zip(missing, put):
@@ -380,6 +433,15 @@ class HiCacheSiMM(HiCacheStorage):
         return False
 
     # ------------------------------------------------------ resolve, faults
+
+    def _find_fault_reporter(self) -> None:
+        """At attach: a fault reporter SGLang's controller left on this
+        backend (``_fault_reporter`` and the like, ``breaker.find_fault_reporter``)
+        is reported to from now on, as if handed to ``set_fault_reporter``.
+        SGLang 0.5.23 leaves none."""
+        if not self.breaker.reports.active and self.breaker.reports.attach(self):
+            logger.info("sglang-simm: reporting L3 outcomes to SGLang's fault reporter %s",
+                        type(self.breaker.reports._reporter).__name__)
 
     def _bound(self, call: Call, name: str, where: str) -> PoolBinding | None:
         """The pool bound as ``name``, counted in on ``call``; None (logged
@@ -443,8 +505,18 @@ class HiCacheSiMM(HiCacheStorage):
             return None
 
     def stats(self) -> dict[str, Any]:
-        """Our own counters: hits, misses, bytes, errors by code."""
-        return self.counters.snapshot()
+        """Our own counters: hits, misses, bytes, errors by code; and
+        ``breaker``, the circuit breaker's state and counters
+        (``Breaker.snapshot()``)."""
+        out = self.counters.snapshot()
+        out["breaker"] = self.breaker.snapshot()
+        return out
+
+    def set_fault_reporter(self, reporter: Any) -> None:
+        """SGLang's fault reporter (``report_op(op=, fatal=, detail=)``, the
+        shape of sgl-project/sglang#17521; SGLang 0.5.23 has none): every
+        outcome the breaker records is reported to it; None detaches."""
+        self.breaker.reports.set_fault_reporter(reporter)
 
     def clear(self) -> None:
         """Remove this backend's namespace where the client can list keys.

@@ -9,6 +9,13 @@ An exception in the body is a fault, handed to ``fault`` and swallowed,
 so the method goes on to answer its misses after the block (the error
 contract on ``backend.HiCacheSiMM``).
 
+A call also carries the backend's circuit breaker (``breaker.Breaker``):
+``call.allow()`` before each client call (False: the breaker is open, or
+this call's previous client call was a fault; answer misses without
+touching the client), ``call.record(codes, seconds)`` after it, and
+leaving the block releases the permit (an exception that is the store's is
+a fault; a probe that ended without an answer frees its slot).
+
 A retired pool (replaced by a re-registration, or the backend closed) is
 deregistered by ``release`` once *its* calls are over: at once when none
 is in flight, otherwise by a background thread that waits for them. A
@@ -20,32 +27,79 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
+from sglang_simm.breaker import fault_of
 from sglang_simm.errors import BackendClosedError
 from sglang_simm.hybrid import KV
 
 if TYPE_CHECKING:  # pragma: no cover
     from sglang_simm.binding import PoolBinding
+    from sglang_simm.breaker import Breaker, Permit
 
 logger = logging.getLogger("sglang_simm.backend")
 
 
 class Call:
     """The context of one data-path call: the pools it uses, counted in
-    (``use``) and out (on leaving the block), and its fault (handed to
-    ``fault``, then swallowed)."""
+    (``use``) and out (on leaving the block), its leave from the breaker
+    (``allow``, ``record``; released on leaving the block), and its fault
+    (handed to ``fault``, then swallowed)."""
 
-    __slots__ = ("_fault", "_where", "used")
+    __slots__ = ("_fault", "_where", "_breaker", "used", "permit", "faulted")
 
-    def __init__(self, fault: Callable[[str, BaseException], None], where: str) -> None:
+    def __init__(self, fault: Callable[[str, BaseException], None], where: str,
+                 breaker: Breaker | None = None) -> None:
         self._fault = fault
         self._where = where
+        self._breaker = breaker
         #: the pools this call is counted in on
         self.used: list[PoolBinding] = []
+        #: the breaker's leave for the client call under way (None: none asked)
+        self.permit: Permit | None = None
+        #: whether a client call of this call was a fault (the breaker's verdict)
+        self.faulted = False
 
     def __enter__(self) -> Call:
         return self
+
+    @property
+    def where(self) -> str:
+        return self._where
+
+    def allow(self) -> bool:
+        """Leave to make the next client call: False while the breaker is
+        open (or a probe is in flight), and after a client call of this
+        call was a fault (a hung store must not cost one call two time
+        limits); the method then answers misses without touching the
+        client. Ask before resolving or allocating anything, so a refused
+        call holds no pool and no host memory."""
+        if self.faulted:
+            return False
+        if self._breaker is None:
+            return True
+        permit = self._breaker.allow()
+        if not permit:
+            return False
+        self.permit = permit
+        return True
+
+    def record(self, codes: Iterable[int] = (), seconds: float = 0.0, *,
+               exc: BaseException | None = None) -> str | None:
+        """Tell the breaker what the client call answered (its codes and
+        time, or the exception it raised and the caller handled); the
+        fault's cause, or None for a healthy answer."""
+        permit = self.permit
+        if permit is None:
+            return None
+        if exc is not None:
+            cause = fault_of(exc=exc)
+            permit.release(exc, op=self._where)
+        else:
+            cause = permit.record(codes, seconds=seconds, op=self._where)
+        if cause is not None:
+            self.faulted = True
+        return cause
 
     def use(self, binding: PoolBinding | None) -> PoolBinding | None:
         """``binding``, counted in for the rest of the call; None when there
@@ -58,6 +112,8 @@ class Call:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         for b in self.used:
             b.leave()
+        if self.permit is not None:
+            self.permit.release(exc, op=self._where)
         if exc is not None and isinstance(exc, Exception):
             self._fault(self._where, exc)
             return True  # the caller answers misses after the block

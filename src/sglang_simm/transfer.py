@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Iterator, Sequence
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from sglang_simm import errors
 from sglang_simm.binding import Batch
 from sglang_simm.client import KVClient
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sglang_simm.inflight import Call
 
 logger = logging.getLogger("sglang_simm.backend")
 
@@ -69,11 +73,14 @@ class Answers:
 
     # ------------------------------------------------------------- reads
 
-    def read(self, batches: Sequence[Batch], codes: Sequence[int], seconds: float, where: str) -> list[list[bool]]:
+    def read(self, batches: Sequence[Batch], codes: Sequence[int], seconds: float, where: str,
+             call: Call | None = None) -> list[list[bool]]:
         """``mget`` codes (bytes read, or a negative SiMM code) to one bool
         per page asked for, per batch: True where every object read back
         exactly its size and no other object of the batch ran over it.
-        Faults among the rest are counted and logged."""
+        Faults among the rest are counted and logged. ``call`` (the data
+        path's ``inflight.Call``) gates and records the lookup that tells a
+        GetObjectFailed miss from a fault (``_get_failed``)."""
         rows: list[list[bool]] = []
         hits = total = nbytes = 0
         for bt, seg in _split(batches, codes, "mget"):
@@ -81,7 +88,7 @@ class Answers:
             parts, sizes = b.parts, b.sizes_list
             ok = [seg[i:i + parts] == sizes for i in range(0, len(seg), parts)]
             if not all(ok):
-                reached = self._read_faults(bt, np.asarray(seg, dtype=np.int64)).tolist()
+                reached = self._read_faults(bt, np.asarray(seg, dtype=np.int64), call).tolist()
                 ok = [good and not hit for good, hit in zip(ok, reached)]
             good = sum(ok)
             rows.append(_pages(bt, ok))
@@ -92,7 +99,7 @@ class Answers:
                         len(batches), hits, seconds * 1e6, nbytes / (1 << 30) / seconds if seconds else 0.0)
         return rows
 
-    def _read_faults(self, batch: Batch, codes: np.ndarray) -> np.ndarray:
+    def _read_faults(self, batch: Batch, codes: np.ndarray, call: Call | None = None) -> np.ndarray:
         """Count and log what went wrong in one pool's mget answer (one code
         per object); return the pages an object read back longer than its
         view may have overwritten (``PoolBinding.overrun_pages``), which
@@ -102,7 +109,7 @@ class Answers:
         failed = codes < 0
         get_failed = np.flatnonzero(codes == _GET_FAILED)
         if get_failed.size:
-            self._get_failed([batch.keys[i] for i in get_failed.tolist()])
+            self._get_failed([batch.keys[i] for i in get_failed.tolist()], call)
         other = codes[failed & (codes != _GET_FAILED) & ~np.isin(codes, _MISS_CODES)]
         if other.size:
             counted = Counter(other.tolist())
@@ -133,17 +140,29 @@ class Answers:
         )
         return reached
 
-    def _get_failed(self, keys: list[str]) -> None:
+    def _get_failed(self, keys: list[str], call: Call | None = None) -> None:
         """Sort GetObjectFailed answers into misses and faults. The
         synchronous client answers it for any server-side failure, an absent
         key included (SiMM's only answer for a miss there, and the embedded
         store's), so the objects are looked up: one that exists failed for
         another reason (a fault, counted under its code); one that does not
-        was evicted since SGLang's exists query (a miss, not logged)."""
+        was evicted since SGLang's exists query (a miss, not logged).
+
+        The lookup is a client call of ``call``'s: made only where its
+        breaker allows (not after the get was a fault, not while open; the
+        answers then stay uncounted misses), and recorded by its time (its
+        answer is bools, so a hung store shows only as time)."""
+        if call is not None and not call.allow():
+            return
         try:
+            t0 = perf_counter()
             present = self.client.mexists(keys)
+            if call is not None:
+                call.record((), perf_counter() - t0)
             faults = sum(bool(p) for p in present) if len(present) == len(keys) else len(keys)
-        except Exception:
+        except Exception as exc:
+            if call is not None:
+                call.record(exc=exc)
             faults = len(keys)
         if not faults:
             return

@@ -1,0 +1,145 @@
+"""The local store heals under the breaker: a backend on a store process
+(``local://NAME``) whose process is killed or stopped.
+
+* kill -9: calls fault (SendRPCFailed / BuildConnectionFailed) and open the
+  breaker; a probe finds no store process and starts the next one, which
+  takes every published object over; a later probe reaches it, closes the
+  breaker, and the pages written before the kill read back byte for byte.
+* SIGSTOP: calls that reach the stopped store wait out the request time
+  limit, and only until the breaker opens; from then on calls answer at once
+  without touching the client, and a probe waits one time limit at most.
+  Resumed, a probe closes the breaker and the pages read back.
+
+Afterwards no data-path call is counted in on the host pool and the store
+holds no lease of ours. Real SGLang host pools, as tests/test_backend.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pages import fill_random, hashes, page, slots, tiny
+from sglang_simm.breaker import CLOSED, OPEN
+from sglang_simm.embedded import get_server
+from sglang_simm.embedded._paths import pid_alive
+
+#: the store's answers get 0.3 s (the store's own tests use the same)
+TIMEOUT_MS = 300
+BREAKER = {"breaker_threshold": 2, "breaker_backoff_ms": 100, "breaker_backoff_max_ms": 400, "breaker_jitter": 0}
+
+
+def counted_client(backend) -> list[str]:
+    """Wrap the client's lookup and read to count the calls that reach it."""
+    touched: list[str] = []
+    for name in ("mexists_codes", "mget_views"):
+        real = getattr(backend.client, name)
+
+        def counted(*args, _real=real, _name=name):
+            touched.append(_name)
+            return _real(*args)
+
+        setattr(backend.client, name, counted)
+    return touched
+
+
+def until(predicate, timeout: float, what: str, every: float = 0.02, why=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{why()}")
+
+
+def store_story(backend, store_name):
+    """The breaker's state and the store process's log, for a failure message."""
+    server = get_server(store_name)
+    try:
+        with open(server.paths.log, encoding="utf-8", errors="replace") as f:
+            log = "".join(f.readlines()[-15:])
+    except OSError as exc:
+        log = f"(no store log: {exc})"
+    return f"\nbreaker: {backend.stats()['breaker']}\nstore log {server.paths.log}:\n{log}"
+
+
+@pytest.fixture
+def on_store(attach, store_name):
+    """(backend, host pool, store pid, want): a backend on a store process
+    of the test's own holding four written pages (``want``: their bytes)."""
+    backend, host = attach(tiny(), extra={"request_timeout_ms": TIMEOUT_MS, **BREAKER})
+    fill_random(host, 1)
+    keys = hashes(4)
+    assert backend.batch_set_v1(keys, slots(host, 0, 4)) == [True] * 4
+    want = [page(host, p) for p in range(4)]
+    pid = get_server(store_name).pid
+    assert pid_alive(pid)
+    return backend, host, keys, want, pid
+
+
+def assert_healed(backend, host, keys, want, store_name):
+    """The pages read back byte for byte, the breaker closed, nothing held."""
+    fill_random(host, 2)
+    assert backend.batch_get_v1(keys, slots(host, 8, 4)) == [True] * 4
+    assert all(torch.equal(page(host, 8 + i), want[i]) for i in range(4))
+    snap = backend.stats()["breaker"]
+    assert snap["state"] == CLOSED and snap["opened_total"] >= 1 and snap["closed_total"] >= 1, snap
+    assert sum(len(b.calls) for _, b in backend.pools.bound()) == 0  # no call counted in on a pool
+    until(lambda: get_server(store_name).status()["open_leases"] == 0, 10, "our leases to end")
+
+
+def test_a_killed_store_is_started_again_by_a_probe_and_its_pages_come_back(on_store, store_name):
+    backend, host, keys, want, pid = on_store
+    os.kill(pid, signal.SIGKILL)
+    until(lambda: not pid_alive(pid), 10, "the store process to die")
+    for _ in range(BREAKER["breaker_threshold"]):
+        assert backend.batch_exists(keys) == 0
+    snap = backend.stats()["breaker"]
+    assert snap["state"] == OPEN, snap
+
+    touched = counted_client(backend)
+    assert backend.batch_exists(keys) == 0 and touched == []  # open: the client is not asked
+    # Probes every 0.1-0.4 s: the first finds no store and starts one; a later
+    # one reaches it (its start is seconds on a loaded machine).
+    until(lambda: backend.batch_exists(keys) == 4, 60, "a probe to find the pages again", every=0.05,
+          why=lambda: store_story(backend, store_name))
+    new_pid = get_server(store_name).pid
+    assert new_pid != pid and pid_alive(new_pid)
+    assert backend.stats()["breaker"]["probes"] >= 1
+    assert_healed(backend, host, keys, want, store_name)
+
+
+def test_a_stopped_store_costs_one_time_limit_per_probe_and_heals_when_resumed(on_store, store_name):
+    backend, host, keys, want, pid = on_store
+    touched = counted_client(backend)
+    took = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # about two seconds of calls: the first two wait out the time limit
+        # and open the breaker, every later one answers at once, but for a
+        # probe every 0.1-0.4 s
+        for i in range(40):
+            t0 = time.perf_counter()
+            got = backend.batch_get_v1(keys, slots(host, 8, 4)) if i % 2 else backend.batch_exists(keys)
+            took.append(time.perf_counter() - t0)
+            assert got in (0, [False] * 4)
+            time.sleep(0.05)
+        snap = backend.stats()["breaker"]
+        assert snap["state"] != CLOSED and snap["opened_total"] == 1, snap
+        # only the calls before the opening and the probes reached the store
+        assert len(touched) <= BREAKER["breaker_threshold"] + snap["probes"], (touched, snap)
+        assert snap["refused"] >= 40 - len(touched)
+        # a generous bound (the store's tests check the limit itself): no
+        # call waited more than a few time limits, though the store never answered
+        assert max(took) < 10 * TIMEOUT_MS / 1000, took
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    until(lambda: backend.batch_exists(keys) == 4, 30, "a probe to reach the resumed store", every=0.05,
+          why=lambda: store_story(backend, store_name))
+    assert get_server(store_name).pid == pid  # the same process: nothing was started beside it
+    assert_healed(backend, host, keys, want, store_name)
