@@ -343,3 +343,30 @@ def test_concurrent_threads_while_open_get_misses_and_exactly_one_probe(local):
     assert touches.calls == ["mexists_codes"]  # exactly one probe reached the store
     assert sorted(results) == [0] * 5 + [2]
     assert backend.breaker.state == CLOSED and in_flight(backend) == 0
+
+
+def test_its_state_reaches_the_servers_metrics(attach, store_name):
+    """With --enable-metrics (``enable_storage_metrics``), SGLang's get_stats()
+    carries the breaker's state to ``sglang_simm:breaker_state``."""
+    pytest.importorskip("prometheus_client")
+    from sglang_simm import metrics
+
+    backend, host = attach(tiny(), extra={"manager_address": f"inprocess://{store_name}", **FAST},
+                           enable_storage_metrics=True)
+    assert backend.counters.exporter is not None
+    faults = get_server(store_name).faults
+    fill_random(host, 1)
+    keys = hashes(4)
+    assert backend.batch_set_v1(keys, slots(host, 0, 4)) == [True] * 4
+    backend.get_stats()
+    try:
+        open_it(backend, faults, keys)
+        saved, metrics.EXPORT_INTERVAL_S = metrics.EXPORT_INTERVAL_S, 0.0
+        try:
+            backend.get_stats()
+        finally:
+            metrics.EXPORT_INTERVAL_S = saved
+    finally:
+        faults.configure(down=False)
+    assert backend.counters.breaker_state == OPEN
+    assert backend.counters.breaker_transitions["open"] == 1

@@ -38,7 +38,7 @@ def test_labels_like_sglang():
 def test_counters_flush_deltas_only():
     registry = prometheus_client.CollectorRegistry()
     counters = BackendCounters(storage_metrics=True, exporter=L3Exporter(LABELS, registry=registry))
-    counters.record_get(3, 1, 300, 0.0002, 100)
+    counters.record_get(3, 1, 300, 0.0002)
     counters.record_set(5, 2, 1, 500, 0.003)
     counters.record_codes(__import__("collections").Counter({-2701: 2}))
     counters.record_error("size_mismatch")
@@ -55,7 +55,7 @@ def test_counters_flush_deltas_only():
     assert value(registry, "sglang_simm:l3_call_seconds_count", op="set") == 1
     # a second flush with nothing new adds nothing; new counts add their delta
     counters.flush_export()
-    counters.record_get(1, 0, 100, 0.0002, 100)
+    counters.record_get(1, 0, 100, 0.0002)
     counters.flush_export()
     assert value(registry, "sglang_simm:l3_pages_hit_total") == 4
     assert value(registry, "sglang_simm:l3_call_seconds_count", op="get") == 2
@@ -67,7 +67,7 @@ def test_histogram_matches_observe():
     ours, theirs = prometheus_client.CollectorRegistry(), prometheus_client.CollectorRegistry()
     counters = BackendCounters(storage_metrics=False, exporter=L3Exporter(LABELS, registry=ours))
     for s in seconds:
-        counters.record_get(1, 0, 1, s, 1)
+        counters.record_get(1, 0, 1, s)
     counters.flush_export()
     hist = prometheus_client.Histogram("sglang_simm:l3_call_seconds", "x", labelnames=(*LABELS, "op"),
                                        buckets=LATENCY_BUCKETS, registry=theirs)
@@ -121,10 +121,10 @@ def test_drain_flushes_at_most_every_interval(monkeypatch):
     monkeypatch.setattr(metrics, "EXPORT_INTERVAL_S", 3600.0)
     registry = prometheus_client.CollectorRegistry()
     counters = BackendCounters(storage_metrics=False, exporter=L3Exporter(LABELS, registry=registry))
-    counters.record_get(1, 0, 1, 0.001, 1)
+    counters.record_get(1, 0, 1, 0.001)
     counters.drain_storage_metrics()  # the first flushes at once
     assert value(registry, "sglang_simm:l3_pages_hit_total") == 1
-    counters.record_get(1, 0, 1, 0.001, 1)
+    counters.record_get(1, 0, 1, 0.001)
     counters.drain_storage_metrics()  # within the interval: not yet
     assert value(registry, "sglang_simm:l3_pages_hit_total") == 1
     monkeypatch.setattr(metrics, "EXPORT_INTERVAL_S", 0.0)

@@ -497,8 +497,11 @@ class HiCacheSiMM(HiCacheStorage):
     # ---------------------------------------------------- stats, clear, close
 
     def get_stats(self) -> Any:
-        """SGLang's StorageMetrics since the previous call (drained)."""
+        """SGLang's StorageMetrics since the previous call (drained); the
+        breaker's state goes to the exporter with it (SGLang calls this on
+        its scheduler thread, every pass with ``--enable-metrics``)."""
         try:
+            self.counters.record_breaker(self.breaker.state)
             return self.counters.drain_storage_metrics()
         except Exception as exc:
             self._fault("get_stats", exc)

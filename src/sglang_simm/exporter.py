@@ -21,7 +21,8 @@ Off (SGLang's default) nothing here is built and ``prometheus_client`` is
 never imported: ``exporter_for`` answers None.
 
 The circuit breaker feeds ``breaker_state`` and ``breaker_transitions_total``
-through one call, ``BackendCounters.record_breaker(state)``.
+through one call, ``BackendCounters.record_breaker(state)``, which the
+backend's ``get_stats()`` makes on every pass of SGLang's scheduler.
 """
 
 from __future__ import annotations
