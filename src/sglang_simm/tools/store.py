@@ -240,10 +240,14 @@ def _free_dead(console: Any, paths: StorePaths) -> int:
     the name's lock so that no store starts meanwhile."""
     import fcntl
 
+    from sglang_simm.embedded._arena import arena_held
     from sglang_simm.embedded._daemon import remove_files
 
+    if any(arena_held(a) for a in paths.arenas()):  # its lock file removed, a store process still serves
+        console.print(f"store {paths.name!r}: a live store process holds its arena; stop that process")
+        return 1
     try:
-        fd = os.open(paths.lock, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(paths.lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         fd = None
     try:
