@@ -133,12 +133,11 @@ def test_store_start_refuses_it_and_says_what_it_did(host_store_dir, capsys):
     assert main(["store", "stop", n]) == 0
 
 
-def test_a_client_started_store_gets_the_capacity_the_host_can_back(stores):
-    store = stores(name(), capacity=100 << 40)  # started by a client: it starts, smaller, and says so
-    s = store.status()
-    st = os.statvfs(store.paths.root)
-    assert s["capacity_bytes"] <= st.f_blocks * st.f_frsize
-    assert "started with a capacity of" in _log(store.paths)
+def test_a_client_started_store_beyond_the_host_starts_and_says_so(stores):
+    store = stores(name(), capacity=100 << 40)  # started by a client: it starts (fast), and logs the figures
+    assert store.status()["capacity_bytes"] == 100 << 40
+    log = _log(store.paths)
+    assert "more than this host can back" in log and "filesystem holds" in log and "started by a client" in log
 
 
 # -- 10. a takeover reads the index without touching empty slots ----------------------
@@ -272,9 +271,10 @@ def test_a_client_backs_off_a_store_that_fails_to_start_and_names_its_log(host_s
     client = HostServer(n, root=host_store_dir, capacity=8 << 20, timeout_s=2)
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable) as err:
-        client.open(wait_s=5)
-    assert time.monotonic() - t0 < 5  # it gave up once the launch failed, not at the deadline
+        client.open(wait_s=15)
+    assert time.monotonic() - t0 < 10  # it gave up once its launches failed, not at the deadline
     assert paths.log in str(err.value)
+    del launches[:]
     deadline = time.monotonic() + 6
     last = None
     while time.monotonic() < deadline:  # the data path's reconnection attempts
@@ -284,7 +284,7 @@ def test_a_client_backs_off_a_store_that_fails_to_start_and_names_its_log(host_s
             last = exc
         time.sleep(0.05)
     monkeypatch.undo()
-    assert len(launches) <= 4, len(launches)
+    assert len(launches) <= 2, len(launches)
     assert paths.log in str(last)
     client.close()
     getattr(_host, "_LAUNCHES", {}).pop(paths.socket, None)

@@ -956,24 +956,20 @@ def _settings_for(args: argparse.Namespace, paths: StorePaths) -> _Start:
 def _check_backing(paths: StorePaths, start: _Start, force: bool) -> str | None:
     """Before any memory is taken: a capacity beyond what the store
     directory's filesystem, or the host's memory for a tmpfs, can ever back
-    is refused (the reason), unless ``force``; a store a client starts
-    instead gets the most it can back, and a takeover keeps its own; a
-    capacity beyond what is free now is logged, with the figures."""
+    is refused (the reason) for an operator's start without ``force``; a
+    store a client starts, or one taken over, starts and logs it, with the
+    figures (it lowers its capacity when the memory runs out, as any
+    store does), as it does a capacity beyond what is free now."""
     settings = start.settings
     backing = Backing.of(paths.root)
     held = held_bytes(paths) if start.takeover else 0
     refusal, warning = backing.check(settings.capacity, held)
-    if refusal and not force and not start.takeover:
-        if settings.started_by == "operator":
-            return refusal
-        limit = backing.limit()
-        lowered = max(limit - limit // 8 - lease_table_bytes(settings.limits.max_leases), 1 << 20)
-        logger.warning("store %r: %s; started with a capacity of %d bytes instead", paths.name, refusal, lowered)
-        settings.capacity = lowered
-        refusal, warning = backing.check(settings.capacity, held)
+    if refusal and not force and not start.takeover and settings.started_by == "operator":
+        return refusal
     if refusal:
-        logger.warning("store %r: %s (%s)", paths.name, refusal,
-                       "forced" if force else "taken over with the settings it had")
+        logger.warning("store %r: %s; starting anyway (%s): puts will fail with OutOfMemory, and the store "
+                       "lower its capacity, when the memory runs out", paths.name, refusal,
+                       "forced" if force else "taken over" if start.takeover else "started by a client")
     elif warning:
         logger.warning("store %r: %s", paths.name, warning)
     return None

@@ -518,11 +518,12 @@ class HostServer:
                 if (exc.no_store and self.spawn_allowed and len(spawned_at) < MAX_SPAWNS
                         and (not spawned_at or time.monotonic() - spawned_at[-1] >= RESPAWN_AFTER_S)
                         and not self._starting()):
-                    if self._spawn():
+                    if self._spawn(backoff=False):  # its own policy: MAX_SPAWNS, RESPAWN_AFTER_S apart
                         spawned_at.append(time.monotonic())
-                    elif _launches(self.paths).failures and not self._starting():
-                        now = time.monotonic()
-                        break  # its launch failed: the log says why, and retrying now would fail again
+                elif (exc.no_store and len(spawned_at) >= MAX_SPAWNS and not self._starting()
+                        and time.monotonic() - spawned_at[-1] >= RESPAWN_AFTER_S):
+                    now = time.monotonic()
+                    break  # every launch failed: the log says why, and waiting longer changes nothing
             now = time.monotonic()
             if now >= deadline and not (spawned_at and now < deadline + START_GRACE_S and self._starting()):
                 break
@@ -616,10 +617,12 @@ class HostServer:
             current.retire()  # a restarted store: the old arena goes once unused
         return arena
 
-    def _spawn(self) -> bool:
+    def _spawn(self, backoff: bool = True) -> bool:
         """Start the store process, unless one holds the name's lock (it is
         running, starting, stopping or stalled: starting another would only
-        wait on the lock); whether one was started."""
+        wait on the lock); whether one was started. One launcher at a time
+        in this process; with ``backoff``, after a launch that brought no
+        store up, none before its back-off ends (``_Launches``)."""
         for proc in self._spawned:
             proc.poll()  # reap the short-lived launchers
         self._spawned = [p for p in self._spawned if p.returncode is None]
@@ -637,7 +640,7 @@ class HostServer:
                                   "without serving (%d time(s)); starting it again in %.0f s at the soonest; "
                                   "its log %s says: %s", self.name, launches.failures,
                                   launches.not_before - now, self.paths.log, _log_tail(self.paths.log))
-            if now < launches.not_before:
+            if backoff and now < launches.not_before:
                 return False
             launches.proc = self._launch()
             self._spawned.append(launches.proc)

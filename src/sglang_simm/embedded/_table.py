@@ -12,15 +12,19 @@ room past it is handed out, and every extent a writer may hold lies below
 it.
 
 Why this, and not a journal: the entries are plain stores into shared
-memory (no system call per batch, nothing to compact, recovery is one
-vectorised scan), and a process crash loses no store that reached the
-page cache. A power loss loses tmpfs anyway. Object bytes carry no
+memory (no system call per batch, nothing to compact, recovery is a
+vectorised scan of the parts of the file ever written), and a process
+crash loses no store that reached the page cache. The file is sparse, sized
+for the object cap: an entry holds memory only once written, and nothing
+reads or writes the others (not a takeover either: it finds the written
+parts with ``SEEK_DATA``). A power loss loses tmpfs anyway. Object bytes carry no
 checksum: an object is committed only after its writer's copy is done, so
 a committed entry's bytes are whole; a reserved one is never served.
 
 The next store process of the name (``recover``) publishes every
 committed entry again, in publish order, after checking it against the
-arena (in bounds, aligned, no overlap); the free space below the recorded
+arena's real size (in bounds without overflow, aligned, no overlap); one
+that fails is dropped, and set free; the free space below the recorded
 high-water mark stays quarantined for a lease time, since a writer of the
 dead store may still be copying into some of it.
 """
