@@ -439,3 +439,28 @@ def test_evicted_zero_size_objects_leak_no_arena(stores):
         assert p.lookup([f"z{i}" for i in range(100)]) == [-4003] * 100
         p.admin("clear")
         assert p.admin("status")["arena_free_bytes"] == full["arena_free_bytes"]
+
+
+def test_the_slot_pool_hands_slots_out_as_the_list_did():
+    """The free entries, once a list of every slot (highest first, popped
+    from the end); now a counter and the slots given back, in the same order."""
+    from array import array
+
+    from sglang_simm.embedded._table import SlotPool
+
+    pool, old = SlotPool(50), array("q", range(49, -1, -1))
+    steps = [("pop", 3), ("give", [1, 0]), ("take", 4), ("give", [7]), ("pop", 2), ("take", 10)]
+    for what, arg in steps:
+        if what == "pop":
+            assert [pool.pop() for _ in range(arg)] == [old.pop() for _ in range(arg)]
+        elif what == "give":
+            pool.extend(arg)
+            old.extend(arg)
+        else:
+            assert pool.take(arg) == [old.pop() for _ in range(arg)]
+        assert len(pool) == len(old)
+    taken = {0, 3, 9}
+    pool, old = SlotPool(50, taken), array("q", (s for s in range(49, -1, -1) if s not in taken))
+    assert pool.take(len(old)) == [old.pop() for _ in range(len(old))] and len(pool) == 0
+    with pytest.raises(IndexError):
+        pool.pop()

@@ -160,8 +160,8 @@ class IndexTable:
     ``adopt``: a store taking over keeps a sound table as it finds it,
     whatever its number of slots (a capacity changed at run time, or
     settings that say otherwise: ``slots`` is then the table's own, bounded
-    by its file's size); its entries are checked against the arena when
-    recovered. The file is sparse: only the entries written hold memory,
+    by its file's size, or the number asked for if larger); its entries are
+    checked against the arena when recovered. The file is sparse: only the entries written hold memory,
     and nothing here reads or writes the others."""
 
     def __init__(self, path: str, slots: int, arena_bytes: int, *, adopt: bool = False) -> None:
@@ -172,7 +172,9 @@ class IndexTable:
             fresh = st.st_size == 0
             found = None if fresh else self._header(fd)
             if found is not None and adopt:
-                slots = min(found, max((st.st_size - HEADER_BYTES) // ENTRY.itemsize, 0))
+                # its own entries, at least as many as asked for (more is
+                # sparse file: an entry is a slot number, so growing keeps them)
+                slots = max(slots, min(found, max((st.st_size - HEADER_BYTES) // ENTRY.itemsize, 0)))
             elif found != slots or fresh:
                 os.ftruncate(fd, 0)  # another layout: nothing in it is ours
                 fresh = True
