@@ -197,15 +197,17 @@ def test_an_index_entry_with_a_huge_size_is_dropped_and_the_rest_kept(stores, ho
     entries["size"][committed[0]] = (1 << 63) - 1  # offset + size overflows int64
     entries["size"][committed[1]] = 1 << 62
     entries["offset"][committed[2]] = -(1 << 62)
+    entries["seq"][committed[3]] = (1 << 64) - 1  # the next publish's number would overflow
     entries.flush()
     del entries
     again = stores(n, capacity=32 << 20)
     s = again.status()
-    assert s["recovered"] == 13 and s["recovery_dropped"] == 3
+    assert s["recovered"] == 12 and s["recovery_dropped"] == 4
     c = _client(host_store_dir, n)
-    assert _read_all(c) == (13, 0)
+    assert _read_all(c) == (12, 0)
+    _put(c, 2)  # and publishes go on
     c.close()
-    assert "3 dropped as unsound" in _log(again.paths)
+    assert "4 dropped as unsound" in _log(again.paths)
 
 
 def test_a_truncated_arena_keeps_the_objects_inside_it(stores, host_store_dir):

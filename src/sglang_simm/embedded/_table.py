@@ -52,6 +52,9 @@ VERSION = 2
 _HEADER = struct.Struct("<8sIIqqq")  # magic, version, pad, slots, arena bytes, high water
 _HIGH_WATER_AT = _HEADER.size - 8
 HEADER_BYTES = 4096
+#: A publish order at or past this is damage: the next store process
+#: numbers its publishes on from the largest it keeps, in a uint64.
+SEQ_LIMIT = 1 << 62
 #: Entries are faulted in ahead of use, this much at a time, in one system
 #: call: fresh slots are handed out in ascending order, and a first write to
 #: each page of the file (a page fault apiece, dear in a VM) otherwise tripled
@@ -303,14 +306,15 @@ class IndexTable:
         high-water mark; plus how many entries were dropped as unsound.
         Sound: inside ``[data_start, arena_bytes)`` (the arena's real size;
         checked without overflow, whatever the sizes say), aligned, no
-        larger than SiMM's largest value, the newest of its key, sharing no
-        byte with another kept object. Dropped entries are set free."""
+        larger than SiMM's largest value, numbered below ``SEQ_LIMIT``, the
+        newest of its key, sharing no byte with another kept object. Dropped entries are set free."""
         committed, rows = self._committed_rows()
         order = np.argsort(rows["seq"], kind="stable")
         committed, rows = committed[order], rows[order]
         offsets, sizes = rows["offset"], rows["size"]
         ok = ((offsets >= data_start) & (offsets <= arena_bytes) & (sizes >= 0) & (sizes <= MAX_VALUE_BYTES)
-              & (sizes <= arena_bytes - offsets) & (offsets % align == 0))
+              & (sizes <= arena_bytes - offsets) & (offsets % align == 0)
+              & (rows["seq"] < SEQ_LIMIT))  # later publishes number on from the largest kept
         # Newest wins for a key published twice (an overwrite cut short).
         keys = rows["key"]
         _, last = np.unique(keys[::-1], return_index=True)
