@@ -557,7 +557,7 @@ class StoreDaemon:
             if exc.code == INVALID_ARGUMENT:
                 self._refuse("lease_owner", "client pid %d: %s %s: refused", conn.pid, op.name, exc)
             return _error(exc.code, f"{op.name}: {exc}")
-        except (ValueError, TypeError, OverflowError, RecursionError, UnicodeError, struct.error) as exc:
+        except _BadRequest as exc:
             # a body that parses into something this request cannot take:
             # a JSON body that is none, a field of the wrong type or out of range
             self._refuse("request", "client pid %d: a malformed %s request (%s): refused", conn.pid, op.name,
@@ -652,11 +652,11 @@ class StoreDaemon:
             prefixes = r.keys()
             r.done()
             if len(prefixes) != 1:
-                raise ValueError(f"DELETE_PREFIX names one prefix, not {len(prefixes)}")
+                raise _BadRequest(f"DELETE_PREFIX names one prefix, not {len(prefixes)}")
             prefix = prefixes[0]
             return frame(op, pack_ints([index.delete_prefix(prefix)]))
         if op == Op.HELLO:
-            hello = r.json()
+            hello = _json(r)
             if not isinstance(hello, dict) or hello.get("version") != wire.PROTOCOL_VERSION:
                 version = hello.get("version") if isinstance(hello, dict) else None
                 return _error(INTERNAL_ERROR,
@@ -667,7 +667,7 @@ class StoreDaemon:
             self.idle_since = None
             return frame(op, pack_json(self.describe()))
         if op == Op.ADMIN:
-            cmd = r.json()
+            cmd = _json(r)
             if not isinstance(cmd, dict):
                 raise ProtocolError("an ADMIN body that is not a JSON object")
             return frame(op, pack_json(self._admin(cmd, conn)))
@@ -767,7 +767,10 @@ class StoreDaemon:
             self.settings.save(self.paths.settings)
             return {"policy": index.policy}
         if what == "expire_leases":  # the lease time limit, now (tests, operators)
-            return {"expired": index.expire(float(cmd.get("older_than_s", 0.0)))}
+            older = cmd.get("older_than_s", 0.0)
+            if isinstance(older, bool) or not isinstance(older, (int, float)) or not older >= 0:
+                raise _BadRequest(f"older_than_s must be a number of seconds >= 0, got {older!r}")
+            return {"expired": index.expire(float(older))}
         if what == "stop":
             self.stop_reason = "stopped"
             self.running = False
@@ -810,6 +813,20 @@ def _asks_for_objects(buf: bytearray) -> bool:
             return True
         pos += wire.HEADER.size + length
     return False
+
+
+class _BadRequest(ValueError):
+    """A request whose body parses into something it cannot take: answered
+    with InvalidArgument and a one-line reason, the connection kept."""
+
+
+def _json(r: Reader) -> Any:
+    """The rest of a body as JSON; _BadRequest when it is none (bad bytes,
+    bad syntax, nested past the parser's depth)."""
+    try:
+        return r.json()
+    except (ValueError, RecursionError, UnicodeError) as exc:
+        raise _BadRequest(f"the body is no JSON ({_short(exc)})") from None
 
 
 def _short(exc: BaseException) -> str:
