@@ -40,10 +40,11 @@ class StoreProc:
     """``python -m sglang_simm.embedded._daemon`` as a child of the test."""
 
     def __init__(self, root: str, name: str, *, capacity: int = 16 << 20, limits: dict | None = None,
-                 idle_exit: float = 0.0, policy: str = "fifo", nofile: int | None = None) -> None:
+                 idle_exit: float = 0.0, policy: str = "fifo", nofile: int | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         self.paths = StorePaths(root, name)
         args = ["--dir", root, "--name", name, "--capacity", str(capacity), "--policy", policy,
-                "--idle-exit", str(idle_exit), "--limits", json.dumps(limits or {})]
+                "--idle-exit", str(idle_exit), "--limits", json.dumps(limits or {}), *extra]
         if nofile:
             cmd = [sys.executable, LOWFD, str(nofile), *args]
         else:

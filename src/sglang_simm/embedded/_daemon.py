@@ -48,10 +48,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._arena import ArenaFile, arena_bytes_for, lease_table_bytes
+from sglang_simm.embedded._arena import ArenaFile, Backing, arena_bytes_for, arena_held, lease_table_bytes, lock_arena
 from sglang_simm.embedded._index import EVICTION_POLICIES, LeaseError, StoreIndex
 from sglang_simm.embedded._limits import REFUSALS, RateLimitedLog, StoreLimits
-from sglang_simm.embedded._paths import StorePaths, ensure_dir
+from sglang_simm.embedded._paths import StoreAccessError, StorePaths, ensure_dir, held_bytes, open_private
 from sglang_simm.embedded._protocol import Op, ProtocolError, Reader, frame, pack_ints, pack_json
 from sglang_simm.embedded._table import IndexTable
 from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, MAX_VALUE_BYTES, TARGET_UNAVAILABLE
@@ -76,6 +76,10 @@ ROOM_MAX_ENTRIES = 256
 #: to a target set before the clear (at 0.45 ms a MiB and the lowest CPU
 #: priority, a big store's arena takes it seconds to minutes).
 REFAULT_WINDOW_S = 60.0
+#: A connection that has not said HELLO this long after it was accepted is
+#: dropped (``refused_hello``): a peer that connects and says nothing holds
+#: a connection slot and a descriptor.
+HELLO_DEADLINE_S = 5.0
 #: The operator commands that walk every object, and may take a while.
 _SLOW_ADMIN = frozenset({"clear", "keys"})
 
@@ -91,34 +95,73 @@ class StoreSettings:
     #: "operator" (``store start``) or "client" (started on first use)
     started_by: str = "client"
     arena: str = ""  # the arena file, once created
+    #: the arena file's size (the capacity can change at run time, the
+    #: arena cannot: recovery goes by this, and by the file's real size)
+    arena_bytes: int = 0
 
     def save(self, path: str) -> None:
         data = {"capacity": self.capacity, "policy": self.policy, "limits": self.limits.as_dict(),
-                "started_by": self.started_by, "arena": self.arena}
+                "started_by": self.started_by, "arena": self.arena, "arena_bytes": self.arena_bytes}
         tmp = f"{path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.unlink(tmp)  # whatever is there, a symlink included: never written through
+        except FileNotFoundError:
+            pass
+        fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)  # atomic: a crash leaves the old or the new
 
     @classmethod
-    def load(cls, path: str) -> StoreSettings | None:
+    def load(cls, path: str, fallback: StoreSettings) -> StoreSettings | None:
+        """The settings in ``path``, each field checked on its own: one that
+        is missing or out of range (a capacity of 0, an unknown policy, a
+        limit below its floor) is ``fallback``'s, with a log line. None when
+        the file is absent or holds no JSON object."""
         try:
-            with open(path) as f:
-                data = json.load(f)
-            return cls(capacity=int(data["capacity"]), policy=str(data["policy"]),
-                       limits=StoreLimits.from_dict(data.get("limits", {})),
-                       started_by=str(data.get("started_by", "client")), arena=str(data.get("arena", "")))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            if not isinstance(exc, FileNotFoundError):
-                logger.warning("ignoring unreadable store settings %s (%s)", path, exc)
+            fd = open_private(path, os.O_RDONLY)
+            with os.fdopen(fd) as f:
+                data = json.loads(f.read(1 << 20))
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except FileNotFoundError:
             return None
+        except (OSError, ValueError, UnicodeError, RecursionError) as exc:
+            logger.warning("ignoring unreadable store settings %s (%s)", path, exc)
+            return None
+        out = StoreSettings(capacity=fallback.capacity, policy=fallback.policy, limits=fallback.limits,
+                            started_by=fallback.started_by)
+        bad = []
+        capacity = data.get("capacity")
+        if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
+            out.capacity = capacity
+        else:
+            bad.append(f"capacity {capacity!r}")
+        if data.get("policy") in EVICTION_POLICIES:
+            out.policy = data["policy"]
+        else:
+            bad.append(f"policy {data.get('policy')!r}")
+        try:
+            out.limits = StoreLimits.from_dict({**fallback.limits.as_dict(), **dict(data.get("limits") or {})})
+        except (TypeError, ValueError) as exc:
+            bad.append(f"limits ({exc})")
+        if data.get("started_by") in ("client", "operator"):
+            out.started_by = data["started_by"]
+        arena_bytes = data.get("arena_bytes", 0)
+        if isinstance(arena_bytes, int) and not isinstance(arena_bytes, bool) and arena_bytes > 0:
+            out.arena_bytes = arena_bytes
+        arena = data.get("arena")
+        out.arena = arena if isinstance(arena, str) else ""
+        if bad:
+            logger.warning("store settings %s: %s out of range: the launcher's kept instead", path, ", ".join(bad))
+        return out
 
 
 class _Conn:
-    __slots__ = ("counted", "id", "inbuf", "outbuf", "paused", "pid", "sock", "started", "writing")
+    __slots__ = ("accepted", "counted", "id", "inbuf", "outbuf", "paused", "pid", "sock", "started", "writing")
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int) -> None:
+        self.accepted = time.monotonic()
         self.sock = sock
         self.id = conn_id
         self.pid = pid
@@ -143,24 +186,36 @@ def _fd_limit() -> int:
 
 
 class StoreDaemon:
-    def __init__(self, paths: StorePaths, settings: StoreSettings, *, takeover: bool = False) -> None:
+    def __init__(self, paths: StorePaths, settings: StoreSettings, *, takeover: bool = False,
+                 arena_fd: int | None = None) -> None:
+        """``takeover``: the arena ``settings.arena`` (open and locked as
+        ``arena_fd``) and the index are a dead store process's: its sound
+        objects are taken over."""
         self.paths = paths
         self.settings = settings
         limits = self.limits = settings.limits
         self.generation = secrets.token_hex(6)
         self.data_start = lease_table_bytes(limits.max_leases)
-        arena_size = self.data_start + arena_bytes_for(settings.capacity)
-        reuse = takeover and bool(settings.arena) and os.path.exists(settings.arena)
+        arena_size = max(self.data_start + arena_bytes_for(settings.capacity), settings.arena_bytes if takeover else 0)
+        reuse = takeover and bool(settings.arena)
         arena_path = settings.arena if reuse else paths.arena(self.generation)
-        self.arena = ArenaFile(arena_path, arena_size, reuse=reuse)
+        self.arena = ArenaFile(arena_path, arena_size, reuse=reuse, fd=arena_fd if reuse else None)
         settings.arena = self.arena.path
-        self.table = IndexTable(paths.index, limits.objects_for(settings.capacity), self.arena.size)
+        settings.arena_bytes = self.arena.size
+        room = self.arena.size - self.data_start
+        if settings.capacity > room:  # an arena the capacity outgrew (damaged settings)
+            logger.warning("store %r: capacity %d is more than its arena holds (%d bytes): lowered to it",
+                           paths.name, settings.capacity, room)
+            settings.capacity = room
+        self.table = IndexTable(paths.index, limits.objects_for(settings.capacity), self.arena.size,
+                                adopt=self.arena.reused)
         if not self.arena.reused and not self.table.fresh:
             self.table.clear()  # an index of another arena: nothing in it is here
         self.index = StoreIndex(
             capacity=settings.capacity, arena_bytes=self.arena.size, policy=settings.policy,
             commit=self.arena.commit, limits=limits, data_start=self.data_start,
             lease_words=self.arena.lease_words(self.data_start), table=self.table,
+            max_objects=self.table.slots,
         )
         self.recovered = self.dropped = 0
         #: memory clients faulted in past the committed arena, given back
@@ -171,7 +226,9 @@ class StoreDaemon:
         self.takeover_s = 0.0
         if self.arena.reused:
             t0 = time.monotonic()
-            found, self.dropped = self.table.recover(self.data_start, self.arena.size, self.index.alloc.align)
+            # no object of the dead store lies past what its file held
+            bound = min(self.arena.found_size, self.arena.size)
+            found, self.dropped = self.table.recover(self.data_start, bound, self.index.alloc.align)
             self.recovered = self.index.restore(found, _TAKEOVER_OWNER)
             self.index.memory_released(self.arena.release_after(self.index.alloc.high_water(), upto=self.arena.size))
             self.takeover_s = time.monotonic() - t0
@@ -196,6 +253,7 @@ class StoreDaemon:
         self._accept_paused_until = 0.0
         self._listening = False
         self._next_expiry = 0.0
+        self._next_hello_check = 0.0
         self.idle_since: float | None = time.monotonic()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket file is born 0600
@@ -251,11 +309,24 @@ class StoreDaemon:
                 self.stale_released += stale
                 self.log.info("stale_memory", "gave back %d bytes a client faulted in past the committed "
                               "arena after memory was given back", stale)
+        if now >= self._next_hello_check:
+            self._next_hello_check = now + min(1.0, HELLO_DEADLINE_S / 4)
+            self._drop_silent(now)
         idle = self.limits.idle_exit_s
         if idle and self.idle_since is not None and now - self.idle_since >= idle:
             logger.info("no client for %g s (idle exit): stopping", idle)
             self.stop_reason = "idle"
             self.running = False
+
+    def _drop_silent(self, now: float) -> None:
+        """Drop the connections that have not said HELLO within
+        ``HELLO_DEADLINE_S`` of being accepted: they hold a connection slot
+        and a descriptor, and 1,024 of them kept every client out."""
+        late = [c for c in self.conns.values() if not c.started and now - c.accepted >= HELLO_DEADLINE_S]
+        for conn in late:
+            self._refuse("hello", "client pid %d said no HELLO within %g s of connecting: dropped",
+                         conn.pid, HELLO_DEADLINE_S)
+            self._drop(conn, "no hello")
 
     def _release_refaulted(self, now: float) -> int:
         """After a clear, memory a client's fault-in backs again in free
@@ -486,11 +557,19 @@ class StoreDaemon:
             if exc.code == INVALID_ARGUMENT:
                 self._refuse("lease_owner", "client pid %d: %s %s: refused", conn.pid, op.name, exc)
             return _error(exc.code, f"{op.name}: {exc}")
+        except _BadRequest as exc:
+            # a body that parses into something this request cannot take:
+            # a JSON body that is none, a field of the wrong type or out of range
+            self._refuse("request", "client pid %d: a malformed %s request (%s): refused", conn.pid, op.name,
+                         _short(exc))
+            if op in wire.ONE_WAY:
+                return None
+            return _error(INVALID_ARGUMENT, f"{op.name}: a malformed request ({_short(exc)})")
         except Exception as exc:  # a bug here must not take the store down
             logger.exception("op %s from pid %d failed", op.name, conn.pid)
             if op in wire.ONE_WAY:
                 return None
-            return _error(INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+            return _error(INTERNAL_ERROR, f"{op.name} failed in the store process; its log says why")
 
     def _keys(self, r: Reader) -> list[bytes]:
         keys = r.keys()
@@ -570,11 +649,14 @@ class StoreDaemon:
             r.done()
             return frame(op, pack_ints([index.delete(k) for k in keys]))
         if op == Op.DELETE_PREFIX:
-            (prefix,) = r.keys()
+            prefixes = r.keys()
             r.done()
+            if len(prefixes) != 1:
+                raise _BadRequest(f"DELETE_PREFIX names one prefix, not {len(prefixes)}")
+            prefix = prefixes[0]
             return frame(op, pack_ints([index.delete_prefix(prefix)]))
         if op == Op.HELLO:
-            hello = r.json()
+            hello = _json(r)
             if not isinstance(hello, dict) or hello.get("version") != wire.PROTOCOL_VERSION:
                 version = hello.get("version") if isinstance(hello, dict) else None
                 return _error(INTERNAL_ERROR,
@@ -585,7 +667,7 @@ class StoreDaemon:
             self.idle_since = None
             return frame(op, pack_json(self.describe()))
         if op == Op.ADMIN:
-            cmd = r.json()
+            cmd = _json(r)
             if not isinstance(cmd, dict):
                 raise ProtocolError("an ADMIN body that is not a JSON object")
             return frame(op, pack_json(self._admin(cmd, conn)))
@@ -685,7 +767,10 @@ class StoreDaemon:
             self.settings.save(self.paths.settings)
             return {"policy": index.policy}
         if what == "expire_leases":  # the lease time limit, now (tests, operators)
-            return {"expired": index.expire(float(cmd.get("older_than_s", 0.0)))}
+            older = cmd.get("older_than_s", 0.0)
+            if isinstance(older, bool) or not isinstance(older, (int, float)) or not older >= 0:
+                raise _BadRequest(f"older_than_s must be a number of seconds >= 0, got {older!r}")
+            return {"expired": index.expire(float(older))}
         if what == "stop":
             self.stop_reason = "stopped"
             self.running = False
@@ -730,6 +815,26 @@ def _asks_for_objects(buf: bytearray) -> bool:
     return False
 
 
+class _BadRequest(ValueError):
+    """A request whose body parses into something it cannot take: answered
+    with InvalidArgument and a one-line reason, the connection kept."""
+
+
+def _json(r: Reader) -> Any:
+    """The rest of a body as JSON; _BadRequest when it is none (bad bytes,
+    bad syntax, nested past the parser's depth)."""
+    try:
+        return r.json()
+    except (ValueError, RecursionError, UnicodeError) as exc:
+        raise _BadRequest(f"the body is no JSON ({_short(exc)})") from None
+
+
+def _short(exc: BaseException) -> str:
+    """A reason for a client: the exception's text, one line, bounded."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 class _Refused(Exception):
     def __init__(self, code: int, why: str) -> None:
         super().__init__(why)
@@ -743,7 +848,7 @@ def _error(code: int, why: str) -> bytes:
 def _lock_name(paths: StorePaths) -> int | None:
     """Hold ``NAME.lock`` for this process's life: one store per name. None
     when another live store process holds it."""
-    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_private(paths.lock, os.O_RDWR | os.O_CREAT)
     # A client probing the lock (``_host.lock_held``) holds it for a moment,
     # longer when its process is short of CPU: keep trying for two seconds
     # before concluding that a store process holds it.
@@ -774,8 +879,17 @@ def remove_files(paths: StorePaths, *, objects: bool) -> None:
             pass
 
 
+class _LogFile(logging.handlers.RotatingFileHandler):
+    """The store's log, never opened through a symlink (it would append to
+    the link's target)."""
+
+    def _open(self):  # type: ignore[override]
+        fd = open_private(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+
+
 def _setup_logging(paths: StorePaths, level: str) -> None:
-    handler = logging.handlers.RotatingFileHandler(paths.log, maxBytes=1 << 20, backupCount=1)
+    handler = _LogFile(paths.log, maxBytes=1 << 20, backupCount=1)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s pid %(process)d: %(message)s"))
     root = logging.getLogger("sglang_simm")
     root.handlers[:] = [handler]
@@ -784,15 +898,68 @@ def _setup_logging(paths: StorePaths, level: str) -> None:
     os.chmod(paths.log, 0o600)
 
 
-def _settings_for(args: argparse.Namespace, paths: StorePaths) -> tuple[StoreSettings, bool]:
+@dataclass
+class _Start:
+    """What ``_settings_for`` decided: the settings to serve with, and the
+    arena to take over (open and locked), if any."""
+
+    settings: StoreSettings
+    takeover: bool = False
+    arena_fd: int | None = None
+    #: another live store process holds an arena of this name: nothing to do
+    in_use: str = ""
+
+
+def _arena_to_take(paths: StorePaths, named: str) -> str:
+    """The arena file a dead store left: the one its settings name, when
+    that is an arena of this name in the store directory (never a path
+    elsewhere), else the only arena of the name; "" when none."""
+    arenas = paths.arenas()
+    if named and os.path.dirname(os.path.abspath(named)) == os.path.abspath(paths.root) and \
+            os.path.abspath(named) in {os.path.abspath(a) for a in arenas}:
+        return named
+    if named:
+        logger.warning("store settings name the arena %r, which is not one of this store's files", named)
+    return arenas[0] if len(arenas) == 1 else ""
+
+
+def _settings_for(args: argparse.Namespace, paths: StorePaths) -> _Start:
     """The settings to serve with, and whether a dead store's objects are
-    taken over: a dead store's own settings win over the launcher's."""
+    taken over: a dead store's own settings win over the launcher's, field
+    by field (one that is out of range is the launcher's). Nothing is
+    removed while another live store process holds an arena of the name
+    (its lock file removed, it still serves): this one then does nothing."""
     limits = StoreLimits.from_dict({**json.loads(args.limits or "{}"), "idle_exit_s": args.idle_exit})
     asked = StoreSettings(capacity=args.capacity, policy=args.policy, limits=limits, started_by=args.started_by)
-    kept = StoreSettings.load(paths.settings)
-    if kept is None or not kept.arena or not os.path.exists(kept.arena):
+    for arena in paths.arenas():
+        if arena_held(arena):
+            return _Start(asked, in_use=arena)
+    kept = StoreSettings.load(paths.settings, asked)
+    arena = _arena_to_take(paths, kept.arena if kept is not None else "")
+    why = ""
+    if not arena:
+        why = "no arena"
+    else:
+        why = IndexTable.unreadable(paths.index)
+    fd = None
+    if not why:
+        try:
+            fd = lock_arena(arena)
+        except (OSError, StoreAccessError) as exc:
+            why = str(exc)
+        else:
+            if fd is None:
+                return _Start(asked, in_use=arena)
+    if why:
+        if why != "no arena":
+            logger.warning("store %r: the objects a store process left cannot be taken over (%s): starting empty",
+                           paths.name, why)
         remove_files(paths, objects=True)
-        return asked, False
+        return _Start(asked)
+    if kept is None:
+        logger.warning("store %r: its settings are lost; taking over %s with the launcher's", paths.name, arena)
+        kept = asked
+    kept.arena = arena
     if (kept.capacity, kept.policy) != (asked.capacity, asked.policy):
         logger.warning(
             "store %r takes over with the settings it was started with (capacity %d, %s eviction), "
@@ -800,7 +967,29 @@ def _settings_for(args: argparse.Namespace, paths: StorePaths) -> tuple[StoreSet
             paths.name, kept.capacity, kept.policy, asked.capacity, asked.policy,
         )
     remove_files(paths, objects=False)
-    return kept, True
+    return _Start(kept, takeover=True, arena_fd=fd)
+
+
+def _check_backing(paths: StorePaths, start: _Start, force: bool) -> str | None:
+    """Before any memory is taken: a capacity beyond what the store
+    directory's filesystem, or the host's memory for a tmpfs, can ever back
+    is refused (the reason) for an operator's start without ``force``; a
+    store a client starts, or one taken over, starts and logs it, with the
+    figures (it lowers its capacity when the memory runs out, as any
+    store does), as it does a capacity beyond what is free now."""
+    settings = start.settings
+    backing = Backing.of(paths.root)
+    held = held_bytes(paths) if start.takeover else 0
+    refusal, warning = backing.check(settings.capacity, held)
+    if refusal and not force and not start.takeover and settings.started_by == "operator":
+        return refusal
+    if refusal:
+        logger.warning("store %r: %s; starting anyway (%s): puts will fail with OutOfMemory, and the store "
+                       "lower its capacity, when the memory runs out", paths.name, refusal,
+                       "forced" if force else "taken over" if start.takeover else "started by a client")
+    elif warning:
+        logger.warning("store %r: %s", paths.name, warning)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -814,6 +1003,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limits", default="", help="StoreLimits fields as JSON")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--detach", action="store_true", help="fork and return at once (the launcher exits)")
+    parser.add_argument("--force", action="store_true",
+                        help="start even with a capacity beyond what this host can back (a warning instead)")
     args = parser.parse_args(argv)
     ensure_dir(args.dir)
     paths = StorePaths(args.dir, args.name)
@@ -826,17 +1017,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # another store process of this name won the race: it serves
     if args.detach and os.fork():
         os._exit(0)  # the client that launched us reaps this launcher; the store lives on
-    _setup_logging(paths, args.log_level)
     try:
-        settings, takeover = _settings_for(args, paths)
-        daemon = StoreDaemon(paths, settings, takeover=takeover)
+        _setup_logging(paths, args.log_level)
+    except (OSError, StoreAccessError) as exc:
+        print(f"sglang-simm store {args.name!r}: cannot start: {exc}", file=sys.stderr)
+        return 1
+    try:
+        start = _settings_for(args, paths)
+        if start.in_use:
+            logger.warning("store %r: another live store process holds its arena %s (its lock file %s was "
+                           "removed?): it serves; this process stops", args.name, start.in_use, paths.lock)
+            return 0
+        refusal = _check_backing(paths, start, args.force)
+        if refusal:
+            logger.error("cannot start store %r: %s", args.name, refusal)
+            print(f"sglang-simm store {args.name!r}: cannot start: {refusal}", file=sys.stderr)
+            return 1
+        daemon = StoreDaemon(paths, start.settings, takeover=start.takeover, arena_fd=start.arena_fd)
+        settings, takeover = start.settings, start.takeover
     except Exception as exc:
         logger.exception("cannot start store %r", args.name)
         print(f"sglang-simm store {args.name!r}: cannot start: {exc}", file=sys.stderr)
         return 1
-    with open(paths.pid, "w") as f:
+    try:
+        os.unlink(paths.pid)  # whatever is there, a symlink included: never written through
+    except FileNotFoundError:
+        pass
+    with os.fdopen(open_private(paths.pid, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
         f.write(f"{os.getpid()}\n")
-    os.chmod(paths.pid, 0o600)
 
     def stop(signum: int, _frame: Any) -> None:
         daemon.stop_reason = signal.Signals(signum).name

@@ -87,6 +87,12 @@ RESPAWN_AFTER_S = 1.0
 #: How long ``close`` waits for the thread faulting the arena in to stop
 #: (it stops after the chunk in flight, ``_arena.POPULATE_CHUNK``).
 CLOSE_FAULT_IN_WAIT_S = 1.0
+#: After a launch of the store process that brought no store up (it
+#: exited: a damaged file it could not get past, a capacity refused), the
+#: next launch from this process waits this long, doubling each time up to
+#: the most, instead of one per reconnection attempt.
+LAUNCH_BACKOFF_FIRST_S = 1.0
+LAUNCH_BACKOFF_MAX_S = 60.0
 #: Between reconnection attempts from the data path, at first and at most.
 RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 2.0
@@ -97,6 +103,30 @@ DEFAULT_MAX_BATCH = 16384
 #: An auto-started store exits after this long with no client (flag
 #: ``embedded_idle_exit_s``): long enough to outlive a server's restart.
 DEFAULT_IDLE_EXIT_S = 600.0
+
+
+class _Launches:
+    """This process's launches of one store (by socket path), shared by all
+    its handles and threads: one launcher at a time (single flight), and
+    after a launch that brought no store up, the next only after a back-off
+    that doubles (``LAUNCH_BACKOFF_*``)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.failures = 0
+        self.not_before = 0.0
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+_LAUNCHES: dict[str, _Launches] = {}
+_LAUNCHES_LOCK = threading.Lock()
+
+
+def _launches(paths: StorePaths) -> _Launches:
+    with _LAUNCHES_LOCK:
+        return _LAUNCHES.setdefault(paths.socket, _Launches())
 
 
 class StoreUnreachable(ConnectionError):
@@ -428,6 +458,7 @@ class HostServer:
         started_by: str = "client",
         limits: dict[str, Any] | None = None,
         fault_in: bool = True,
+        force: bool = False,
     ) -> None:
         self.paths = StorePaths(store_dir(root), name)  # a bad name or path fails before anything is made
         #: fault the committed arena in behind, from the connect on (a client
@@ -443,6 +474,8 @@ class HostServer:
         self.idle_exit_s = idle_exit_s
         self.started_by = started_by
         self.limits = dict(limits or {})
+        #: a store this handle starts starts even beyond what the host can back
+        self.force = force
         self.max_batch = DEFAULT_MAX_BATCH
         #: The network between this process and the store (see ``_faults``).
         self.faults = FaultInjector()
@@ -485,8 +518,12 @@ class HostServer:
                 if (exc.no_store and self.spawn_allowed and len(spawned_at) < MAX_SPAWNS
                         and (not spawned_at or time.monotonic() - spawned_at[-1] >= RESPAWN_AFTER_S)
                         and not self._starting()):
-                    if self._spawn():
+                    if self._spawn(backoff=False):  # its own policy: MAX_SPAWNS, RESPAWN_AFTER_S apart
                         spawned_at.append(time.monotonic())
+                elif (exc.no_store and len(spawned_at) >= MAX_SPAWNS and not self._starting()
+                        and time.monotonic() - spawned_at[-1] >= RESPAWN_AFTER_S):
+                    now = time.monotonic()
+                    break  # every launch failed: the log says why, and waiting longer changes nothing
             now = time.monotonic()
             if now >= deadline and not (spawned_at and now < deadline + START_GRACE_S and self._starting()):
                 break
@@ -497,7 +534,8 @@ class HostServer:
         raise StoreUnreachable(
             BUILD_CONNECTION_FAILED,
             f"host store {self.name!r} at {self.paths.socket} did not answer within {now - start:.0f} s "
-            f"({last}){started}" + (f"; its log says: {tail}" if tail else ""),
+            f"({last}){started}" + (f"; its log {self.paths.log} says: {tail}" if tail else
+                                    f"; see its log {self.paths.log}" if spawned_at else ""),
         )
 
     def _starting(self) -> bool:
@@ -506,7 +544,7 @@ class HostServer:
         for proc in self._spawned:
             if proc.poll() is None:
                 return True
-        return lock_held(self.paths)
+        return _launches(self.paths).running() or lock_held(self.paths)
 
     def _connect(self) -> _Connection:
         """A new connection with its handshake done, made current, within
@@ -556,6 +594,8 @@ class HostServer:
         if old is not None:
             old.break_off()
             self.reconnects += 1
+        launches = _launches(self.paths)
+        launches.failures, launches.not_before = 0, 0.0  # a store serves: a later launch is no retry
         asked = (self.capacity_requested, self.policy_requested)
         if self.spawn_allowed and asked != (info["capacity_bytes"], info["policy"]) and not self._warned:
             self._warned = True
@@ -577,15 +617,36 @@ class HostServer:
             current.retire()  # a restarted store: the old arena goes once unused
         return arena
 
-    def _spawn(self) -> bool:
+    def _spawn(self, backoff: bool = True) -> bool:
         """Start the store process, unless one holds the name's lock (it is
         running, starting, stopping or stalled: starting another would only
-        wait on the lock); whether one was started."""
+        wait on the lock); whether one was started. One launcher at a time
+        in this process; with ``backoff``, after a launch that brought no
+        store up, none before its back-off ends (``_Launches``)."""
         for proc in self._spawned:
             proc.poll()  # reap the short-lived launchers
         self._spawned = [p for p in self._spawned if p.returncode is None]
-        if lock_held(self.paths):
-            return False
+        launches = _launches(self.paths)
+        with _LAUNCHES_LOCK:  # one launch at a time in this process, whichever handle or thread asks
+            if launches.running() or lock_held(self.paths):
+                return False
+            now = time.monotonic()
+            if launches.proc is not None:  # the last launch is over, and no store holds the name: it failed
+                launches.proc = None
+                launches.failures += 1
+                launches.not_before = now + min(LAUNCH_BACKOFF_FIRST_S * 2 ** (launches.failures - 1),
+                                                LAUNCH_BACKOFF_MAX_S)
+                self._log.warning("launch", "host store %r: the store process this process started exited "
+                                  "without serving (%d time(s)); starting it again in %.0f s at the soonest; "
+                                  "its log %s says: %s", self.name, launches.failures,
+                                  launches.not_before - now, self.paths.log, _log_tail(self.paths.log))
+            if backoff and now < launches.not_before:
+                return False
+            launches.proc = self._launch()
+            self._spawned.append(launches.proc)
+        return True
+
+    def _launch(self) -> subprocess.Popen:
         cmd = [
             sys.executable, "-m", "sglang_simm.embedded._daemon", "--detach",
             "--dir", self.root, "--name", self.name,
@@ -594,17 +655,18 @@ class HostServer:
         ]
         if self.limits:
             cmd += ["--limits", json.dumps(self.limits)]
+        if self.force:
+            cmd.append("--force")
         env = dict(os.environ)
         # The store process must import this very package, wherever it came from.
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         logger.info("starting host store %r (%s, capacity %s, eviction %s)",
                     self.name, self.paths.socket, human_bytes(self.capacity_requested), self.policy_requested)
-        self._spawned.append(subprocess.Popen(
+        return subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             close_fds=True, start_new_session=True, env=env,
-        ))
-        return True
+        )
 
     def _current(self) -> _Connection:
         """The live connection, or a reconnection attempt (rate-limited, so a
@@ -616,7 +678,7 @@ class HostServer:
             raise StoreUnreachable(BUILD_CONNECTION_FAILED, "this handle is closed")
         now = time.monotonic()
         if now < self._retry_at:
-            raise StoreUnreachable(BUILD_CONNECTION_FAILED, "reconnecting to the store process")
+            raise StoreUnreachable(BUILD_CONNECTION_FAILED, "reconnecting to the store process" + self._launch_note())
         with self._conn_lock:
             conn = self._conn
             if conn is not None and not conn.broken:
@@ -628,7 +690,18 @@ class HostServer:
         except StoreUnreachable as exc:
             if self.spawn_allowed and exc.no_store:
                 self._spawn()  # the next attempt finds it up
+                note = self._launch_note()
+                if note:
+                    raise StoreUnreachable(exc.code, f"{exc}{note}", no_store=True) from exc
             raise
+
+    def _launch_note(self) -> str:
+        """What to add to an error while this process's launches of the
+        store fail: how often, and where its log is."""
+        failures = _launches(self.paths).failures if self.spawn_allowed else 0
+        if not failures:
+            return ""
+        return f"; the store process failed to start {failures} time(s): see its log {self.paths.log}"
 
     def _request(
         self, op: Op, *parts: bytes, conn: _Connection | None = None, timeout_s: float | None = None
@@ -1097,7 +1170,8 @@ def _check_hello(info: Any) -> None:
 
 def _log_tail(path: str, lines: int = 3) -> str:
     try:
-        with open(path, errors="replace") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, errors="replace") as f:
             return " | ".join(line.strip() for line in f.readlines()[-lines:])
     except OSError:
         return ""

@@ -57,6 +57,7 @@ from typing import Any
 
 from sglang_simm.embedded._allocator import ExtentAllocator, aligned
 from sglang_simm.embedded._limits import StoreLimits, key_ok
+from sglang_simm.embedded._table import SlotPool
 from sglang_simm.errors import (
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
@@ -177,6 +178,7 @@ class StoreIndex:
         lease_words: Any = None,
         table: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        max_objects: int | None = None,
     ) -> None:
         self.set_policy(policy)
         self.alloc = ExtentAllocator(arena_bytes)
@@ -186,7 +188,8 @@ class StoreIndex:
         self.data_start = data_start
         self.capacity = self._check_capacity(capacity)
         self.limits = limits or StoreLimits()
-        self.max_objects = self.limits.objects_for(capacity)
+        #: the table's entries (a taken-over table keeps its own number)
+        self.max_objects = max_objects if max_objects is not None else self.limits.objects_for(capacity)
         self._commit = commit or (lambda end: end)
         self._committed = 0
         self.objects: OrderedDict[bytes, _Object] = OrderedDict()  # oldest first
@@ -203,7 +206,7 @@ class StoreIndex:
         self._lease_words = lease_words if lease_words is not None else [0] * self.limits.max_leases
         self._lease_slots = array("q", range(self.limits.max_leases - 1, -1, -1))
         self._table = table if table is not None else _NoTable()
-        self._slots = array("q", range(self.max_objects - 1, -1, -1))
+        self._slots = SlotPool(self.max_objects)
         #: expired put leases' extents, by owner: freed when it is gone
         self._quarantine: dict[int, list[_Object]] = {}
         self._clock = clock
@@ -266,7 +269,7 @@ class StoreIndex:
         self._table.raise_high_water(high)
         self._high_water = high
         if taken_slots:
-            self._slots = array("q", (s for s in range(self.max_objects - 1, -1, -1) if s not in taken_slots))
+            self._slots = SlotPool(self.max_objects, taken_slots)
         if recovered.seqs:
             self._next_seq = max(recovered.seqs) + 1
         self._committed = self._commit(self.alloc.high_water())
@@ -321,7 +324,7 @@ class StoreIndex:
         self._slots.extend(slots)
         align = self.alloc.align
         run_start = run_end = -1
-        for offset, size in sorted((obj.offset, aligned(obj.size, align)) for _, obj in victims):
+        for offset, size in sorted((obj.offset, aligned(max(obj.size, 1), align)) for _, obj in victims):
             if offset != run_end:
                 if run_end > run_start:
                     self.alloc.free(run_start, run_end - run_start)
@@ -471,10 +474,7 @@ class StoreIndex:
                 self.alloc.free(offset, size)
             return [], 0
         self.reserved += size * len(run)
-        slots = self._slots
-        taken = slots[len(slots) - len(run):]
-        del slots[len(slots) - len(run):]
-        taken.reverse()  # as one pop() at a time would hand them out
+        taken = self._slots.take(len(run))  # as one pop() at a time would hand them out
         placed = todo[:len(run)]
         for i, offset in zip(placed, run):
             offsets[i] = offset

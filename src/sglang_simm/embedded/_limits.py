@@ -50,6 +50,8 @@ REFUSALS = (
     "lease_expired",  # a lease that outlived lease_timeout_s
     "room",  # a RESERVE past room_bytes, or a COMMIT_ROOM naming extents not in its room
     "bad_frame",  # a malformed frame (connection dropped)
+    "request",  # a request that parses into fields of the wrong type or out of range (InvalidArgument)
+    "hello",  # a connection that said no HELLO within the deadline (dropped)
 )
 
 
