@@ -9,10 +9,12 @@ maps the whole file and pre-faults (``MADV_POPULATE_WRITE``) what is
 committed once, behind its puts, so its copies do not take a page fault
 per 4 KiB on the hot path.
 
-The file starts with the lease table (``lease_table_bytes``): one int64
-per lease slot, the id of the lease that holds it or 0, written by the
-store process only. A reader checks its lease's word after its copy: a
-lease that expired meanwhile reads as a miss. Objects start after it.
+The file starts with the lease table (``lease_table_bytes``), written by
+the store process only: per lease slot, ``LEASE_WORDS`` int64 words, the
+id of the lease that holds it (or 0) and who holds what (``_index``), so
+the next store process after a crash keeps a live holder's memory out of
+use. A reader checks its lease's id word after its copy. Objects start
+after it.
 
 The file outlives a store process that dies (kill -9, OOM): the next
 store process of the name reopens it (``reuse``) and takes over the
@@ -93,8 +95,14 @@ def _page_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+#: int64 words per lease slot: lease id (0: free; written last), pid,
+#: process start time, connection, first byte and end of its span. Slot 0
+#: is the header: its word 0 holds the store process's epoch.
+LEASE_WORDS = 6
+
+
 def lease_table_bytes(max_leases: int) -> int:
-    return _page_up(8 * max_leases)
+    return _page_up(8 * LEASE_WORDS * (max_leases + 1))
 
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -231,13 +239,12 @@ class ArenaFile:
             ahead.join(timeout)
 
     def lease_words(self, nbytes: int) -> memoryview:
-        """The lease table (committed and zeroed: no lease of a dead store
-        process is valid), as int64 words."""
-        if nbytes <= 0:
-            return memoryview(bytearray(8)).cast("q")
+        """The lease table (committed; a dead store process's records as it
+        left them, for the caller to read and clear), as int64 words."""
         self.commit(nbytes)
         self._head = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._head[:] = bytes(nbytes)
+        if not self.reused:
+            self._head[:] = bytes(nbytes)
         return memoryview(self._head).cast("q")
 
     def release_after(self, end: int, upto: int | None = None) -> int:
@@ -459,9 +466,13 @@ class ArenaMap:
                 self._madvise(start, stop, stop - start <= hold_max)
                 self._populated = stop
 
-    def enter(self) -> None:
+    def enter(self) -> bool:
+        """A copy begins; False (and nothing counted) once retired."""
         with self._lock:
+            if self.retired:
+                return False
             self.users += 1
+            return True
 
     def leave(self) -> None:
         with self._lock:
