@@ -129,13 +129,17 @@ class _Conn:
 
 def _stat(pid: int) -> tuple[bytes, int] | None:
     """Process ``pid``'s state letter and start time (clock ticks after boot,
-    ``/proc/PID/stat`` field 22), or None when there is no such process."""
+    ``/proc/PID/stat`` field 22), or None when there is no such process.
+    Any other failure (no descriptor left) raises: it says nothing."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
         fields = stat[stat.rindex(b")") + 2:].split()
         return fields[0], int(fields[19])
-    except (OSError, ValueError, IndexError):
+    except (ValueError, IndexError):
         return None
 
 
@@ -146,8 +150,13 @@ def proc_start(pid: int) -> int | None:
 
 def proc_alive(pid: int, start: int) -> bool:
     """Whether the process ``pid`` that started at ``start`` still runs (a
-    zombie has no memory mapped: gone; a reused pid is another process)."""
-    got = _stat(pid) if pid > 0 else None
+    zombie has no memory mapped: gone; a reused pid is another process).
+    When /proc cannot be read (no descriptor left), alive: a lease is
+    never ended on a guess."""
+    try:
+        got = _stat(pid) if pid > 0 else None
+    except OSError:
+        return True
     return got is not None and got[1] == start and got[0] != b"Z"
 
 
@@ -364,8 +373,15 @@ class StoreDaemon:
                                f"the host store has {len(self.conns)} connections open, its limit "
                                f"(max_connections {self.max_connections})")
             return
-        start = proc_start(pid)
-        if start is None:  # gone already (or not ours to see): nothing it holds could outlive it
+        try:
+            start = proc_start(pid)
+        except OSError as exc:  # no descriptor left to read /proc with: refused as accept() would be
+            self._refuse("fds", "out of file descriptors admitting client pid %d (%s, %d connections open): "
+                         "refusing and pausing accepts for %g s", pid, exc, len(self.conns), _ACCEPT_BACKOFF_S)
+            self._send_refusal(sock, TARGET_UNAVAILABLE, "the host store is out of file descriptors")
+            self._pause_accepting()
+            return
+        if start is None:  # gone already: nothing it could hold outlives it
             sock.close()
             return
         sock.setblocking(False)
