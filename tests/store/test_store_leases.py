@@ -161,13 +161,13 @@ def test_a_put_lease_outlives_a_connection_the_store_drops(store):
         assert w.closed_by_store()
     arena = ArenaMap(info["arena"], info["arena_bytes"])
     try:
-        s = store.status()
-        assert s["closed_leases"] == 1 and s["closed_held_bytes"] == 8 * size and s["refused_bad_frame"] == 1
         other = client_of(store)
         keys = [f"o{i}" for i in range(40)]
         assert put_pattern(other, keys, size) == [OK] * 40
         late_copy(arena, offsets, size)
         assert wrong_objects(other, keys, size) == (40, 0)
+        s = store.status()
+        assert s["closed_leases"] == 1 and s["closed_held_bytes"] == 8 * size and s["refused_bad_frame"] == 1
         # the client's next connection says its copies are over
         with Peer(store.paths) as again:
             again.fence(info["epoch"], info["conn"])
@@ -208,14 +208,14 @@ def test_a_writer_stalled_across_a_store_crash_keeps_its_memory(host_store_dir):
         store.kill9()
         w.close()
         store = restarted(store)
-        s = store.status()
-        assert s["held_at_takeover"] == 1 and s["closed_leases"] == 1 and s["epoch"] == info["epoch"] + 1
         time.sleep(1.5)  # past the old quarantine
         other = client_of(store)
         keys = [f"o{i}" for i in range(48)]
         assert put_pattern(other, keys, size) == [OK] * 48
         late_copy(arena, offsets, size)
         assert wrong_objects(other, keys, size) == (48, 0)
+        s = store.status()
+        assert s["held_at_takeover"] == 1 and s["closed_leases"] == 1 and s["epoch"] == info["epoch"] + 1
         with Peer(store.paths) as again:
             again.fence(info["epoch"], info["conn"])  # naming the dead store process's epoch
             assert again.admin("status")["closed_leases"] == 0
@@ -269,17 +269,16 @@ def test_a_reader_stalled_across_a_store_crash_never_passes_its_check_on_reused_
         store.kill9()
         reader.close()
         store = restarted(store)
-        # the next store process serves on: "a" overwritten, new objects written, leases handed out
-        with Peer(store.paths) as w:
-            for i in range(8):
-                key = "a" if i == 0 else f"n{i}"
-                l2, codes, offs = w.put([key], [size])
-                buf = ctypes.create_string_buffer(size)
-                fill(buf, key, 2)
-                ctypes.memmove(arena.base + offs[0], buf, size)
+        # the next store process serves on: "a" overwritten, then a new
+        # object being written (its lease open) where "a" was, if it may
+        w = Peer(store.paths)
+        for i, key in enumerate(["a", "n1"]):
+            l2, codes, offs = w.put([key], [size])
+            buf = ctypes.create_string_buffer(size)
+            fill(buf, key, 2)
+            ctypes.memmove(arena.base + offs[0], buf, size)
+            if i == 0:
                 assert w.commit(l2) == (Op.COMMIT, [OK])
-            held = Peer(store.paths)
-            held.get(["n1"], [size])  # an open lease of the new store process
         # the reader wakes up: copies, then checks its lease
         out = ctypes.create_string_buffer(size)
         ctypes.memmove(out, arena.base + offset, size)
@@ -287,7 +286,7 @@ def test_a_reader_stalled_across_a_store_crash_never_passes_its_check_on_reused_
         wrong = int(passed and check(out, "a", size) is not None)
         assert wrong == 0
         assert passed and check(out, "a", size) is None  # its object was kept for it: a hit, whole
-        held.close()
+        w.close()
         arena.retire()
     finally:
         store.stop()
@@ -319,35 +318,31 @@ def test_a_disconnect_between_a_put_reply_and_its_copy_frees_nothing_under_it(st
     size = MIB
     client = client_of(store)
     assert put_pattern(client, [f"w{i}" for i in range(8)], size, version=1) == [OK] * 8
-    real = _host.copy_many
+    real = _host._in_arena
     foreign = [f"f{i}" for i in range(8)]
-    mine: set[int] = set()
+    armed = [True]
 
-    def copy_after_a_disconnect(copies):
-        if not copies or copies[0][1] not in mine:
-            return real(copies)  # the other writer's copies
-        client.disconnect()  # as another thread would
-        with Peer(store.paths) as p:  # another writer, meanwhile
-            assert p.admin("status")["open_leases"] == 1
-        other = client_of(store)
-        assert put_pattern(other, foreign, size) == [OK] * 8
-        other.close()
-        real(copies)
+    def checked_then_disconnected(conn, offsets, sizes):
+        """The reply was read and checked; the copy has not begun."""
+        ok = real(conn, offsets, sizes)
+        if armed and conn is client._conn:
+            armed.clear()
+            client.disconnect()  # as another thread would
+            other = client_of(store)  # another writer, meanwhile
+            assert put_pattern(other, foreign, size) == [OK] * 8
+            other.close()
+        return ok
 
-    monkeypatch.setattr(_host, "copy_many", copy_after_a_disconnect)
-    bufs = [ctypes.create_string_buffer(size) for _ in range(8)]
-    for i, buf in enumerate(bufs):
-        fill(buf, f"w{i}", 2)
-    mine.update(ctypes.addressof(b) for b in bufs)
-    codes = client.put_from([(f"w{i}", ctypes.addressof(b), size) for i, b in enumerate(bufs)], True)
-    monkeypatch.setattr(_host, "copy_many", real)
+    monkeypatch.setattr(_host, "_in_arena", checked_then_disconnected)
+    codes = put_pattern(client, [f"w{i}" for i in range(8)], size, version=2)
+    monkeypatch.setattr(_host, "_in_arena", real)
     assert codes == [SEND_RPC_FAILED] * 8
     reader = client_of(store)
     assert wrong_objects(reader, foreign, size) == (8, 0)
     out = ctypes.create_string_buffer(size)
     assert reader.get_into([("w0", ctypes.addressof(out), size)]) == [size]
     assert check(out, "w0", size) is None and out.raw[:8] == (1).to_bytes(8, "little")  # the previous value
-    assert client.lookup(["w0"]) == [OK]  # the next call, on a new connection, fences the old one
+    assert client.lookup(["w0"]) == [OK]  # the next call, on a new connection
     wait_for(lambda: reader.status()["closed_leases"] == 0, what="the fence")
     client.close()
     reader.close()
@@ -359,13 +354,13 @@ from sglang_simm.embedded import _host
 from sglang_simm.embedded._host import HostServer
 c = HostServer(sys.argv[1], root=sys.argv[2], capacity=1, spawn=False, timeout_s=10)
 c.open()
-real = _host.copy_many
+real = _host._in_arena
 started, go = threading.Event(), threading.Event()
-def stalled(copies):
+def stalled(conn, offsets, sizes):  # the PUT's reply was read; its copy has not begun
     started.set()
     go.wait()
-    real(copies)
-_host.copy_many = stalled
+    return real(conn, offsets, sizes)
+_host._in_arena = stalled
 buf = ctypes.create_string_buffer(1 << 20)
 t = threading.Thread(target=lambda: print(c.put_from([("k", ctypes.addressof(buf), 1 << 20)], True), flush=True))
 t.start()
