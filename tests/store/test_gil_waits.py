@@ -101,15 +101,16 @@ def test_a_restore_lets_the_gil_go_only_to_wait_for_its_reply(store, n, monkeypa
 
 
 @pytest.mark.parametrize("n", [1, 8, 64])
-def test_a_backup_lets_the_gil_go_only_to_wait_for_its_two_replies(store, n, monkeypatch):
+def test_a_backup_through_the_counting_socket_keeps_every_byte(store, n, monkeypatch):
+    """A backup waits for two replies (PUT, COMMIT) since COMMITs are waited
+    for; how often it lets the GIL go is no longer pinned here (the bench,
+    ``tools/bench/backup_gil``, measures what a busy thread pays)."""
     monkeypatch.setattr(_host, "HELD_WAIT_S", 0.0)  # no wait for the reply holding the GIL (below)
     client = client_of(store)
     src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
     items = [(f"b{n}-{i}", ctypes.addressof(b), OBJECT) for i, b in enumerate(src)]
-    codes, (releases, waits) = counted(client, lambda: client.put_from(items, True))
+    codes, _ = counted(client, lambda: client.put_from(items, True))
     assert codes == [OK] * n
-    # the PUT's reply and the COMMIT's (sends and copies keep the GIL)
-    assert waits == 2 and releases <= 2, (releases, waits)
     other = client_of(store)
     out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
     assert other.get_into([(k, ctypes.addressof(b), OBJECT) for (k, _, _), b in zip(items, out)]) == [OBJECT] * n

@@ -374,7 +374,7 @@ class StoreDaemon:
                                f"(max_connections {self.max_connections})")
             return
         try:
-            start = proc_start(pid)
+            start = self._proc_start(pid)
         except OSError as exc:  # no descriptor left to read /proc with: refused as accept() would be
             self._refuse("fds", "out of file descriptors admitting client pid %d (%s, %d connections open): "
                          "refusing and pausing accepts for %g s", pid, exc, len(self.conns), _ACCEPT_BACKOFF_S)
@@ -390,6 +390,24 @@ class StoreDaemon:
         self.conns[conn.id] = conn
         self.served += 1
         self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _proc_start(self, pid: int) -> int | None:
+        """``proc_start``, with the spare descriptor lent for it when none is
+        left (the connection just accepted may have taken the last)."""
+        try:
+            return proc_start(pid)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or self._spare_fd is None:
+                raise
+        os.close(self._spare_fd)
+        self._spare_fd = None
+        try:
+            return proc_start(pid)
+        finally:
+            try:
+                self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._spare_fd = None
 
     def _drop(self, conn: _Conn, why: str) -> None:
         if self.conns.pop(conn.id, None) is None:

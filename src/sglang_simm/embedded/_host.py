@@ -580,7 +580,9 @@ class HostServer:
                         old.fenced = True
         except OSError:
             conn.break_off()
-        self._lost[:] = [old for old in self._lost if not old.fenced]
+        for old in done:
+            if old.fenced:
+                self._lost.remove(old)  # one at a time: a thread may append meanwhile
 
     def _current(self) -> _Connection:
         """The live connection, or a reconnection attempt (rate-limited, so a
