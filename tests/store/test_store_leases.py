@@ -147,17 +147,32 @@ def test_a_fence_of_another_processs_connection_is_refused(store):
 # -- finding 1: the store drops a connection while its client still copies ------------
 
 
-def test_a_put_lease_outlives_a_connection_the_store_drops(store):
-    """The store drops a connection itself (a bad frame; the input budget
-    takes the same path) while another thread of its client still copies
-    into its put lease: that memory stays the client's, another writer's
-    objects go elsewhere, and the client's fence gives it back."""
+@pytest.mark.parametrize("why", ["bad_frame", "input_budget"])
+def test_a_put_lease_outlives_a_connection_the_store_drops(host_store_dir, why):
+    """The store drops a connection itself (a bad frame, the input budget
+    crossed) while another thread of its client still copies into its put
+    lease: that memory stays the client's, another writer's objects go
+    elsewhere, and the client's fence gives it back."""
+    store = new_store(host_store_dir, limits={"input_budget_bytes": 1 << 20})
+    try:
+        _dropped_while_copying(store, why)
+    finally:
+        store.stop()
+
+
+def _dropped_while_copying(store: StoreProc, why: str) -> None:
     size = MIB
     with Peer(store.paths) as w:
         lease, codes, offsets = w.put([f"w{i}" for i in range(8)], [size] * 8)
         assert codes == [OK] * 8
         info = w.info
-        w.send(wire.HEADER.pack(0, 250))  # an op that does not exist: the store drops the connection
+        if why == "bad_frame":
+            w.send(wire.HEADER.pack(0, 250))  # an op that does not exist
+        else:  # a request announced at 2 MiB, of which 1.5 MiB are sent: past the 1 MiB budget
+            try:
+                w.send(wire.HEADER.pack(2 << 20, Op.LOOKUP) + bytes(3 << 19))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # dropped while sending
         assert w.closed_by_store()
     arena = ArenaMap(info["arena"], info["arena_bytes"])
     try:
@@ -167,7 +182,7 @@ def test_a_put_lease_outlives_a_connection_the_store_drops(store):
         late_copy(arena, offsets, size)
         assert wrong_objects(other, keys, size) == (40, 0)
         s = store.status()
-        assert s["closed_leases"] == 1 and s["closed_held_bytes"] == 8 * size and s["refused_bad_frame"] == 1
+        assert s["closed_leases"] == 1 and s["closed_held_bytes"] == 8 * size and s[f"refused_{why}"] == 1
         # the client's next connection says its copies are over
         with Peer(store.paths) as again:
             again.fence(info["epoch"], info["conn"])
