@@ -158,9 +158,9 @@ class ArenaFile:
         self.step = min(max(self.size // 16, COMMIT_STEP_MIN), COMMIT_STEP_MAX)
         self.committed = 0
         #: the end of what may still be backed: ``committed`` drops to the
-        #: first hole ``release_holes`` punches while what lies past it (a
-        #: room) stays backed, and ``release_after`` must give that back too;
-        #: past it, anything backed is a client's doing (``release_stale``)
+        #: first hole ``release_holes`` punches while what lies past it (a put
+        #: being copied) stays backed, and ``release_after`` must give that
+        #: back too; past it, anything backed is a client's doing (``release_stale``)
         self._backed = 0
         self.commit_error: str | None = None
         # fallocate and hole punching one at a time: the store's loop and the
@@ -285,8 +285,9 @@ class ArenaFile:
         """Give back the memory backed in free ``(start, end)`` extents past
         the committed prefix (the bytes given back). Nothing is handed out
         there, so after a clear only a client's lagging fault-in can have
-        backed it: where a room or a pinned object lies high, the clear
-        leaves free memory below it that ``release_stale`` does not reach.
+        backed it: where a put being copied or a pinned object lies high, the
+        clear leaves free memory below it that ``release_stale`` does not
+        reach.
         Only extents with data are punched, so a tick with nothing to give
         back unmaps nothing in the clients."""
         with self._lock:
@@ -324,7 +325,7 @@ class ArenaFile:
         cut inward to whole pages; the bytes still committed, which drop to
         the first hole. Committing is a prefix: everything from the first
         hole up is committed again (``posix_fallocate`` skips the pages
-        still backed, such as a room's) before any of it is handed out."""
+        still backed, such as a held put's) before any of it is handed out."""
         with self._lock:
             first, backed = None, max(self.committed, self._backed)
             for start, end in extents:

@@ -8,13 +8,12 @@ themselves, between their own memory and the shared arena, inside
 * a put is two steps. ``begin_put`` reserves room (evicting as needed) and
   hands out offsets; the client copies into them; ``commit_put`` publishes
   the objects. Until then nobody can see them, so a writer killed in the
-  middle of a batch leaves nothing torn behind: ``drop_owner`` (its
-  connection closed) returns the reserved extents.
+  middle of a batch leaves nothing torn behind: once its process is gone
+  (``reap``) the reserved extents come back.
 * a get pins the objects it hands out (``begin_get``); ``release`` unpins
   them after the client's copy. An object deleted, overwritten or evicted
   while pinned disappears from the index at once but keeps its extent until
   the last pin goes, so a reader never copies bytes that are being reused.
-  A reader killed mid-get unpins through ``drop_owner``.
 
 Capacity is in object bytes (what a put stores, as the in-process store and
 SiMM count it); the arena is larger by some slack, for alignment and holes.
