@@ -186,16 +186,7 @@ class Peer:
     def release(self, lease: int) -> None:
         self.send(frame(Op.RELEASE, pack_i64(lease)))
 
-    def reserve(self, size: int, count: int) -> tuple[int, Any]:
-        """RESERVE: ``(Op.RESERVE, (lease, offsets))`` or ``(Op.ERROR, error)``."""
-        op, body = self.call(Op.RESERVE, pack_i64(size), pack_i64(count))
-        r = Reader(body)
-        if op == Op.ERROR:
-            return op, r.json()
-        lease, _committed = r.ints()
-        return op, (lease, r.ints())
-
-    def commit_room(self, lease: int, keys: list[str], offsets: list[int]) -> tuple[int, Any]:
-        op, body = self.call(Op.COMMIT_ROOM, pack_i64(lease), encode_keys(keys), pack_ints(offsets))
-        r = Reader(body)
-        return op, (r.json() if op == Op.ERROR else r.ints())
+    def fence(self, epoch: int, conn: int) -> None:
+        """FENCE (no reply): this process is done with connection ``conn``'s
+        leases, of the store process of ``epoch``."""
+        self.send(frame(Op.FENCE, pack_i64(epoch), pack_i64(conn)))

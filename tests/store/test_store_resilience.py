@@ -393,7 +393,6 @@ def test_malformed_requests_get_invalid_argument_with_a_reason(stores):
         (Op.ADMIN, b"{not json"),
         (Op.ADMIN, b"\xff\xfe"),
         (Op.ADMIN, b"[" * 100_000),
-        (Op.ADMIN, pack_json({"cmd": "expire_leases", "older_than_s": "soon"})),
         (Op.DELETE_PREFIX, encode_keys(["a", "b"])),
         (Op.DELETE_PREFIX, encode_keys([])),
     ]

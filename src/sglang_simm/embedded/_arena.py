@@ -9,10 +9,12 @@ maps the whole file and pre-faults (``MADV_POPULATE_WRITE``) what is
 committed once, behind its puts, so its copies do not take a page fault
 per 4 KiB on the hot path.
 
-The file starts with the lease table (``lease_table_bytes``): one int64
-per lease slot, the id of the lease that holds it or 0, written by the
-store process only. A reader checks its lease's word after its copy: a
-lease that expired meanwhile reads as a miss. Objects start after it.
+The file starts with the lease table (``lease_table_bytes``), written by
+the store process only: per lease slot, ``LEASE_WORDS`` int64 words, the
+id of the lease that holds it (or 0) and who holds what (``_index``), so
+the next store process after a crash keeps a live holder's memory out of
+use. A reader checks its lease's id word after its copy. Objects start
+after it.
 
 The file outlives a store process that dies (kill -9, OOM): the next
 store process of the name reopens it (``reuse``) and takes over the
@@ -95,8 +97,14 @@ def _page_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+#: int64 words per lease slot: lease id (0: free; written last), pid,
+#: process start time, connection, first byte and end of its span. Slot 0
+#: is the header: its word 0 holds the store process's epoch.
+LEASE_WORDS = 6
+
+
 def lease_table_bytes(max_leases: int) -> int:
-    return _page_up(8 * max_leases)
+    return _page_up(8 * LEASE_WORDS * (max_leases + 1))
 
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -295,9 +303,9 @@ class ArenaFile:
         self.step = min(max(self.size // 16, COMMIT_STEP_MIN), COMMIT_STEP_MAX)
         self.committed = 0
         #: the end of what may still be backed: ``committed`` drops to the
-        #: first hole ``release_holes`` punches while what lies past it (a
-        #: room) stays backed, and ``release_after`` must give that back too;
-        #: past it, anything backed is a client's doing (``release_stale``)
+        #: first hole ``release_holes`` punches while what lies past it (a put
+        #: being copied) stays backed, and ``release_after`` must give that
+        #: back too; past it, anything backed is a client's doing (``release_stale``)
         self._backed = 0
         self.commit_error: str | None = None
         # fallocate and hole punching one at a time: the store's loop and the
@@ -376,13 +384,12 @@ class ArenaFile:
             ahead.join(timeout)
 
     def lease_words(self, nbytes: int) -> memoryview:
-        """The lease table (committed and zeroed: no lease of a dead store
-        process is valid), as int64 words."""
-        if nbytes <= 0:
-            return memoryview(bytearray(8)).cast("q")
+        """The lease table (committed; a dead store process's records as it
+        left them, for the caller to read and clear), as int64 words."""
         self.commit(nbytes)
         self._head = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._head[:] = bytes(nbytes)
+        if not self.reused:
+            self._head[:] = bytes(nbytes)
         return memoryview(self._head).cast("q")
 
     def release_after(self, end: int, upto: int | None = None) -> int:
@@ -423,8 +430,9 @@ class ArenaFile:
         """Give back the memory backed in free ``(start, end)`` extents past
         the committed prefix (the bytes given back). Nothing is handed out
         there, so after a clear only a client's lagging fault-in can have
-        backed it: where a room or a pinned object lies high, the clear
-        leaves free memory below it that ``release_stale`` does not reach.
+        backed it: where a put being copied or a pinned object lies high, the
+        clear leaves free memory below it that ``release_stale`` does not
+        reach.
         Only extents with data are punched, so a tick with nothing to give
         back unmaps nothing in the clients."""
         with self._lock:
@@ -462,7 +470,7 @@ class ArenaFile:
         cut inward to whole pages; the bytes still committed, which drop to
         the first hole. Committing is a prefix: everything from the first
         hole up is committed again (``posix_fallocate`` skips the pages
-        still backed, such as a room's) before any of it is handed out."""
+        still backed, such as a held put's) before any of it is handed out."""
         with self._lock:
             first, backed = None, max(self.committed, self._backed)
             for start, end in extents:
@@ -603,9 +611,13 @@ class ArenaMap:
                 self._madvise(start, stop, stop - start <= hold_max)
                 self._populated = stop
 
-    def enter(self) -> None:
+    def enter(self) -> bool:
+        """A copy begins; False (and nothing counted) once retired."""
         with self._lock:
+            if self.retired:
+                return False
             self.users += 1
+            return True
 
     def leave(self) -> None:
         with self._lock:

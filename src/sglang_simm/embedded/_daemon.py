@@ -6,8 +6,11 @@ the arena file (``_arena``), and never touches object bytes: clients copy
 them. Single-threaded (a ``selectors`` loop), so the index needs no lock
 and a batch is one step; batches are bounded (``StoreLimits.max_batch``)
 so that no step holds the others up for long. A client's connection owns
-its leases: when it closes, for whatever reason, its unfinished puts are
-dropped and its pins released; another connection cannot end them.
+its leases; another connection cannot end them. When it closes, for
+whatever reason (the store may close it itself: a bad frame, the input
+budget), its leases stay held by its process until that process fences
+them (``FENCE``, on its next connection) or is gone (its pid checked each
+housekeeping tick, with its start time against a reused pid).
 
 Every input is checked (``_limits``): a limit passed is a SiMM code to that
 client, a rate-limited log line and a ``refused_<reason>`` counter, never a
@@ -48,13 +51,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._arena import ArenaFile, Backing, arena_bytes_for, arena_held, lease_table_bytes, lock_arena
-from sglang_simm.embedded._index import EVICTION_POLICIES, LeaseError, StoreIndex
+from sglang_simm.embedded._arena import (
+    LEASE_WORDS,
+    ArenaFile,
+    Backing,
+    arena_bytes_for,
+    arena_held,
+    lease_table_bytes,
+    lock_arena,
+)
+from sglang_simm.embedded._index import EVICTION_POLICIES, LeaseError, StoreIndex, lease_records
 from sglang_simm.embedded._limits import REFUSALS, RateLimitedLog, StoreLimits
 from sglang_simm.embedded._paths import StoreAccessError, StorePaths, ensure_dir, held_bytes, open_private
 from sglang_simm.embedded._protocol import Op, ProtocolError, Reader, frame, pack_ints, pack_json
 from sglang_simm.embedded._table import IndexTable
-from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, MAX_VALUE_BYTES, TARGET_UNAVAILABLE
+from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, TARGET_UNAVAILABLE
 
 logger = logging.getLogger("sglang_simm.embedded.daemon")
 
@@ -63,13 +74,6 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _FD_RESERVE = 32
 #: After accept() fails for lack of descriptors, accepting waits this long.
 _ACCEPT_BACKOFF_S = 0.1
-#: Owner id of a dead store's unfinished puts, quarantined after a takeover.
-_TAKEOVER_OWNER = 0
-#: rooms one connection may hold: the one it fills and the next, asked for in advance
-ROOMS_PER_CONNECTION = 2
-#: extents in one room at most (a client puts backups of up to a quarter
-#: of a room there: 32 two-object pages)
-ROOM_MAX_ENTRIES = 256
 #: After a clear, free memory past the committed prefix is looked at each
 #: housekeeping tick until this long after the last tick that gave some
 #: back: a client's thread faulting the arena in may still be on its way
@@ -158,19 +162,54 @@ class StoreSettings:
 
 
 class _Conn:
-    __slots__ = ("accepted", "counted", "id", "inbuf", "outbuf", "paused", "pid", "sock", "started", "writing")
+    __slots__ = ("accepted", "counted", "id", "inbuf", "outbuf", "paused", "pid", "sock", "start", "started",
+                 "writing")
 
-    def __init__(self, sock: socket.socket, conn_id: int, pid: int) -> None:
+    def __init__(self, sock: socket.socket, conn_id: int, pid: int, start: int) -> None:
         self.accepted = time.monotonic()
         self.sock = sock
         self.id = conn_id
         self.pid = pid
+        self.start = start  # the peer process's start time: its pid, once reused, is another's
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.started = False  # HELLO done
         self.writing = False  # registered for EVENT_WRITE
         self.paused = False  # its replies back up: its requests wait
         self.counted = 0  # bytes of inbuf counted in the daemon's ``buffered``
+
+
+def _stat(pid: int) -> tuple[bytes, int] | None:
+    """Process ``pid``'s state letter and start time (clock ticks after boot,
+    ``/proc/PID/stat`` field 22), or None when there is no such process.
+    Any other failure (no descriptor left) raises: it says nothing."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        fields = stat[stat.rindex(b")") + 2:].split()
+        return fields[0], int(fields[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def proc_start(pid: int) -> int | None:
+    got = _stat(pid) if pid > 0 else None
+    return got[1] if got is not None else None
+
+
+def proc_alive(pid: int, start: int) -> bool:
+    """Whether the process ``pid`` that started at ``start`` still runs (a
+    zombie has no memory mapped: gone; a reused pid is another process).
+    When /proc cannot be read (no descriptor left), alive: a lease is
+    never ended on a guess."""
+    try:
+        got = _stat(pid) if pid > 0 else None
+    except OSError:
+        return True
+    return got is not None and got[1] == start and got[0] != b"Z"
 
 
 def _fd_limit() -> int:
@@ -202,20 +241,29 @@ class StoreDaemon:
         self.arena = ArenaFile(arena_path, arena_size, reuse=reuse, fd=arena_fd if reuse else None)
         settings.arena = self.arena.path
         settings.arena_bytes = self.arena.size
-        room = self.arena.size - self.data_start
-        if settings.capacity > room:  # an arena the capacity outgrew (damaged settings)
+        space = self.arena.size - self.data_start
+        if settings.capacity > space:  # an arena the capacity outgrew (damaged settings)
             logger.warning("store %r: capacity %d is more than its arena holds (%d bytes): lowered to it",
-                           paths.name, settings.capacity, room)
-            settings.capacity = room
+                           paths.name, settings.capacity, space)
+            settings.capacity = space
         self.table = IndexTable(paths.index, limits.objects_for(settings.capacity), self.arena.size,
                                 adopt=self.arena.reused)
         if not self.arena.reused and not self.table.fresh:
             self.table.clear()  # an index of another arena: nothing in it is here
+        # The lease table: a dead store process's grants whose holders still
+        # live stay held (their records kept); the others are void.
+        words = self.arena.lease_words(self.data_start)
+        old_epoch, records = lease_records(words, limits.max_leases + 1) if self.arena.reused else (0, [])
+        holds = [r for r in records if proc_alive(r[2], r[3])]
+        kept = {r[0] for r in holds}
+        for slot, *_ in records:
+            if slot not in kept:
+                words[slot * LEASE_WORDS] = 0
+        self.epoch = old_epoch + 1 if 0 < old_epoch < (1 << 22) else 1
         self.index = StoreIndex(
             capacity=settings.capacity, arena_bytes=self.arena.size, policy=settings.policy,
             commit=self.arena.commit, limits=limits, data_start=self.data_start,
-            lease_words=self.arena.lease_words(self.data_start), table=self.table,
-            max_objects=self.table.slots,
+            lease_words=words, table=self.table, max_objects=self.table.slots, epoch=self.epoch,
         )
         self.recovered = self.dropped = 0
         #: memory clients faulted in past the committed arena, given back
@@ -229,12 +277,10 @@ class StoreDaemon:
             # no object of the dead store lies past what its file held
             bound = min(self.arena.found_size, self.arena.size)
             found, self.dropped = self.table.recover(self.data_start, bound, self.index.alloc.align)
-            self.recovered = self.index.restore(found, _TAKEOVER_OWNER)
+            self.recovered = self.index.restore(found, holds)
             self.index.memory_released(self.arena.release_after(self.index.alloc.high_water(), upto=self.arena.size))
             self.takeover_s = time.monotonic() - t0
-        # A dead store's writers may still be copying into the room it gave
-        # them: that room is free only after one lease time limit.
-        self._quarantine_ends = time.monotonic() + limits.lease_timeout_s if self.arena.reused else 0.0
+        self.held_at_takeover = len(holds)
         settings.save(paths.settings)
         self.started = time.time()
         self.sel = selectors.DefaultSelector()
@@ -252,7 +298,7 @@ class StoreDaemon:
         self._spare_fd: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._accept_paused_until = 0.0
         self._listening = False
-        self._next_expiry = 0.0
+        self._next_tick = 0.0
         self._next_hello_check = 0.0
         self.idle_since: float | None = time.monotonic()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -292,16 +338,11 @@ class StoreDaemon:
         now = time.monotonic()
         if not self._listening and now >= self._accept_paused_until:
             self._listen(True)
-        if self._quarantine_ends and now >= self._quarantine_ends:
-            self._quarantine_ends = 0.0
-            self.index.drop_owner(_TAKEOVER_OWNER)
-        if now >= self._next_expiry:
-            self._next_expiry = now + min(1.0, self.limits.lease_timeout_s / 4)
-            expired = self.index.expire()
-            if expired:
-                self.log.warning("lease_expired", "%d leases outlived the %g s lease time limit: ended "
-                                 "(readers' copies read as misses, writers' room quarantined until they close)",
-                                 expired, self.limits.lease_timeout_s)
+        if now >= self._next_tick:
+            self._next_tick = now + 0.25
+            reaped = self.index.reap(proc_alive)
+            if reaped:
+                self.log.info("reaped", "%d leases of closed connections ended: their processes are gone", reaped)
             stale = self.arena.release_stale()
             if self._refault_until:
                 stale += self._release_refaulted(now)
@@ -411,20 +452,51 @@ class StoreDaemon:
                                f"the host store has {len(self.conns)} connections open, its limit "
                                f"(max_connections {self.max_connections})")
             return
+        try:
+            start = self._proc_start(pid)
+        except OSError as exc:  # no descriptor left to read /proc with: refused as accept() would be
+            self._refuse("fds", "out of file descriptors admitting client pid %d (%s, %d connections open): "
+                         "refusing and pausing accepts for %g s", pid, exc, len(self.conns), _ACCEPT_BACKOFF_S)
+            self._send_refusal(sock, TARGET_UNAVAILABLE, "the host store is out of file descriptors")
+            self._pause_accepting()
+            return
+        if start is None:  # gone already: nothing it could hold outlives it
+            sock.close()
+            return
         sock.setblocking(False)
-        conn = _Conn(sock, next(self._ids), pid)
+        conn = _Conn(sock, next(self._ids), pid, start)
+        self.index.connect(conn.id, pid, start)
         self.conns[conn.id] = conn
         self.served += 1
         self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _proc_start(self, pid: int) -> int | None:
+        """``proc_start``, with the spare descriptor lent for it when none is
+        left (the connection just accepted may have taken the last)."""
+        try:
+            return proc_start(pid)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or self._spare_fd is None:
+                raise
+        os.close(self._spare_fd)
+        self._spare_fd = None
+        try:
+            return proc_start(pid)
+        finally:
+            try:
+                self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._spare_fd = None
 
     def _drop(self, conn: _Conn, why: str) -> None:
         if self.conns.pop(conn.id, None) is None:
             return
         self.buffered -= conn.counted
         conn.counted = 0
-        leases = self.index.drop_owner(conn.id)
-        if leases:
-            logger.info("client pid %d gone (%s) with %d open leases: released", conn.pid, why, leases)
+        held = self.index.disconnect(conn.id)
+        if held:
+            logger.info("client pid %d: connection %d closed (%s) with %d open leases: held for its process "
+                        "until it fences them or is gone", conn.pid, conn.id, why, held)
         try:
             self.sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -433,7 +505,7 @@ class StoreDaemon:
         if not any(c.started for c in self.conns.values()):
             self.idle_since = time.monotonic()
 
-    def _read(self, conn: _Conn, sweep: bool = True) -> None:
+    def _read(self, conn: _Conn) -> None:
         try:
             got = conn.sock.recv_into(self._scratch)
         except (BlockingIOError, InterruptedError):
@@ -445,22 +517,7 @@ class StoreDaemon:
             self._drop(conn, "closed")
             return
         conn.inbuf += self._scratch_view[:got]
-        if sweep and _asks_for_objects(conn.inbuf):
-            self._sweep(conn)
         self._process(conn)
-
-    def _sweep(self, asking: _Conn) -> None:
-        """Before a read (or an admin request) is served, serve what the other connections have
-        sent already. A backup's COMMIT is not waited for: it is in the
-        store's socket before the put returns, so any read sent after it
-        must see it; but the poller hands ready sockets out in no order
-        that says which was sent first (a socket just served comes back
-        first), so a read could otherwise pass a commit sent before it."""
-        for key, events in self.sel.select(0):
-            other = key.data
-            if other is None or other is asking or not events & selectors.EVENT_READ or other.id not in self.conns:
-                continue
-            self._read(other, sweep=False)
 
     def _process(self, conn: _Conn) -> None:
         """Serve the whole frames buffered for ``conn``, as long as its
@@ -600,37 +657,17 @@ class StoreDaemon:
             r.done()
             done = index.commit_put(lease, owner=conn.id)
             return frame(op, pack_ints([code for _, code in done]))
-        if op == Op.RESERVE:
-            size, count = r.i64(), r.i64()
+        if op == Op.FENCE:
+            epoch, owner = r.i64(), r.i64()
             r.done()
-            room = self.room_bytes()
-            entries = self.room_entries()
-            if not (0 < size <= MAX_VALUE_BYTES and 0 < count <= entries and size * count <= room):
-                self._refuse("room", "client pid %d: RESERVE of %d x %d bytes (room %d bytes): refused",
-                             conn.pid, count, size, room)
-                raise _Refused(INVALID_ARGUMENT, f"a room of {count} x {size} bytes: this store grants rooms of "
-                               f"up to {room} bytes (room_bytes, at most a sixteenth of the capacity) and "
-                               f"{entries} entries")
-            if index.open_rooms(conn.id) >= ROOMS_PER_CONNECTION:
-                self._refuse("room", "client pid %d: RESERVE with %d rooms open: refused", conn.pid,
-                             ROOMS_PER_CONNECTION)
-                raise _Refused(INVALID_ARGUMENT, f"this connection holds {ROOMS_PER_CONNECTION} rooms already: "
-                               "use or ABORT one first")
-            lease, offsets = index.reserve_room(conn.id, size, count)
-            return frame(op, pack_ints([lease, self.arena.committed]), pack_ints(offsets))
-        if op == Op.COMMIT_ROOM:
-            lease = r.i64()
-            keys = self._keys(r)
-            offsets = r.ints()
-            r.done()
-            if len(keys) != len(offsets):
-                raise ProtocolError("COMMIT_ROOM with keys and offsets of different lengths")
-            codes = index.commit_room(lease, conn.id, keys, offsets)
-            refused = codes.count(INVALID_ARGUMENT)
-            if refused:
-                self._refuse("room", "client pid %d: COMMIT_ROOM of room %d: %d of %d entries named no extent of "
-                             "the room or a key past 256 bytes: refused", conn.pid, lease, refused, len(keys))
-            return frame(op, pack_ints(codes))
+            if epoch == self.epoch:
+                ended = index.fence(owner, conn.pid, own=owner == conn.id)
+            else:
+                ended = index.fence((epoch, owner), conn.pid)
+            if ended:
+                logger.info("client pid %d fenced connection %d of store process %d: %d leases ended",
+                            conn.pid, owner, epoch, ended)
+            return None
         if op in (Op.ABORT, Op.RELEASE):
             lease = r.i64()
             r.done()
@@ -665,22 +702,13 @@ class StoreDaemon:
                               f"stop it with 'sglang-simm store stop {self.paths.name}'")
             conn.started = True
             self.idle_since = None
-            return frame(op, pack_json(self.describe()))
+            return frame(op, pack_json({**self.describe(), "conn": conn.id}))
         if op == Op.ADMIN:
             cmd = _json(r)
             if not isinstance(cmd, dict):
                 raise ProtocolError("an ADMIN body that is not a JSON object")
             return frame(op, pack_json(self._admin(cmd, conn)))
         raise ProtocolError(f"op {op.name} is not a request")
-
-    def room_bytes(self) -> int:
-        """The largest room a connection may hold (``RESERVE``)."""
-        return min(self.limits.room_bytes, self.index.capacity // 16)
-
-    def room_entries(self) -> int:
-        """The most extents in one room: a room is for small backups, and
-        its extents hold entries of the object cap."""
-        return max(0, min(ROOM_MAX_ENTRIES, self.limits.max_batch, self.index.max_objects // 64))
 
     def _count_entry_refusals(self) -> None:
         stats = self.index.stats
@@ -696,6 +724,7 @@ class StoreDaemon:
             "name": self.paths.name,
             "pid": os.getpid(),
             "generation": self.generation,
+            "epoch": self.epoch,
             "arena": self.arena.path,
             "arena_bytes": self.arena.size,
             "data_start": self.data_start,
@@ -703,9 +732,6 @@ class StoreDaemon:
             "capacity_bytes": self.index.capacity,
             "policy": self.index.policy,
             "max_batch": self.limits.max_batch,
-            "lease_timeout_s": self.limits.lease_timeout_s,
-            "room_bytes": self.room_bytes(),
-            "room_entries": self.room_entries(),
             "idle_exit_s": self.limits.idle_exit_s,
             "started_by": self.settings.started_by,
             "version": wire.PROTOCOL_VERSION,
@@ -728,6 +754,7 @@ class StoreDaemon:
         out["stale_released_bytes"] = self.stale_released
         out["recovery_dropped"] = self.dropped
         out["takeover_s"] = round(self.takeover_s, 4)
+        out["held_at_takeover"] = self.held_at_takeover
         out["limits"] = self.limits.as_dict()
         for reason in REFUSALS:
             out[f"refused_{reason}"] = max(self.refused[reason], out.get(f"refused_{reason}", 0))
@@ -741,8 +768,8 @@ class StoreDaemon:
         if what == "clear":
             removed = index.clear()
             # Give the shared memory back: nothing lies past the high water
-            # now, and below it only what is still held (rooms, puts being
-            # copied, pinned reads, quarantine) and the lease table.
+            # now, and below it only what is still held (puts being copied,
+            # pinned reads, leases of closed connections) and the lease table.
             high = index.alloc.high_water()
             self.arena.release_after(high, upto=self.arena.size)  # and what clients faulted in past it
             index.memory_released(self.arena.release_holes(index.alloc.free_extents(below=high)))
@@ -766,11 +793,6 @@ class StoreDaemon:
             self.settings.policy = index.policy
             self.settings.save(self.paths.settings)
             return {"policy": index.policy}
-        if what == "expire_leases":  # the lease time limit, now (tests, operators)
-            older = cmd.get("older_than_s", 0.0)
-            if isinstance(older, bool) or not isinstance(older, (int, float)) or not older >= 0:
-                raise _BadRequest(f"older_than_s must be a number of seconds >= 0, got {older!r}")
-            return {"expired": index.expire(float(older))}
         if what == "stop":
             self.stop_reason = "stopped"
             self.running = False
@@ -796,23 +818,6 @@ class StoreDaemon:
                 os.unlink(self.paths.settings)
             except FileNotFoundError:
                 pass
-
-
-#: Requests that must see every commit sent before them (``_sweep``): reads,
-#: and ADMIN, whose status counts the objects and whose clear must remove
-#: a backup committed before it was asked for.
-_READS = (Op.LOOKUP, Op.GET, Op.ADMIN)
-
-
-def _asks_for_objects(buf: bytearray) -> bool:
-    """Whether the whole frames in ``buf`` hold a LOOKUP, a GET or an ADMIN."""
-    pos, end = 0, len(buf)
-    while end - pos >= wire.HEADER.size:
-        length, op = wire.HEADER.unpack_from(buf, pos)
-        if op in _READS:
-            return True
-        pos += wire.HEADER.size + length
-    return False
 
 
 class _BadRequest(ValueError):
@@ -1055,7 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # outlive the terminal that started a client
     if takeover:
         logger.info("store %r took over %d objects (%d dropped as unsound) of the store process that died, "
-                    "in %.3f s", args.name, daemon.recovered, daemon.dropped, daemon.takeover_s)
+                    "in %.3f s; %d of its grants still held by live clients (epoch %d now)", args.name,
+                    daemon.recovered, daemon.dropped, daemon.takeover_s, daemon.held_at_takeover, daemon.epoch)
     logger.info(
         "store %r serving on %s: capacity %d bytes, arena %s (%d bytes), eviction %s, max %d connections, "
         "idle exit %s",

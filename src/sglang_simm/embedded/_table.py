@@ -6,10 +6,9 @@ A published object's entry (key, offset, size, publish order) is written
 when its writer commits, its state word ``COMMITTED`` last; an object that
 leaves the index is set ``FREE`` first. So a store process killed at any
 instruction leaves every entry whole or not committed. Puts being copied
-are not written down one by one (that would double the cost of a put):
-the header keeps the arena's high-water mark instead, raised before any
-room past it is handed out, and every extent a writer may hold lies below
-it.
+are not written down here (that would double the cost of a put): every
+grant, for a put or a read, is in the lease table at the head of the arena
+(``_arena``, ``_index``), written before its reply is sent.
 
 Why this, and not a journal: the entries are plain stores into shared
 memory (no system call per batch, nothing to compact, recovery is a
@@ -24,9 +23,9 @@ a committed entry's bytes are whole; a reserved one is never served.
 The next store process of the name (``recover``) publishes every
 committed entry again, in publish order, after checking it against the
 arena's real size (in bounds without overflow, aligned, no overlap); one
-that fails is dropped, and set free; the free space below the recorded
-high-water mark stays quarantined for a lease time, since a writer of the
-dead store may still be copying into some of it.
+that fails is dropped, and set free. The spans of the dead store's grants
+whose holders still live stay out of use until they fence or are gone
+(``_index.StoreIndex.restore``).
 """
 
 from __future__ import annotations
@@ -49,8 +48,7 @@ COMMITTED = 0x434F4D54  # "COMT"
 
 MAGIC = b"SGSIMMIX"
 VERSION = 2
-_HEADER = struct.Struct("<8sIIqqq")  # magic, version, pad, slots, arena bytes, high water
-_HIGH_WATER_AT = _HEADER.size - 8
+_HEADER = struct.Struct("<8sIIqqq")  # magic, version, pad, slots, arena bytes, reserved (0)
 HEADER_BYTES = 4096
 #: A publish order at or past this is damage: the next store process
 #: numbers its publishes on from the largest it keeps, in a uint64.
@@ -80,8 +78,6 @@ class Recovered:
     sizes: list[int]
     seqs: list[int]
     slots: list[int]
-    #: the arena's high-water mark: no room was handed out past it
-    high_water: int
 
 
 class SlotPool:
@@ -191,11 +187,7 @@ class IndexTable:
         self._fd = fd  # kept: recovery looks for the entries written (SEEK_DATA)
         self.slots = slots
         self.fresh = fresh
-        if fresh:
-            self._mm[: _HEADER.size] = _HEADER.pack(MAGIC, VERSION, 0, slots, arena_bytes, 0)
-        else:  # the arena it describes now
-            self._mm[: _HEADER.size - 8] = _HEADER.pack(MAGIC, VERSION, 0, slots, arena_bytes, 0)[:-8]
-        self._hw = memoryview(self._mm)[_HIGH_WATER_AT:_HIGH_WATER_AT + 8].cast("q")
+        self._mm[: _HEADER.size] = _HEADER.pack(MAGIC, VERSION, 0, slots, arena_bytes, 0)  # the arena it describes now
         self.entries = np.ndarray((slots,), dtype=ENTRY, buffer=self._mm, offset=HEADER_BYTES)
         e = self.entries
         self._state, self._seq, self._key = e["state"], e["seq"], e["key"]
@@ -227,10 +219,6 @@ class IndexTable:
         return have_slots
 
     # -- writes (state last) ------------------------------------------------
-
-    def raise_high_water(self, end: int) -> None:
-        """Before room up to ``end`` is handed out."""
-        self._hw[0] = end
 
     def commit(self, slots: list[int], keys: list[bytes], offsets: list[int], sizes: list[int],
                first_seq: int) -> None:
@@ -302,8 +290,8 @@ class IndexTable:
         return np.concatenate(slots), np.concatenate(rows)
 
     def recover(self, data_start: int, arena_bytes: int, align: int) -> tuple[Recovered, int]:
-        """Committed entries that are sound, oldest first, and the recorded
-        high-water mark; plus how many entries were dropped as unsound.
+        """Committed entries that are sound, oldest first, plus how many
+        entries were dropped as unsound.
         Sound: inside ``[data_start, arena_bytes)`` (the arena's real size;
         checked without overflow, whatever the sizes say), aligned, no
         larger than SiMM's largest value, numbered below ``SEQ_LIMIT``, the
@@ -342,7 +330,6 @@ class IndexTable:
             sizes=sizes[good].tolist(),
             seqs=rows["seq"][good].tolist(),
             slots=committed[good].tolist(),
-            high_water=min(max(int(self._hw[0]), data_start), arena_bytes),
         )
         # Entries not recovered are free from now on (only those: the rest
         # are free already, and writing them would back them with memory).
@@ -353,7 +340,6 @@ class IndexTable:
 
     def close(self, *, unlink: bool = False) -> None:
         self.entries = self._state = self._seq = self._key = self._offset = self._size = None  # type: ignore
-        self._hw.release()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

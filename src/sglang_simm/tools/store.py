@@ -49,8 +49,6 @@ def add_arguments(sub: Any) -> None:
                        help="exit (freeing its memory) after S seconds with no client (default 0: never)")
     start.add_argument("--max-connections", type=int, help="connections at once (default 1024)")
     start.add_argument("--max-objects", type=int, help="objects at once (default: one per 4 KiB of capacity)")
-    start.add_argument("--lease-timeout", type=float, metavar="S",
-                       help="a client's batch may hold memory this long (default 30)")
     start.add_argument("--force", action="store_true",
                        help="start even with a capacity beyond what the store directory's filesystem (or, on "
                             "tmpfs, the host's memory) can back: a warning instead of a refusal")
@@ -125,8 +123,8 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
         return 0 if all(s["running"] for s in statuses) else 1
     if what == "start":
         capacity = parse_byte_size(args.capacity)
-        limits = {k: v for k, v in (("max_connections", args.max_connections), ("max_objects", args.max_objects),
-                                    ("lease_timeout_s", args.lease_timeout)) if v is not None}
+        limits = {k: v for k, v in (("max_connections", args.max_connections), ("max_objects", args.max_objects))
+                  if v is not None}
         if args.idle_exit < 0:
             raise ValueError(f"--idle-exit must be >= 0 seconds (0: never), got {args.idle_exit:g}")
         from sglang_simm.embedded._limits import StoreLimits
@@ -182,7 +180,7 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
             done = server.admin("clear")
         finally:
             server.close()
-        # what the files hold: after a clear with a room open, more than the committed prefix
+        # what the files hold: after a clear with a put still being copied, more than the committed prefix
         console.print(f"store {args.name!r}: removed {done['removed']} objects; "
                       f"{_human(held_bytes(server.paths))} of shared memory still held")
         return 0
@@ -351,10 +349,9 @@ def _print_status(console: Any, root: str, statuses: list[dict[str, Any]]) -> No
                      f"{s['rejected'] + s['out_of_memory']} refused"),
             ("clients", ", ".join(map(str, s["clients"])) or "none connected"),
             ("leases", f"{s['open_leases']} open"
-                       + (f", {s['rooms_open']} room{'s' if s['rooms_open'] != 1 else ''} holding "
-                          f"{_human(s['room_reserved_bytes'])} for backups"
-                          if s.get("rooms_open") else "")
-                       + (f", {_human(s['quarantined_bytes'])} quarantined" if s.get("quarantined_bytes") else "")),
+                       + (f", {s['closed_leases']} of closed connections holding {_human(s['closed_held_bytes'])} "
+                          f"for pids {', '.join(map(str, s['closed_pids']))} until they fence or exit"
+                          if s.get("closed_leases") else "")),
             ("refused", ", ".join(f"{k[len('refused_'):]} {v}" for k, v in sorted(s.items())
                                   if k.startswith("refused_") and v) or "nothing"),
             ("idle exit", f"after {s['idle_exit_s']:g} s with no client" if s.get("idle_exit_s") else "never"),
