@@ -321,6 +321,62 @@ def test_lease_ids_are_unique_across_store_processes(host_store_dir):
         store.stop()
 
 
+def test_lease_ids_stay_new_when_the_lease_tables_head_is_lost(host_store_dir):
+    """The epoch is kept twice, in the lease table's head and in the
+    settings: a dead store's arena whose head was zeroed (a truncation, a
+    stray write) does not make the next store process number its leases
+    from epoch 1 again."""
+    store = new_store(host_store_dir)
+    try:
+        with Peer(store.paths) as p:
+            first, _, _ = p.put(["x"], [10])
+        store.kill9()
+        (arena,) = store.paths.arenas()
+        with open(arena, "r+b") as f:
+            f.write(bytes(8 * LEASE_WORDS))  # the header slot: its epoch
+        store = restarted(store)
+        with Peer(store.paths) as p:
+            second, _, _ = p.put(["x"], [10])
+        assert second >> 40 == (first >> 40) + 1
+    finally:
+        store.stop()
+
+
+def test_a_takeover_reads_the_lease_table_at_its_own_size_when_another_limit_is_damaged(host_store_dir):
+    """The lease table's size is ``max_leases``, a setting: a damaged limit
+    in the settings falls back alone, so the next store process still
+    reads the dead one's table where it lies and keeps a live writer's
+    grant."""
+    store = new_store(host_store_dir, limits={"max_leases": 1024})
+    try:
+        w = Peer(store.paths)
+        lease, codes, offsets = w.put([f"w{i}" for i in range(8)], [MIB] * 8)
+        assert codes == [OK] * 8
+        info = w.info
+        store.kill9()
+        w.close()
+        with open(store.paths.settings) as f:
+            settings = json.load(f)
+        settings["limits"]["max_frame_bytes"] = 5  # below its floor: the launcher's
+        with open(store.paths.settings, "w") as f:
+            json.dump(settings, f)
+        store = restarted(store)
+        s = store.status()
+        assert s["limits"]["max_leases"] == 1024 and s["held_at_takeover"] == 1 and s["closed_leases"] == 1
+        arena = ArenaMap(info["arena"], info["arena_bytes"])
+        try:
+            other = client_of(store)
+            keys = [f"o{i}" for i in range(48)]
+            assert put_pattern(other, keys, MIB) == [OK] * 48
+            late_copy(arena, offsets, MIB)
+            assert wrong_objects(other, keys, MIB) == (48, 0)
+            other.close()
+        finally:
+            arena.retire()
+    finally:
+        store.stop()
+
+
 # -- finding 5: the client's own window between a reply and its copy --------------------
 
 

@@ -102,10 +102,15 @@ class StoreSettings:
     #: the arena file's size (the capacity can change at run time, the
     #: arena cannot: recovery goes by this, and by the file's real size)
     arena_bytes: int = 0
+    #: the epoch of the store process serving this arena (lease ids carry
+    #: it), beside the lease table's own copy: the next process numbers on
+    #: from the larger, so its ids are new even where the table's head was lost
+    epoch: int = 0
 
     def save(self, path: str) -> None:
         data = {"capacity": self.capacity, "policy": self.policy, "limits": self.limits.as_dict(),
-                "started_by": self.started_by, "arena": self.arena, "arena_bytes": self.arena_bytes}
+                "started_by": self.started_by, "arena": self.arena, "arena_bytes": self.arena_bytes,
+                "epoch": self.epoch}
         tmp = f"{path}.tmp"
         try:
             os.unlink(tmp)  # whatever is there, a symlink included: never written through
@@ -145,10 +150,20 @@ class StoreSettings:
             out.policy = data["policy"]
         else:
             bad.append(f"policy {data.get('policy')!r}")
-        try:
-            out.limits = StoreLimits.from_dict({**fallback.limits.as_dict(), **dict(data.get("limits") or {})})
-        except (TypeError, ValueError) as exc:
-            bad.append(f"limits ({exc})")
+        # limit by limit: the lease table's size (max_leases) must be the
+        # dead store's for its grants to be read, whatever another limit holds
+        limits = fallback.limits.as_dict()
+        kept_limits = data.get("limits")
+        if kept_limits is not None and not isinstance(kept_limits, dict):
+            bad.append(f"limits {kept_limits!r}")
+        for key, value in (kept_limits.items() if isinstance(kept_limits, dict) else ()):
+            try:
+                StoreLimits.from_dict({**limits, key: value})
+            except (TypeError, ValueError) as exc:
+                bad.append(f"limit {key} ({exc})")
+            else:
+                limits[key] = value
+        out.limits = StoreLimits.from_dict(limits)
         if data.get("started_by") in ("client", "operator"):
             out.started_by = data["started_by"]
         arena_bytes = data.get("arena_bytes", 0)
@@ -156,6 +171,9 @@ class StoreSettings:
             out.arena_bytes = arena_bytes
         arena = data.get("arena")
         out.arena = arena if isinstance(arena, str) else ""
+        epoch = data.get("epoch", 0)
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch > 0:
+            out.epoch = epoch
         if bad:
             logger.warning("store settings %s: %s out of range: the launcher's kept instead", path, ", ".join(bad))
         return out
@@ -259,7 +277,10 @@ class StoreDaemon:
         for slot, *_ in records:
             if slot not in kept:
                 words[slot * LEASE_WORDS] = 0
+        if self.arena.reused:
+            old_epoch = max(old_epoch, settings.epoch)
         self.epoch = old_epoch + 1 if 0 < old_epoch < (1 << 22) else 1
+        settings.epoch = self.epoch
         self.index = StoreIndex(
             capacity=settings.capacity, arena_bytes=self.arena.size, policy=settings.policy,
             commit=self.arena.commit, limits=limits, data_start=self.data_start,
