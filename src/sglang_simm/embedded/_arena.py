@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass
 
 from sglang_simm.embedded._copy import HELD_COPY_MAX, released_libc
-from sglang_simm.embedded._paths import open_private
+from sglang_simm.embedded._paths import flock_held, open_private
 
 logger = logging.getLogger("sglang_simm.embedded")
 
@@ -152,17 +152,7 @@ def lock_arena(path: str) -> int | None:
 
 def arena_held(path: str) -> bool:
     """Whether a live store process holds the arena ``path``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-    finally:
-        os.close(fd)
-    return False
+    return flock_held(path)
 
 
 #: statfs's f_type of tmpfs: its files are memory

@@ -215,9 +215,15 @@ def held_bytes(paths: StorePaths) -> int:
 def lock_held(paths: StorePaths) -> bool:
     """True while a store process holds the name's lock (running, starting,
     stopping or stalled): then nobody may start another."""
+    return flock_held(paths.lock)
+
+
+def flock_held(path: str) -> bool:
+    """True while another open file of ``path`` holds a ``flock`` on it
+    (False when there is no such file, or it is a symlink)."""
     try:
-        fd = os.open(paths.lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except (FileNotFoundError, OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
