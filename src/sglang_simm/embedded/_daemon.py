@@ -344,7 +344,10 @@ class StoreDaemon:
 
     def serve_forever(self) -> None:
         while self.running:
-            for key, events in self.sel.select(timeout=0.25):
+            # while accepting is paused, wake when it resumes (a backlog of
+            # newcomers is refused one per pause, not one per tick)
+            wait = 0.25 if self._listening else min(0.25, max(self._accept_paused_until - time.monotonic(), 0.0))
+            for key, events in self.sel.select(timeout=wait):
                 if key.data is None:
                     self._accept()
                     continue
