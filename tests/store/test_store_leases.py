@@ -93,6 +93,19 @@ def late_copy(arena: ArenaMap, offsets: list[int], size: int) -> None:
         ctypes.memset(arena.base + off, 0xEE, size)
 
 
+def others_kept_past_a_late_copy(store: StoreProc, arena: ArenaMap, offsets: list[int], size: int,
+                                 n: int) -> HostServer:
+    """Another writer stores ``n`` objects, then the first writer's late
+    copy lands at ``offsets``: every one of the other's objects reads back
+    whole. The other writer's client, still open."""
+    other = client_of(store)
+    keys = [f"o{i}" for i in range(n)]
+    assert put_pattern(other, keys, size) == [OK] * n
+    late_copy(arena, offsets, size)
+    assert wrong_objects(other, keys, size) == (n, 0)
+    return other
+
+
 # -- who may end a lease -------------------------------------------------------
 
 
@@ -176,11 +189,7 @@ def _dropped_while_copying(store: StoreProc, why: str) -> None:
         assert w.closed_by_store()
     arena = ArenaMap(info["arena"], info["arena_bytes"])
     try:
-        other = client_of(store)
-        keys = [f"o{i}" for i in range(40)]
-        assert put_pattern(other, keys, size) == [OK] * 40
-        late_copy(arena, offsets, size)
-        assert wrong_objects(other, keys, size) == (40, 0)
+        other = others_kept_past_a_late_copy(store, arena, offsets, size, 40)
         s = store.status()
         assert s["closed_leases"] == 1 and s["closed_held_bytes"] == 8 * size and s[f"refused_{why}"] == 1
         # the client's next connection says its copies are over
@@ -224,11 +233,7 @@ def test_a_writer_stalled_across_a_store_crash_keeps_its_memory(host_store_dir):
         w.close()
         store = restarted(store)
         time.sleep(1.5)  # past the old quarantine
-        other = client_of(store)
-        keys = [f"o{i}" for i in range(48)]
-        assert put_pattern(other, keys, size) == [OK] * 48
-        late_copy(arena, offsets, size)
-        assert wrong_objects(other, keys, size) == (48, 0)
+        other = others_kept_past_a_late_copy(store, arena, offsets, size, 48)
         s = store.status()
         assert s["held_at_takeover"] == 1 and s["closed_leases"] == 1 and s["epoch"] == info["epoch"] + 1
         with Peer(store.paths) as again:
@@ -365,12 +370,7 @@ def test_a_takeover_reads_the_lease_table_at_its_own_size_when_another_limit_is_
         assert s["limits"]["max_leases"] == 1024 and s["held_at_takeover"] == 1 and s["closed_leases"] == 1
         arena = ArenaMap(info["arena"], info["arena_bytes"])
         try:
-            other = client_of(store)
-            keys = [f"o{i}" for i in range(48)]
-            assert put_pattern(other, keys, MIB) == [OK] * 48
-            late_copy(arena, offsets, MIB)
-            assert wrong_objects(other, keys, MIB) == (48, 0)
-            other.close()
+            others_kept_past_a_late_copy(store, arena, offsets, MIB, 48).close()
         finally:
             arena.retire()
     finally:
