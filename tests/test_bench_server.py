@@ -468,19 +468,18 @@ def test_self_times_take_each_inner_layer_out_of_its_caller():
     totals = {"batch": 100_000, "mput": 80_000, "put_from": 70_000, "put": 20_000, "copy": 30_000, "commit": 10_000}
     got = self_times(totals)
     assert got == {"backend": 20.0, "client": 10.0, "handle": 10.0, "put": 20.0, "populate": 0.0, "copy": 30.0,
-                   "commit": 10.0, "room": 0.0, "total": 100.0}
+                   "commit": 10.0, "total": 100.0}
     # each timer costs 1 µs inside its window and 2 µs in its caller's
     got = self_times(totals, {k: 1 for k in totals}, Overhead(inside=1.0, outside=2.0))
     assert got == {"backend": 17.0, "client": 7.0, "handle": 3.0, "put": 19.0, "populate": 0.0, "copy": 29.0,
-                   "commit": 9.0, "room": 0.0, "total": 84.0}
+                   "commit": 9.0, "total": 84.0}
 
 
 def test_backup_breakdown_reaches_every_layer_of_a_real_backup():
     """Our backend on a host store (its own process) and a real host pool:
     every layer's timer saw the call and the copy took time (``measure``
-    raises unless every backup stored all its pages). After the warm-up
-    call, which asks for a room, every backup goes into the room: no PUT
-    round trip and no COMMIT, one COMMIT_ROOM sent."""
+    raises unless every backup stored all its pages): a PUT and a COMMIT
+    round trip each."""
     pytest.importorskip("sglang")
     from sglang_simm_dev.bench.server_backup import LAYERS, measure, render
 
@@ -488,11 +487,10 @@ def test_backup_breakdown_reaches_every_layer_of_a_real_backup():
     for n in ("1", "4"):
         layers = result["sizes"][n]["layers"]
         assert set(layers) == {*LAYERS, "total"}
-        assert all(layers[k]["median"] > 0 for k in ("backend", "client", "handle", "copy", "room"))
-        assert layers["put"]["p90"] == layers["commit"]["p90"] == 0
+        assert all(layers[k]["median"] > 0 for k in ("backend", "client", "handle", "put", "copy", "commit"))
         assert result["sizes"][n]["cpu"]["total"]["median"] <= layers["total"]["median"] * 1.05 + 50
     assert result["ping_us"]["median"] > 0
-    assert "| commit |" in render(result) and "| room |" in render(result)
+    assert "| commit |" in render(result)
 
 
 # -- decoders under L3 traffic ------------------------------------------------------------

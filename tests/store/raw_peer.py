@@ -40,10 +40,11 @@ class StoreProc:
     """``python -m sglang_simm.embedded._daemon`` as a child of the test."""
 
     def __init__(self, root: str, name: str, *, capacity: int = 16 << 20, limits: dict | None = None,
-                 idle_exit: float = 0.0, policy: str = "fifo", nofile: int | None = None) -> None:
+                 idle_exit: float = 0.0, policy: str = "fifo", nofile: int | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         self.paths = StorePaths(root, name)
         args = ["--dir", root, "--name", name, "--capacity", str(capacity), "--policy", policy,
-                "--idle-exit", str(idle_exit), "--limits", json.dumps(limits or {})]
+                "--idle-exit", str(idle_exit), "--limits", json.dumps(limits or {}), *extra]
         if nofile:
             cmd = [sys.executable, LOWFD, str(nofile), *args]
         else:
@@ -185,16 +186,7 @@ class Peer:
     def release(self, lease: int) -> None:
         self.send(frame(Op.RELEASE, pack_i64(lease)))
 
-    def reserve(self, size: int, count: int) -> tuple[int, Any]:
-        """RESERVE: ``(Op.RESERVE, (lease, offsets))`` or ``(Op.ERROR, error)``."""
-        op, body = self.call(Op.RESERVE, pack_i64(size), pack_i64(count))
-        r = Reader(body)
-        if op == Op.ERROR:
-            return op, r.json()
-        lease, _committed = r.ints()
-        return op, (lease, r.ints())
-
-    def commit_room(self, lease: int, keys: list[str], offsets: list[int]) -> tuple[int, Any]:
-        op, body = self.call(Op.COMMIT_ROOM, pack_i64(lease), encode_keys(keys), pack_ints(offsets))
-        r = Reader(body)
-        return op, (r.json() if op == Op.ERROR else r.ints())
+    def fence(self, epoch: int, conn: int) -> None:
+        """FENCE (no reply): this process is done with connection ``conn``'s
+        leases, of the store process of ``epoch``."""
+        self.send(frame(Op.FENCE, pack_i64(epoch), pack_i64(conn)))

@@ -10,7 +10,6 @@ reader can tell a whole object from a torn or foreign one.
 Modes (each prints ``ready`` once it holds what the test wants to kill it with):
 * ``hold-put``: reserve a batch, copy half of it, then wait (never commits);
 * ``hold-get``: pin a batch of objects, then wait (never releases);
-* ``room``: hold a room for backups, then wait (or back up once more);
 * ``churn``: put batches of objects with new versions until killed;
 * ``worker``: rounds of put and get over its own and shared keys, checking
   every byte; prints a JSON summary and exits 1 if anything was wrong.
@@ -88,24 +87,6 @@ def hold_get(args) -> None:
     time.sleep(3600)
 
 
-def room(args) -> None:
-    """Hold a room (a put asks for it); with ``then: put``, a second later
-    back up one more object into it."""
-    server = handle(args)
-    size = args["size"]
-    buf = ctypes.create_string_buffer(b"\x07" * size, size)
-    assert server.put_from([("warm", ctypes.addressof(buf), size)], True) == [OK]
-    server.settle()  # the room's grant is read with the replies
-    print("ready", flush=True)
-    if args.get("then") != "put":
-        time.sleep(3600)
-        return
-    time.sleep(1.0)
-    codes = server.put_from([("late", ctypes.addressof(buf), size)], True)
-    server.settle()
-    print(f"codes={codes} commit_failures={server.commit_failures}", flush=True)
-
-
 def churn(args) -> None:
     server = handle(args)
     size, batch = args["size"], args["batch"]
@@ -161,4 +142,4 @@ def worker(args) -> None:
 
 
 if __name__ == "__main__":
-    {"hold-put": hold_put, "hold-get": hold_get, "room": room, "churn": churn, "worker": worker}[sys.argv[1]](json.loads(sys.argv[2]))
+    {"hold-put": hold_put, "hold-get": hold_get, "churn": churn, "worker": worker}[sys.argv[1]](json.loads(sys.argv[2]))

@@ -90,7 +90,6 @@ def test_a_restore_lets_the_gil_go_only_to_wait_for_its_reply(store, n, monkeypa
     src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
     keys = [f"r{n}-{i}" for i in range(n)]
     assert client.put_from([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, src)], True) == [OK] * n
-    client.settle()  # the put's COMMIT reply read: only the restore's own calls are counted
     out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
     got, (releases, waits) = counted(
         client, lambda: client.get_into([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, out)]))
@@ -102,26 +101,20 @@ def test_a_restore_lets_the_gil_go_only_to_wait_for_its_reply(store, n, monkeypa
 
 
 @pytest.mark.parametrize("n", [1, 8, 64])
-def test_a_backup_lets_the_gil_go_once_to_wait_for_the_puts_reply(store, n, monkeypatch):
+def test_a_backup_through_the_counting_socket_keeps_every_byte(store, n, monkeypatch):
+    """A backup waits for two replies (PUT, COMMIT) since COMMITs are waited
+    for; how often it lets the GIL go is no longer pinned here (the bench,
+    ``tools/bench/backup_gil``, measures what a busy thread pays)."""
     monkeypatch.setattr(_host, "HELD_WAIT_S", 0.0)  # no wait for the reply holding the GIL (below)
     client = client_of(store)
     src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
     items = [(f"b{n}-{i}", ctypes.addressof(b), OBJECT) for i, b in enumerate(src)]
-    codes, (releases, waits) = counted(client, lambda: client.put_from(items, True))
+    codes, _ = counted(client, lambda: client.put_from(items, True))
     assert codes == [OK] * n
-    # before: 2 sends, 2 receives (PUT, COMMIT) and a memmove per object
-    assert (releases, waits) == (1, 1)
-    # The next finds the first's COMMIT reply to settle on the way: taken
-    # holding the GIL when it is there already, else read with this one's
-    # (and the PUT's reply, right behind it, may be there by then too).
-    codes, (releases, waits) = counted(client, lambda: client.put_from(items, True))
-    assert codes == [OK] * n
-    assert waits <= 1 and releases <= 2, (releases, waits)
     other = client_of(store)
     out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
     assert other.get_into([(k, ctypes.addressof(b), OBJECT) for (k, _, _), b in zip(items, out)]) == [OBJECT] * n
     assert [b.raw for b in out] == [b.raw for b in src]
-    assert client.stats()["commit_failures"] == 0
     client.close()
     other.close()
 
@@ -210,49 +203,7 @@ def _stop_store_after_the_copy(monkeypatch, store):
     return real
 
 
-def test_a_commit_the_store_refuses_later_is_counted_logged_and_reads_as_a_miss(store, monkeypatch, caplog):
-    client = client_of(store)
-    data = ctypes.create_string_buffer(b"\x05" * 4096, 4096)
-    real = _host.copy_many
-
-    def copy_then_expire(copies):
-        real(copies)
-        with Peer(store.paths) as admin:  # the lease expires before the COMMIT reaches the store
-            assert admin.admin("expire_leases", older_than_s=0)["expired"] == 1
-
-    monkeypatch.setattr(_host, "copy_many", copy_then_expire)
-    items = [("late-a", ctypes.addressof(data), 4096), ("late-b", ctypes.addressof(data), 4096)]
-    with caplog.at_level(logging.WARNING, logger="sglang_simm.embedded"):
-        assert client.put_from(items, True) == [OK, OK]  # known at once: reserved and copied
-        monkeypatch.setattr(_host, "copy_many", real)
-        assert client.lookup(["late-a", "late-b"]) == [DS_KEY_NOT_FOUND] * 2  # settles the COMMIT first
-    assert client.commit_failures == 2 and client.stats()["commit_failures"] == 2
-    assert any("did not publish 2 backed-up entries" in r.getMessage() and "expired" in r.getMessage()
-               for r in caplog.records)
-    out = ctypes.create_string_buffer(4096)
-    assert client.get_into([("late-a", ctypes.addressof(out), 4096)]) == [DS_KEY_NOT_FOUND]  # a miss, never bytes
-    assert client.put_from(items, True) == [OK, OK]  # the connection goes on
-    assert client.get_into([("late-a", ctypes.addressof(out), 4096)]) == [4096] and out.raw == data.raw
-    client.close()
-
-
-def test_closing_with_a_commit_unread_loses_no_backup(store, monkeypatch):
-    client = client_of(store)
-    data = ctypes.create_string_buffer(b"\x06" * 4096, 4096)
-    _stop_store_after_the_copy(monkeypatch, store)
-    try:
-        assert client.put_from([("closing", ctypes.addressof(data), 4096)], True) == [OK]
-        client.close()  # the store has not read the COMMIT: the socket closes behind it
-        assert client.commits_unconfirmed == 1 and client.commit_failures == 0
-    finally:
-        os.kill(store.pid, signal.SIGCONT)
-    other = client_of(store)
-    out = ctypes.create_string_buffer(4096)
-    assert other.get_into([("closing", ctypes.addressof(out), 4096)]) == [4096] and out.raw == data.raw
-    other.close()
-
-
-def test_a_store_killed_with_a_commit_unread_loses_that_backup_as_a_miss(host_store_dir, monkeypatch):
+def test_a_store_stalled_then_killed_before_a_commit_fails_that_backup_and_serves_a_miss(host_store_dir, monkeypatch):
     name = f"gil-kill-{uuid.uuid4().hex[:8]}"
     store = StoreProc(host_store_dir, name, capacity=64 << 20)
     client = client_of(store, timeout_s=2.0)
@@ -260,12 +211,10 @@ def test_a_store_killed_with_a_commit_unread_loses_that_backup_as_a_miss(host_st
     try:
         assert client.put_from([("kept", ctypes.addressof(data), 4096)], True) == [OK]
         real = _stop_store_after_the_copy(monkeypatch, store)
-        assert client.put_from([("lost", ctypes.addressof(data), 4096)], True) == [OK]
+        # the COMMIT waits for the stopped store until the time limit: the put fails
+        assert client.put_from([("lost", ctypes.addressof(data), 4096)], True) == [SEND_RPC_FAILED]
         monkeypatch.setattr(_host, "copy_many", real)
         store.kill9()  # its COMMIT still unread in the socket
-        with pytest.raises(StoreUnreachable):
-            client.lookup(["kept"])
-        assert client.commits_unconfirmed == 1
     finally:
         store.stop()
     again = StoreProc(host_store_dir, name, capacity=64 << 20)  # takes the dead store's objects over
@@ -350,7 +299,6 @@ def test_a_restore_whose_reply_comes_within_the_held_wait_never_lets_the_gil_go(
     src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
     keys = [f"held-{i}" for i in range(n)]
     assert client.put_from([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, src)], True) == [OK] * n
-    client.settle()
     monkeypatch.setattr(_host, "HELD_WAIT_S", 10.0, raising=False)  # any reply comes in time
     out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
     items = [(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, out)]
@@ -422,8 +370,8 @@ def test_the_held_wait_is_bounded_then_the_time_limit_is_kept(store, monkeypatch
 
 def test_backups_and_restores_sharing_a_connection_from_two_threads_keep_every_byte(store):
     """A server's backup and prefetch threads share the process's one
-    connection: COMMIT replies settled by the other thread's requests, in
-    order, every byte read back right."""
+    connection, one request and its reply at a time: every byte read back
+    right."""
     client = client_of(store)
     size, rounds = 16 << 10, 300
     problems: list[str] = []
@@ -457,7 +405,6 @@ def test_backups_and_restores_sharing_a_connection_from_two_threads_keep_every_b
     assert problems == []
     other = client_of(store)
     assert other.lookup([f"t-{i}" for i in range(rounds)]) == [OK] * rounds
-    assert client.stats()["commit_failures"] == 0
     other.close()
     client.close()
 

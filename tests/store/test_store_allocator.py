@@ -88,13 +88,13 @@ def test_truncate_drops_the_tail_for_good():
 
 
 def test_truncate_below_an_extent_still_held_drops_the_free_extents_under_it_too():
-    """After a clear gives back the memory under a room, the store may
-    have to truncate below that room: no free byte past the cut may be
-    handed out, not only the free tail's."""
+    """After a clear gives back the memory under a put being copied, the
+    store may have to truncate below that put: no free byte past the cut
+    may be handed out, not only the free tail's."""
     a = ExtentAllocator(1 << 16)
     x = a.alloc(4096)
     hole = a.alloc(8192)
-    held = a.alloc(4096)  # a room, still held above the cut
+    held = a.alloc(4096)  # a put being copied, still held above the cut
     a.free(hole, 8192)
     a.truncate(8192)
     assert a.size == 8192

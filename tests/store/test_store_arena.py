@@ -196,15 +196,15 @@ def test_a_taken_over_file_keeps_the_objects_below_its_high_water(host_store_dir
 
 
 def test_memory_backed_again_in_free_extents_past_the_committed_prefix_is_given_back(arena):
-    """Free memory between the committed prefix and a room above it, backed
-    again by a lagging fault-in, goes back; nothing below the prefix or
-    outside the extents given (objects, the room) is touched."""
+    """Free memory between the committed prefix and a put being copied
+    above it, backed again by a lagging fault-in, goes back; nothing below
+    the prefix or outside the extents given (objects, the put) is touched."""
     arena.commit(4 * STEP)
     arena.wait_ahead(10)
     m = ArenaMap(arena.path, arena.size)
     try:
         ctypes.memset(m.base, 0x11, STEP)  # an object below the free extent
-        ctypes.memset(m.base + 3 * STEP, 0x22, STEP)  # a room above it
+        ctypes.memset(m.base + 3 * STEP, 0x22, STEP)  # a put being copied above it
         assert arena.release_holes([(STEP, 3 * STEP)]) == STEP  # the clear
         m._populated = 0
         m.populate(3 * STEP)  # the lagging thread

@@ -230,29 +230,36 @@ def _table_index(tmp_path, arena=1 << 20):
     return table, StoreIndex(capacity=100_000, arena_bytes=arena, data_start=4096, table=table)
 
 
-def test_committed_objects_come_back_and_unfinished_puts_stay_unseen_and_quarantined(tmp_path):
+def test_committed_objects_come_back_and_a_live_writers_grant_stays_out_of_use(tmp_path):
+    from sglang_simm.embedded._index import lease_records
+    from sglang_simm.embedded._table import IndexTable
+
     table, index = _table_index(tmp_path)
+    words = index._lease_words
     lease, _, offsets = index.begin_put(A, ks("a", "b"), [1000, 1000], True)
     index.commit_put(lease)
     index.delete(b"b")
     _, _, reserved_at = index.begin_put(B, ks("half"), [5000], True)  # the store dies before its commit
     table.close()
-    from sglang_simm.embedded._table import IndexTable
-
     table2 = IndexTable(str(tmp_path / "t.index"), 1000, 1 << 20)
     assert not table2.fresh
     found, dropped = table2.recover(4096, 1 << 20, 64)
     assert (found.keys, found.offsets, dropped) == ([b"a"], [offsets[0]], 0)
-    again = StoreIndex(capacity=100_000, arena_bytes=1 << 20, data_start=4096, table=table2)
-    assert again.restore(found, quarantine_owner=0) == 1
+    epoch, records = lease_records(words, index.limits.max_leases + 1)
+    assert epoch == 1 and len(records) == 1 and records[0][4] == B  # the half-written put's grant
+    again = StoreIndex(capacity=100_000, arena_bytes=1 << 20, data_start=4096, table=table2,
+                       lease_words=words, epoch=2)
+    assert again.restore(found, records) == 1
     assert again.lookup(ks("a", "b", "half")) == [OK, DS_KEY_NOT_FOUND, DS_KEY_NOT_FOUND]
     # the half-written put's room is not handed out while its writer may still copy
     lease, codes, got = again.begin_put(A, ks(*[f"n{i}" for i in range(40)]), [1000] * 40, True)
-    assert all(not (reserved_at[0] <= o < reserved_at[0] + 5000) for o in got)
+    assert lease >> 40 == 2 and all(not (reserved_at[0] <= o < reserved_at[0] + 5000) for o in got)
     again.release(lease)
-    assert again.quarantined_bytes >= 5000  # every hole below the dead store's high water
-    again.drop_owner(0)
-    assert again.quarantined_bytes == 0
+    assert again.snapshot()["closed_leases"] == 1
+    assert again.fence((1, B), pid=0) == 1  # its process says it is done (naming the dead store's epoch)
+    assert again.snapshot()["closed_leases"] == 0
+    lease, codes, got = again.begin_put(A, ks(*[f"m{i}" for i in range(90)]), [1000] * 90, True)
+    assert any(reserved_at[0] <= o < reserved_at[0] + 5000 for o in got)  # now it is free
 
 
 def test_recovery_drops_entries_that_overlap_or_lie_outside_the_arena(tmp_path):

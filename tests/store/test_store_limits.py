@@ -4,13 +4,14 @@ store process of the test's own (issue 17, findings 1-3)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 import uuid
 
 import pytest
 
 from sglang_simm.embedded._host import HostServer, StoreUnreachable
-from sglang_simm.embedded._protocol import HEADER, Op, encode_keys, frame, pack_ints
+from sglang_simm.embedded._protocol import HEADER, PROTOCOL_VERSION, Op, encode_keys, frame, pack_ints, pack_json
 from sglang_simm.errors import INVALID_ARGUMENT, MAX_VALUE_BYTES, OK, TARGET_UNAVAILABLE
 
 from raw_peer import Peer, StoreProc, wait_for
@@ -42,6 +43,7 @@ def test_out_of_fds_on_accept_refuses_and_keeps_serving(spawn_store):
         for _ in range(120):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(store.paths.socket)  # the kernel's backlog takes it; accept may not
+            s.send(frame(Op.HELLO, pack_json({"version": PROTOCOL_VERSION, "pid": os.getpid()})))  # idle, not silent
             idle.append(s)
         # A newcomer is told why, not left hanging, and the store lives on.
         wait_for(lambda: "out of file descriptors" in _hello_refusal(store), what="a refusal for lack of fds")
@@ -176,8 +178,7 @@ def test_index_memory_is_bounded_by_the_object_cap(spawn_store):
         items = [(f"b{batch}-{i}", ctypes.addressof(buf), 1) for i in range(16_000)]
         assert set(client.put_from(items, True)) == {OK}
     s = client.status()
-    # the cap counts the extents of the room the client holds for its next backups
-    assert s["objects"] + s["room_extents"] == 20_000 and s["evictions"] == 96_000 - s["objects"]
+    assert s["objects"] == 20_000 and s["evictions"] == 96_000 - s["objects"]
     assert store.rss_kib() - before < 32 << 10  # ~20k index entries, not 96k
     client.close()
 

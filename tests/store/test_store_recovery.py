@@ -16,13 +16,13 @@ import pytest
 
 pytest.importorskip("rich")
 
-from sglang_simm.embedded._arena import ArenaMap  # noqa: E402
+from sglang_simm.embedded._arena import ArenaMap, lease_table_bytes  # noqa: E402
 from sglang_simm.embedded._host import HostServer, pid_alive  # noqa: E402
 from sglang_simm.embedded._paths import StorePaths, check_name, held_bytes  # noqa: E402
 from sglang_simm.errors import OK  # noqa: E402
 from sglang_simm.tools.cli import main  # noqa: E402
 
-from raw_peer import StoreProc, env, wait_for  # noqa: E402
+from raw_peer import Peer, StoreProc, env, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.host
 
@@ -162,20 +162,20 @@ def test_clear_gives_the_committed_memory_back(host_store_dir, capsys):
         client._conn.arena.wait_behind(30)
         held = held_bytes(store.paths)
         assert held >= 32 << 20
-        # The room a connected client holds for its next backups lies above
-        # these objects: the memory under it goes back all the same, and the
-        # room stays the client's.
-        assert client.status()["rooms_open"] == 1
+        # A put being copied lies above these objects: the memory under it
+        # goes back all the same, and the put's stays its writer's.
+        writer = Peer(store.paths)
+        lease, codes, _ = writer.put(["held"], [4 << 20])
+        assert codes == [OK]
         assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
         assert "removed 32 objects" in capsys.readouterr().out
-        assert held_bytes(store.paths) < held - (24 << 20)  # 32 MiB of objects gone; the room's 4 MiB stays
+        assert held_bytes(store.paths) < held - (24 << 20)  # 32 MiB of objects gone; the put's 4 MiB stays
         status = client.status()
-        assert status["rooms_open"] == 1
-        # the room's memory lies past the committed prefix now: the files say so
-        assert held_bytes(store.paths) >= status["committed_bytes"] + status["room_reserved_bytes"] > 0
-        # and it still serves, every byte: a backup into the room (whose
-        # memory stayed), one the PUT way into memory given back and
-        # committed again, and a second client's
+        assert status["open_leases"] == 1
+        # the put's memory lies past the committed prefix now: the files say so
+        assert held_bytes(store.paths) >= status["committed_bytes"] + status["reserved_bytes"] > 0
+        # and it still serves, every byte: puts into memory given back and
+        # committed again, read by a second client
         ctypes.memset(buf, 0x5A, 1 << 20)
         small = ctypes.create_string_buffer(b"\xa5" * 65536, 65536)
         assert client.put_from([("small", ctypes.addressof(small), 65536)], True) == [OK]
@@ -189,26 +189,33 @@ def test_clear_gives_the_committed_memory_back(host_store_dir, capsys):
         assert other.get_into([("small", ctypes.addressof(out), 65536)]) == [65536]
         assert out.raw[:65536] == small.raw
         other.close()
-        # once the room's connection is gone, the next clear gives back the
-        # memory the room held too (it lay past the prefix counted committed)
+        # once the put is given back, the next clear gives back the memory
+        # it held too (it lay past the prefix counted committed)
+        writer.release(lease)
+        writer.close()
         client.close()
         assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
         out = capsys.readouterr().out
-        assert held_bytes(store.paths) < 4 << 20
+        assert held_bytes(store.paths) < (4 << 20) + lease_table_bytes(65536)  # the lease table: 3 MiB
         assert "of shared memory still held" in out
     finally:
         store.stop()
 
 
-def _store_with_32_objects(root: str) -> tuple[str, StoreProc, HostServer, ctypes.Array]:
+def _store_with_32_objects(root: str, hold: bool = False) -> tuple[str, StoreProc, HostServer, ctypes.Array]:
     """A 64 MiB store process, and a client (faulting nothing in itself)
-    that put 32 objects of 1 MiB of 0x5A there (the buffer too)."""
+    that put 32 objects of 1 MiB of 0x5A there (the buffer too); with
+    ``hold``, a put of 4 MiB above them being copied (``client.writer``)."""
     n = name()
     store = StoreProc(root, n, capacity=64 << 20)
     try:
         client = HostServer(n, root=root, capacity=1, spawn=False, timeout_s=5, fault_in=False)
         buf = ctypes.create_string_buffer(b"\x5a" * (1 << 20), 1 << 20)
         assert client.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(32)], True) == [OK] * 32
+        if hold:
+            client.writer = Peer(store.paths)
+            client.lease, codes, _ = client.writer.put(["held"], [4 << 20])
+            assert codes == [OK]
     except BaseException:
         store.stop()
         raise
@@ -223,13 +230,14 @@ def test_memory_a_lagging_client_faults_in_after_a_clear_goes_back(host_store_di
     try:
         client.close()
         assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
-        assert held_bytes(store.paths) < 4 << 20
+        assert held_bytes(store.paths) < (4 << 20) + lease_table_bytes(65536)  # the lease table: 3 MiB
         status = HostServer(n, root=host_store_dir, capacity=1, spawn=False, fault_in=False).status()
         lag = ArenaMap(status["arena"], status["arena_bytes"])
         try:
             lag.populate(32 << 20)  # the target it had: what was committed before the clear
             assert held_bytes(store.paths) >= 30 << 20
-            wait_for(lambda: held_bytes(store.paths) < 4 << 20, timeout=30, what="the memory to go back")
+            wait_for(lambda: held_bytes(store.paths) < (4 << 20) + lease_table_bytes(65536), timeout=30,
+                     what="the memory to go back")
         finally:
             lag.retire()
         assert store.status()["stale_released_bytes"] >= 28 << 20  # counted, for a scrape
@@ -246,28 +254,28 @@ def test_memory_a_lagging_client_faults_in_after_a_clear_goes_back(host_store_di
         store.stop()
 
 
-def test_memory_a_lagging_client_backs_below_a_room_after_a_clear_goes_back(host_store_dir):
-    """Where a connected client's room lies above the objects a clear
-    removed, the free memory below it is past the committed prefix but
-    below what the store backs: what a lagging fault-in backs there goes
-    back too, and the room keeps serving."""
-    n, store, client, buf = _store_with_32_objects(host_store_dir)
+def test_memory_a_lagging_client_backs_below_a_held_put_after_a_clear_goes_back(host_store_dir):
+    """Where a put being copied lies above the objects a clear removed, the
+    free memory below it is past the committed prefix but below what the
+    store backs: what a lagging fault-in backs there goes back too, and
+    the store keeps serving."""
+    n, store, client, buf = _store_with_32_objects(host_store_dir, hold=True)
     try:
-        assert client.status()["rooms_open"] == 1
+        assert client.status()["open_leases"] == 1
         assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
         status = client.status()
-        assert status["rooms_open"] == 1 and status["committed_bytes"] < 4 << 20
+        assert status["open_leases"] == 1 and status["committed_bytes"] < 4 << 20
         cleared = held_bytes(store.paths)
         assert cleared < 12 << 20
         lag = ArenaMap(status["arena"], status["arena_bytes"])
         try:
-            lag.populate(32 << 20)  # below the room, which lies above the 32 MiB of objects
+            lag.populate(32 << 20)  # below the held put, which lies above the 32 MiB of objects
             assert held_bytes(store.paths) >= cleared + (24 << 20)
             wait_for(lambda: held_bytes(store.paths) <= cleared + (1 << 20), timeout=30,
-                     what="the memory below the room to go back")
+                     what="the memory below the held put to go back")
         finally:
             lag.retire()
-        # the room still serves: a backup into it, read back by another client
+        # the store still serves: a backup, read back by another client
         small = ctypes.create_string_buffer(b"\xa5" * 65536, 65536)
         assert client.put_from([("small", ctypes.addressof(small), 65536)], True) == [OK]
         other = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5, fault_in=False)
@@ -275,6 +283,8 @@ def test_memory_a_lagging_client_backs_below_a_room_after_a_clear_goes_back(host
         assert other.get_into([("small", ctypes.addressof(out), 65536)]) == [65536]
         assert out.raw == small.raw
         other.close()
+        client.writer.release(client.lease)
+        client.writer.close()
         client.close()
     finally:
         store.stop()

@@ -18,11 +18,7 @@ a timer for the run, so one call gives the time spent in every layer:
 * ``put``: the PUT request (send, the store process reserves room, reply);
 * ``populate``: faulting in the arena's pages (once per new high mark);
 * ``copy``: ``copy_many``, the page bytes into the arena;
-* ``commit``: the COMMIT request: sent, its reply not waited for (read with
-  the next request's; a put without overwrite still waits for it);
-* ``room``: the COMMIT_ROOM request of a backup into the room the
-  connection holds (``embedded/_room.py``): no PUT and no COMMIT then, and
-  no reply waited for;
+* ``commit``: the COMMIT request (send, the store process publishes, reply);
 * ``ping``: for scale, a LOOKUP of one absent key on the same connection
   (a round trip with next to no work in the store process).
 
@@ -58,8 +54,7 @@ LAYERS = {
     "put": "PUT round trip (store process reserves)",
     "populate": "arena pages faulted in",
     "copy": "copy_many into the arena",
-    "commit": "COMMIT sent (its reply is read with the next request's)",
-    "room": "COMMIT_ROOM sent (a backup into the room held: no PUT, no reply waited for)",
+    "commit": "COMMIT round trip (store process publishes)",
 }
 
 
@@ -126,10 +121,10 @@ def overhead(clock: str, rounds: int = 3000) -> Overhead:
 
 
 #: each layer's timed callees, outermost first
-NESTING = {"batch": ("mput",), "mput": ("put_from",), "put_from": ("put", "populate", "copy", "commit", "room")}
+NESTING = {"batch": ("mput",), "mput": ("put_from",), "put_from": ("put", "populate", "copy", "commit")}
 #: the timed function whose window each reported layer is the own part of
 WINDOW = {"backend": "batch", "client": "mput", "handle": "put_from", "put": "put", "populate": "populate",
-          "copy": "copy", "commit": "commit", "room": "room"}
+          "copy": "copy", "commit": "commit"}
 
 
 def self_times(total_ns: dict[str, int], calls: dict[str, int] | None = None,
@@ -241,8 +236,6 @@ def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = Fal
         server.put_from = clock.wrap("put_from", server.put_from)
         server._request = clock.wrap(lambda op, *a, **k: {Op.PUT: "put", Op.COMMIT: "commit"}.get(op, "other"),
                                      server._request)
-        server._send_commit = clock.wrap("commit", server._send_commit)
-        server._send_commit_room = clock.wrap("room", server._send_commit_room)
         _host.copy_many = clock.wrap("copy", _host.copy_many)
         _arena.ArenaMap.populate = clock.wrap("populate", _arena.ArenaMap.populate)
         gc_was = gc.isenabled()
@@ -271,7 +264,7 @@ def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = Fal
             if gc_was:
                 gc.enable()
             backend.client.mput_views, _host.copy_many, _arena.ArenaMap.populate = saved
-            for attr in ("put_from", "_request", "_send_commit", "_send_commit_room"):
+            for attr in ("put_from", "_request"):
                 server.__dict__.pop(attr, None)
     page_bytes = geom.page_bytes()
     out: dict[str, Any] = {"page_bytes": page_bytes, "repeat": repeat, "ping_us": _quantiles(pings),

@@ -9,10 +9,12 @@ maps the whole file and pre-faults (``MADV_POPULATE_WRITE``) what is
 committed once, behind its puts, so its copies do not take a page fault
 per 4 KiB on the hot path.
 
-The file starts with the lease table (``lease_table_bytes``): one int64
-per lease slot, the id of the lease that holds it or 0, written by the
-store process only. A reader checks its lease's word after its copy: a
-lease that expired meanwhile reads as a miss. Objects start after it.
+The file starts with the lease table (``lease_table_bytes``), written by
+the store process only: per lease slot, ``LEASE_WORDS`` int64 words, the
+id of the lease that holds it (or 0) and who holds what (``_index``), so
+the next store process after a crash keeps a live holder's memory out of
+use. A reader checks its lease's id word after its copy. Objects start
+after it.
 
 The file outlives a store process that dies (kill -9, OOM): the next
 store process of the name reopens it (``reuse``) and takes over the
@@ -25,13 +27,15 @@ import _thread
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import threading
+from dataclasses import dataclass
 
 from sglang_simm.embedded._copy import HELD_COPY_MAX, released_libc
-from sglang_simm.embedded._paths import check_file
+from sglang_simm.embedded._paths import flock_held, open_private
 
 logger = logging.getLogger("sglang_simm.embedded")
 
@@ -93,8 +97,14 @@ def _page_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+#: int64 words per lease slot: lease id (0: free; written last), pid,
+#: process start time, connection, first byte and end of its span. Slot 0
+#: is the header: its word 0 holds the store process's epoch.
+LEASE_WORDS = 6
+
+
 def lease_table_bytes(max_leases: int) -> int:
-    return _page_up(8 * max_leases)
+    return _page_up(8 * LEASE_WORDS * (max_leases + 1))
 
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -116,30 +126,163 @@ def arena_bytes_for(capacity: int) -> int:
     return _page_up(capacity + max(capacity // 8, 2 << 20))
 
 
+class ArenaInUse(OSError):
+    """Another live store process holds the arena (its lock on the file)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.EBUSY, f"arena {path} is held by another live store process")
+
+
+def lock_arena(path: str) -> int | None:
+    """The arena file ``path``, opened (never through a symlink) and locked
+    for this process's life (``flock`` on the file itself: whatever happens
+    to ``NAME.lock``, no second store process can take over an arena a live
+    one serves); None when another process holds it. FileNotFoundError
+    passes through."""
+    fd = open_private(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None
+        raise
+    return fd
+
+
+def arena_held(path: str) -> bool:
+    """Whether a live store process holds the arena ``path``."""
+    return flock_held(path)
+
+
+#: statfs's f_type of tmpfs: its files are memory
+_TMPFS_MAGIC = 0x01021994
+
+
+def _fs_type(path: str) -> int | None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type first
+    try:
+        if _libc.statfs(os.fsencode(path), buf) != 0:
+            return None
+    except (AttributeError, OSError):
+        return None
+    return ctypes.c_long.from_buffer(buf).value
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields = rest.split()
+                if fields and fields[0].isdigit():
+                    out[key] = int(fields[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+@dataclass(frozen=True)
+class Backing:
+    """What can back a store's arena in ``root``: its filesystem's size and
+    free space (``statvfs``), and, where that filesystem is memory (tmpfs),
+    the host's memory and what is available of it."""
+
+    fs_total: int
+    fs_free: int
+    memory: bool
+    mem_total: int
+    mem_available: int
+
+    @classmethod
+    def of(cls, root: str) -> Backing:
+        st = os.statvfs(root)
+        info = _meminfo()
+        return cls(fs_total=st.f_blocks * st.f_frsize, fs_free=st.f_bavail * st.f_frsize,
+                   memory=_fs_type(root) == _TMPFS_MAGIC,
+                   mem_total=info.get("MemTotal", 0), mem_available=info.get("MemAvailable", 0))
+
+    def limit(self) -> int:
+        """The most object bytes this can ever back: the filesystem's size,
+        and the host's memory for a tmpfs."""
+        limit = self.fs_total
+        if self.memory and self.mem_total:
+            limit = min(limit, self.mem_total)
+        return limit
+
+    def free(self) -> int:
+        free = self.fs_free
+        if self.memory and self.mem_available:
+            free = min(free, self.mem_available)
+        return free
+
+    def figures(self) -> str:
+        from sglang_simm.embedded._copy import human_bytes
+
+        text = f"its filesystem holds {human_bytes(self.fs_total)} ({human_bytes(self.fs_free)} free)"
+        if self.memory and self.mem_total:
+            text += (f"; it is memory (tmpfs), and the host has {human_bytes(self.mem_total)} "
+                     f"({human_bytes(self.mem_available)} available)")
+        return text
+
+    def check(self, capacity: int, held: int = 0) -> tuple[str | None, str | None]:
+        """``(refusal, warning)`` for a store of ``capacity`` object bytes
+        whose files hold ``held`` bytes already: a refusal when no filesystem
+        or memory of this host could ever back it, a warning when what is
+        free now cannot."""
+        from sglang_simm.embedded._copy import human_bytes
+
+        if capacity > self.limit():
+            return (f"a capacity of {human_bytes(capacity)} is more than this host can back: "
+                    f"{self.figures()}"), None
+        if capacity > self.free() + held:
+            return None, (f"a capacity of {human_bytes(capacity)} is more than is free now ({self.figures()}): "
+                          "puts will fail with OutOfMemory, and the store lower its capacity, when it runs out")
+        return None, None
+
+
 class ArenaFile:
     """The store process's handle: creates the file, commits memory."""
 
-    def __init__(self, path: str, size: int, *, reuse: bool = False) -> None:
+    def __init__(self, path: str, size: int, *, reuse: bool = False, fd: int | None = None) -> None:
+        """``reuse``: take the file at ``path`` over (a store process that
+        died left it), at its real size or ``size``, whichever is larger
+        (a truncated file grows back, sparse; ``found_size`` is what it
+        held: no object of the old store lies past it); ``fd``: the file,
+        open and locked already (``lock_arena``)."""
         self.path = path
         self.size = _page_up(size)
         self.reused = False
+        self.found_size = 0
         if reuse:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            except FileNotFoundError:
-                pass
-            else:
+            if fd is None:
                 try:
-                    check_file(path, fd)
-                    if os.fstat(fd).st_size != self.size:
-                        raise OSError(errno.EINVAL, f"arena {path} is not {self.size} bytes")
+                    fd = lock_arena(path)
+                except FileNotFoundError:
+                    fd = None
+                else:
+                    if fd is None:
+                        raise ArenaInUse(path)
+            if fd is not None:
+                try:
+                    found = os.fstat(fd).st_size
+                    self.found_size = found - found % PAGE
+                    self.size = max(self.size, self.found_size)
+                    if found != self.size:
+                        os.ftruncate(fd, self.size)
                 except BaseException:
                     os.close(fd)
                     raise
                 self.reused = True
         if not self.reused:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else can hold it
                 os.ftruncate(fd, self.size)
             except BaseException:
                 os.close(fd)
@@ -150,9 +293,9 @@ class ArenaFile:
         self.step = min(max(self.size // 16, COMMIT_STEP_MIN), COMMIT_STEP_MAX)
         self.committed = 0
         #: the end of what may still be backed: ``committed`` drops to the
-        #: first hole ``release_holes`` punches while what lies past it (a
-        #: room) stays backed, and ``release_after`` must give that back too;
-        #: past it, anything backed is a client's doing (``release_stale``)
+        #: first hole ``release_holes`` punches while what lies past it (a put
+        #: being copied) stays backed, and ``release_after`` must give that
+        #: back too; past it, anything backed is a client's doing (``release_stale``)
         self._backed = 0
         self.commit_error: str | None = None
         # fallocate and hole punching one at a time: the store's loop and the
@@ -231,13 +374,12 @@ class ArenaFile:
             ahead.join(timeout)
 
     def lease_words(self, nbytes: int) -> memoryview:
-        """The lease table (committed and zeroed: no lease of a dead store
-        process is valid), as int64 words."""
-        if nbytes <= 0:
-            return memoryview(bytearray(8)).cast("q")
+        """The lease table (committed; a dead store process's records as it
+        left them, for the caller to read and clear), as int64 words."""
         self.commit(nbytes)
         self._head = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._head[:] = bytes(nbytes)
+        if not self.reused:
+            self._head[:] = bytes(nbytes)
         return memoryview(self._head).cast("q")
 
     def release_after(self, end: int, upto: int | None = None) -> int:
@@ -278,8 +420,9 @@ class ArenaFile:
         """Give back the memory backed in free ``(start, end)`` extents past
         the committed prefix (the bytes given back). Nothing is handed out
         there, so after a clear only a client's lagging fault-in can have
-        backed it: where a room or a pinned object lies high, the clear
-        leaves free memory below it that ``release_stale`` does not reach.
+        backed it: where a put being copied or a pinned object lies high, the
+        clear leaves free memory below it that ``release_stale`` does not
+        reach.
         Only extents with data are punched, so a tick with nothing to give
         back unmaps nothing in the clients."""
         with self._lock:
@@ -317,7 +460,7 @@ class ArenaFile:
         cut inward to whole pages; the bytes still committed, which drop to
         the first hole. Committing is a prefix: everything from the first
         hole up is committed again (``posix_fallocate`` skips the pages
-        still backed, such as a room's) before any of it is handed out."""
+        still backed, such as a held put's) before any of it is handed out."""
         with self._lock:
             first, backed = None, max(self.committed, self._backed)
             for start, end in extents:
@@ -361,9 +504,8 @@ class ArenaMap:
     """
 
     def __init__(self, path: str, size: int) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = open_private(path, os.O_RDWR)
         try:
-            check_file(path, fd)
             actual = os.fstat(fd).st_size
             if actual < size:
                 raise OSError(errno.EINVAL, f"arena {path} holds {actual} bytes, the store announced {size}")
@@ -459,9 +601,13 @@ class ArenaMap:
                 self._madvise(start, stop, stop - start <= hold_max)
                 self._populated = stop
 
-    def enter(self) -> None:
+    def enter(self) -> bool:
+        """A copy begins; False (and nothing counted) once retired."""
         with self._lock:
+            if self.retired:
+                return False
             self.users += 1
+            return True
 
     def leave(self) -> None:
         with self._lock:

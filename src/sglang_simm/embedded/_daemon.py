@@ -6,8 +6,11 @@ the arena file (``_arena``), and never touches object bytes: clients copy
 them. Single-threaded (a ``selectors`` loop), so the index needs no lock
 and a batch is one step; batches are bounded (``StoreLimits.max_batch``)
 so that no step holds the others up for long. A client's connection owns
-its leases: when it closes, for whatever reason, its unfinished puts are
-dropped and its pins released; another connection cannot end them.
+its leases; another connection cannot end them. When it closes, for
+whatever reason (the store may close it itself: a bad frame, the input
+budget), its leases stay held by its process until that process fences
+them (``FENCE``, on its next connection) or is gone (its pid checked each
+housekeeping tick, with its start time against a reused pid).
 
 Every input is checked (``_limits``): a limit passed is a SiMM code to that
 client, a rate-limited log line and a ``refused_<reason>`` counter, never a
@@ -48,13 +51,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._arena import ArenaFile, arena_bytes_for, lease_table_bytes
-from sglang_simm.embedded._index import EVICTION_POLICIES, LeaseError, StoreIndex
+from sglang_simm.embedded._arena import (
+    LEASE_WORDS,
+    ArenaFile,
+    Backing,
+    arena_bytes_for,
+    arena_held,
+    lease_table_bytes,
+    lock_arena,
+)
+from sglang_simm.embedded._index import EVICTION_POLICIES, LeaseError, StoreIndex, lease_records
 from sglang_simm.embedded._limits import REFUSALS, RateLimitedLog, StoreLimits
-from sglang_simm.embedded._paths import StorePaths, ensure_dir
+from sglang_simm.embedded._paths import StoreAccessError, StorePaths, ensure_dir, held_bytes, open_private
 from sglang_simm.embedded._protocol import Op, ProtocolError, Reader, frame, pack_ints, pack_json
 from sglang_simm.embedded._table import IndexTable
-from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, MAX_VALUE_BYTES, TARGET_UNAVAILABLE
+from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, TARGET_UNAVAILABLE
 from sglang_simm.embedded._http import store_metrics_from_env
 
 logger = logging.getLogger("sglang_simm.embedded.daemon")
@@ -64,19 +75,16 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _FD_RESERVE = 32
 #: After accept() fails for lack of descriptors, accepting waits this long.
 _ACCEPT_BACKOFF_S = 0.1
-#: Owner id of a dead store's unfinished puts, quarantined after a takeover.
-_TAKEOVER_OWNER = 0
-#: rooms one connection may hold: the one it fills and the next, asked for in advance
-ROOMS_PER_CONNECTION = 2
-#: extents in one room at most (a client puts backups of up to a quarter
-#: of a room there: 32 two-object pages)
-ROOM_MAX_ENTRIES = 256
 #: After a clear, free memory past the committed prefix is looked at each
 #: housekeeping tick until this long after the last tick that gave some
 #: back: a client's thread faulting the arena in may still be on its way
 #: to a target set before the clear (at 0.45 ms a MiB and the lowest CPU
 #: priority, a big store's arena takes it seconds to minutes).
 REFAULT_WINDOW_S = 60.0
+#: A connection that has not said HELLO this long after it was accepted is
+#: dropped (``refused_hello``): a peer that connects and says nothing holds
+#: a connection slot and a descriptor.
+HELLO_DEADLINE_S = 5.0
 #: The operator commands that walk every object, and may take a while.
 _SLOW_ADMIN = frozenset({"clear", "keys"})
 
@@ -92,43 +100,135 @@ class StoreSettings:
     #: "operator" (``store start``) or "client" (started on first use)
     started_by: str = "client"
     arena: str = ""  # the arena file, once created
+    #: the arena file's size (the capacity can change at run time, the
+    #: arena cannot: recovery goes by this, and by the file's real size)
+    arena_bytes: int = 0
+    #: the epoch of the store process serving this arena (lease ids carry
+    #: it), beside the lease table's own copy: the next process numbers on
+    #: from the larger, so its ids are new even where the table's head was lost
+    epoch: int = 0
 
     def save(self, path: str) -> None:
         data = {"capacity": self.capacity, "policy": self.policy, "limits": self.limits.as_dict(),
-                "started_by": self.started_by, "arena": self.arena}
+                "started_by": self.started_by, "arena": self.arena, "arena_bytes": self.arena_bytes,
+                "epoch": self.epoch}
         tmp = f"{path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.unlink(tmp)  # whatever is there, a symlink included: never written through
+        except FileNotFoundError:
+            pass
+        fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)  # atomic: a crash leaves the old or the new
 
     @classmethod
-    def load(cls, path: str) -> StoreSettings | None:
+    def load(cls, path: str, fallback: StoreSettings) -> StoreSettings | None:
+        """The settings in ``path``, each field checked on its own: one that
+        is missing or out of range (a capacity of 0, an unknown policy, a
+        limit below its floor) is ``fallback``'s, with a log line. None when
+        the file is absent or holds no JSON object."""
         try:
-            with open(path) as f:
-                data = json.load(f)
-            return cls(capacity=int(data["capacity"]), policy=str(data["policy"]),
-                       limits=StoreLimits.from_dict(data.get("limits", {})),
-                       started_by=str(data.get("started_by", "client")), arena=str(data.get("arena", "")))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            if not isinstance(exc, FileNotFoundError):
-                logger.warning("ignoring unreadable store settings %s (%s)", path, exc)
+            fd = open_private(path, os.O_RDONLY)
+            with os.fdopen(fd) as f:
+                data = json.loads(f.read(1 << 20))
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except FileNotFoundError:
             return None
+        except (OSError, ValueError, UnicodeError, RecursionError) as exc:
+            logger.warning("ignoring unreadable store settings %s (%s)", path, exc)
+            return None
+        out = StoreSettings(capacity=fallback.capacity, policy=fallback.policy, limits=fallback.limits,
+                            started_by=fallback.started_by)
+        bad = []
+        capacity = data.get("capacity")
+        if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
+            out.capacity = capacity
+        else:
+            bad.append(f"capacity {capacity!r}")
+        if data.get("policy") in EVICTION_POLICIES:
+            out.policy = data["policy"]
+        else:
+            bad.append(f"policy {data.get('policy')!r}")
+        # limit by limit: the lease table's size (max_leases) must be the
+        # dead store's for its grants to be read, whatever another limit holds
+        limits = fallback.limits.as_dict()
+        kept_limits = data.get("limits")
+        if kept_limits is not None and not isinstance(kept_limits, dict):
+            bad.append(f"limits {kept_limits!r}")
+        for key, value in (kept_limits.items() if isinstance(kept_limits, dict) else ()):
+            try:
+                StoreLimits.from_dict({**limits, key: value})
+            except (TypeError, ValueError) as exc:
+                bad.append(f"limit {key} ({exc})")
+            else:
+                limits[key] = value
+        out.limits = StoreLimits.from_dict(limits)
+        if data.get("started_by") in ("client", "operator"):
+            out.started_by = data["started_by"]
+        arena_bytes = data.get("arena_bytes", 0)
+        if isinstance(arena_bytes, int) and not isinstance(arena_bytes, bool) and arena_bytes > 0:
+            out.arena_bytes = arena_bytes
+        arena = data.get("arena")
+        out.arena = arena if isinstance(arena, str) else ""
+        epoch = data.get("epoch", 0)
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch > 0:
+            out.epoch = epoch
+        if bad:
+            logger.warning("store settings %s: %s out of range: the launcher's kept instead", path, ", ".join(bad))
+        return out
 
 
 class _Conn:
-    __slots__ = ("counted", "id", "inbuf", "outbuf", "paused", "pid", "sock", "started", "writing")
+    __slots__ = ("accepted", "counted", "id", "inbuf", "outbuf", "paused", "pid", "sock", "start", "started",
+                 "writing")
 
-    def __init__(self, sock: socket.socket, conn_id: int, pid: int) -> None:
+    def __init__(self, sock: socket.socket, conn_id: int, pid: int, start: int) -> None:
+        self.accepted = time.monotonic()
         self.sock = sock
         self.id = conn_id
         self.pid = pid
+        self.start = start  # the peer process's start time: its pid, once reused, is another's
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.started = False  # HELLO done
         self.writing = False  # registered for EVENT_WRITE
         self.paused = False  # its replies back up: its requests wait
         self.counted = 0  # bytes of inbuf counted in the daemon's ``buffered``
+
+
+def _stat(pid: int) -> tuple[bytes, int] | None:
+    """Process ``pid``'s state letter and start time (clock ticks after boot,
+    ``/proc/PID/stat`` field 22), or None when there is no such process.
+    Any other failure (no descriptor left) raises: it says nothing."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        fields = stat[stat.rindex(b")") + 2:].split()
+        return fields[0], int(fields[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def proc_start(pid: int) -> int | None:
+    got = _stat(pid) if pid > 0 else None
+    return got[1] if got is not None else None
+
+
+def proc_alive(pid: int, start: int) -> bool:
+    """Whether the process ``pid`` that started at ``start`` still runs (a
+    zombie has no memory mapped: gone; a reused pid is another process).
+    When /proc cannot be read (no descriptor left), alive: a lease is
+    never ended on a guess."""
+    try:
+        got = _stat(pid) if pid > 0 else None
+    except OSError:
+        return True
+    return got is not None and got[1] == start and got[0] != b"Z"
 
 
 def _fd_limit() -> int:
@@ -144,24 +244,48 @@ def _fd_limit() -> int:
 
 
 class StoreDaemon:
-    def __init__(self, paths: StorePaths, settings: StoreSettings, *, takeover: bool = False) -> None:
+    def __init__(self, paths: StorePaths, settings: StoreSettings, *, takeover: bool = False,
+                 arena_fd: int | None = None) -> None:
+        """``takeover``: the arena ``settings.arena`` (open and locked as
+        ``arena_fd``) and the index are a dead store process's: its sound
+        objects are taken over."""
         self.paths = paths
         self.settings = settings
         limits = self.limits = settings.limits
         self.generation = secrets.token_hex(6)
         self.data_start = lease_table_bytes(limits.max_leases)
-        arena_size = self.data_start + arena_bytes_for(settings.capacity)
-        reuse = takeover and bool(settings.arena) and os.path.exists(settings.arena)
+        arena_size = max(self.data_start + arena_bytes_for(settings.capacity), settings.arena_bytes if takeover else 0)
+        reuse = takeover and bool(settings.arena)
         arena_path = settings.arena if reuse else paths.arena(self.generation)
-        self.arena = ArenaFile(arena_path, arena_size, reuse=reuse)
+        self.arena = ArenaFile(arena_path, arena_size, reuse=reuse, fd=arena_fd if reuse else None)
         settings.arena = self.arena.path
-        self.table = IndexTable(paths.index, limits.objects_for(settings.capacity), self.arena.size)
+        settings.arena_bytes = self.arena.size
+        space = self.arena.size - self.data_start
+        if settings.capacity > space:  # an arena the capacity outgrew (damaged settings)
+            logger.warning("store %r: capacity %d is more than its arena holds (%d bytes): lowered to it",
+                           paths.name, settings.capacity, space)
+            settings.capacity = space
+        self.table = IndexTable(paths.index, limits.objects_for(settings.capacity), self.arena.size,
+                                adopt=self.arena.reused)
         if not self.arena.reused and not self.table.fresh:
             self.table.clear()  # an index of another arena: nothing in it is here
+        # The lease table: a dead store process's grants whose holders still
+        # live stay held (their records kept); the others are void.
+        words = self.arena.lease_words(self.data_start)
+        old_epoch, records = lease_records(words, limits.max_leases + 1) if self.arena.reused else (0, [])
+        holds = [r for r in records if proc_alive(r[2], r[3])]
+        kept = {r[0] for r in holds}
+        for slot, *_ in records:
+            if slot not in kept:
+                words[slot * LEASE_WORDS] = 0
+        if self.arena.reused:
+            old_epoch = max(old_epoch, settings.epoch)
+        self.epoch = old_epoch + 1 if 0 < old_epoch < (1 << 22) else 1
+        settings.epoch = self.epoch
         self.index = StoreIndex(
             capacity=settings.capacity, arena_bytes=self.arena.size, policy=settings.policy,
             commit=self.arena.commit, limits=limits, data_start=self.data_start,
-            lease_words=self.arena.lease_words(self.data_start), table=self.table,
+            lease_words=words, table=self.table, max_objects=self.table.slots, epoch=self.epoch,
         )
         self.recovered = self.dropped = 0
         #: memory clients faulted in past the committed arena, given back
@@ -172,13 +296,13 @@ class StoreDaemon:
         self.takeover_s = 0.0
         if self.arena.reused:
             t0 = time.monotonic()
-            found, self.dropped = self.table.recover(self.data_start, self.arena.size, self.index.alloc.align)
-            self.recovered = self.index.restore(found, _TAKEOVER_OWNER)
+            # no object of the dead store lies past what its file held
+            bound = min(self.arena.found_size, self.arena.size)
+            found, self.dropped = self.table.recover(self.data_start, bound, self.index.alloc.align)
+            self.recovered = self.index.restore(found, holds)
             self.index.memory_released(self.arena.release_after(self.index.alloc.high_water(), upto=self.arena.size))
             self.takeover_s = time.monotonic() - t0
-        # A dead store's writers may still be copying into the room it gave
-        # them: that room is free only after one lease time limit.
-        self._quarantine_ends = time.monotonic() + limits.lease_timeout_s if self.arena.reused else 0.0
+        self.held_at_takeover = len(holds)
         settings.save(paths.settings)
         self.started = time.time()
         self.sel = selectors.DefaultSelector()
@@ -196,7 +320,8 @@ class StoreDaemon:
         self._spare_fd: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._accept_paused_until = 0.0
         self._listening = False
-        self._next_expiry = 0.0
+        self._next_tick = 0.0
+        self._next_hello_check = 0.0
         self.idle_since: float | None = time.monotonic()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket file is born 0600
@@ -220,7 +345,10 @@ class StoreDaemon:
 
     def serve_forever(self) -> None:
         while self.running:
-            for key, events in self.sel.select(timeout=0.25):
+            # while accepting is paused, wake when it resumes (a backlog of
+            # newcomers is refused one per pause, not one per tick)
+            wait = 0.25 if self._listening else min(0.25, max(self._accept_paused_until - time.monotonic(), 0.0))
+            for key, events in self.sel.select(timeout=wait):
                 if key.data is None:
                     self._accept()
                     continue
@@ -235,16 +363,11 @@ class StoreDaemon:
         now = time.monotonic()
         if not self._listening and now >= self._accept_paused_until:
             self._listen(True)
-        if self._quarantine_ends and now >= self._quarantine_ends:
-            self._quarantine_ends = 0.0
-            self.index.drop_owner(_TAKEOVER_OWNER)
-        if now >= self._next_expiry:
-            self._next_expiry = now + min(1.0, self.limits.lease_timeout_s / 4)
-            expired = self.index.expire()
-            if expired:
-                self.log.warning("lease_expired", "%d leases outlived the %g s lease time limit: ended "
-                                 "(readers' copies read as misses, writers' room quarantined until they close)",
-                                 expired, self.limits.lease_timeout_s)
+        if now >= self._next_tick:
+            self._next_tick = now + 0.25
+            reaped = self.index.reap(proc_alive)
+            if reaped:
+                self.log.info("reaped", "%d leases of closed connections ended: their processes are gone", reaped)
             stale = self.arena.release_stale()
             if self._refault_until:
                 stale += self._release_refaulted(now)
@@ -252,11 +375,24 @@ class StoreDaemon:
                 self.stale_released += stale
                 self.log.info("stale_memory", "gave back %d bytes a client faulted in past the committed "
                               "arena after memory was given back", stale)
+        if now >= self._next_hello_check:
+            self._next_hello_check = now + min(1.0, HELLO_DEADLINE_S / 4)
+            self._drop_silent(now)
         idle = self.limits.idle_exit_s
         if idle and self.idle_since is not None and now - self.idle_since >= idle:
             logger.info("no client for %g s (idle exit): stopping", idle)
             self.stop_reason = "idle"
             self.running = False
+
+    def _drop_silent(self, now: float) -> None:
+        """Drop the connections that have not said HELLO within
+        ``HELLO_DEADLINE_S`` of being accepted: they hold a connection slot
+        and a descriptor, and 1,024 of them kept every client out."""
+        late = [c for c in self.conns.values() if not c.started and now - c.accepted >= HELLO_DEADLINE_S]
+        for conn in late:
+            self._refuse("hello", "client pid %d said no HELLO within %g s of connecting: dropped",
+                         conn.pid, HELLO_DEADLINE_S)
+            self._drop(conn, "no hello")
 
     def _release_refaulted(self, now: float) -> int:
         """After a clear, memory a client's fault-in backs again in free
@@ -341,20 +477,51 @@ class StoreDaemon:
                                f"the host store has {len(self.conns)} connections open, its limit "
                                f"(max_connections {self.max_connections})")
             return
+        try:
+            start = self._proc_start(pid)
+        except OSError as exc:  # no descriptor left to read /proc with: refused as accept() would be
+            self._refuse("fds", "out of file descriptors admitting client pid %d (%s, %d connections open): "
+                         "refusing and pausing accepts for %g s", pid, exc, len(self.conns), _ACCEPT_BACKOFF_S)
+            self._send_refusal(sock, TARGET_UNAVAILABLE, "the host store is out of file descriptors")
+            self._pause_accepting()
+            return
+        if start is None:  # gone already: nothing it could hold outlives it
+            sock.close()
+            return
         sock.setblocking(False)
-        conn = _Conn(sock, next(self._ids), pid)
+        conn = _Conn(sock, next(self._ids), pid, start)
+        self.index.connect(conn.id, pid, start)
         self.conns[conn.id] = conn
         self.served += 1
         self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _proc_start(self, pid: int) -> int | None:
+        """``proc_start``, with the spare descriptor lent for it when none is
+        left (the connection just accepted may have taken the last)."""
+        try:
+            return proc_start(pid)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or self._spare_fd is None:
+                raise
+        os.close(self._spare_fd)
+        self._spare_fd = None
+        try:
+            return proc_start(pid)
+        finally:
+            try:
+                self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._spare_fd = None
 
     def _drop(self, conn: _Conn, why: str) -> None:
         if self.conns.pop(conn.id, None) is None:
             return
         self.buffered -= conn.counted
         conn.counted = 0
-        leases = self.index.drop_owner(conn.id)
-        if leases:
-            logger.info("client pid %d gone (%s) with %d open leases: released", conn.pid, why, leases)
+        held = self.index.disconnect(conn.id)
+        if held:
+            logger.info("client pid %d: connection %d closed (%s) with %d open leases: held for its process "
+                        "until it fences them or is gone", conn.pid, conn.id, why, held)
         try:
             self.sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -363,7 +530,7 @@ class StoreDaemon:
         if not any(c.started for c in self.conns.values()):
             self.idle_since = time.monotonic()
 
-    def _read(self, conn: _Conn, sweep: bool = True) -> None:
+    def _read(self, conn: _Conn) -> None:
         try:
             got = conn.sock.recv_into(self._scratch)
         except (BlockingIOError, InterruptedError):
@@ -375,22 +542,7 @@ class StoreDaemon:
             self._drop(conn, "closed")
             return
         conn.inbuf += self._scratch_view[:got]
-        if sweep and _asks_for_objects(conn.inbuf):
-            self._sweep(conn)
         self._process(conn)
-
-    def _sweep(self, asking: _Conn) -> None:
-        """Before a read (or an admin request) is served, serve what the other connections have
-        sent already. A backup's COMMIT is not waited for: it is in the
-        store's socket before the put returns, so any read sent after it
-        must see it; but the poller hands ready sockets out in no order
-        that says which was sent first (a socket just served comes back
-        first), so a read could otherwise pass a commit sent before it."""
-        for key, events in self.sel.select(0):
-            other = key.data
-            if other is None or other is asking or not events & selectors.EVENT_READ or other.id not in self.conns:
-                continue
-            self._read(other, sweep=False)
 
     def _process(self, conn: _Conn) -> None:
         """Serve the whole frames buffered for ``conn``, as long as its
@@ -487,11 +639,19 @@ class StoreDaemon:
             if exc.code == INVALID_ARGUMENT:
                 self._refuse("lease_owner", "client pid %d: %s %s: refused", conn.pid, op.name, exc)
             return _error(exc.code, f"{op.name}: {exc}")
+        except _BadRequest as exc:
+            # a body that parses into something this request cannot take:
+            # a JSON body that is none, a field of the wrong type or out of range
+            self._refuse("request", "client pid %d: a malformed %s request (%s): refused", conn.pid, op.name,
+                         _short(exc))
+            if op in wire.ONE_WAY:
+                return None
+            return _error(INVALID_ARGUMENT, f"{op.name}: a malformed request ({_short(exc)})")
         except Exception as exc:  # a bug here must not take the store down
             logger.exception("op %s from pid %d failed", op.name, conn.pid)
             if op in wire.ONE_WAY:
                 return None
-            return _error(INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+            return _error(INTERNAL_ERROR, f"{op.name} failed in the store process; its log says why")
 
     def _keys(self, r: Reader) -> list[bytes]:
         keys = r.keys()
@@ -522,37 +682,17 @@ class StoreDaemon:
             r.done()
             done = index.commit_put(lease, owner=conn.id)
             return frame(op, pack_ints([code for _, code in done]))
-        if op == Op.RESERVE:
-            size, count = r.i64(), r.i64()
+        if op == Op.FENCE:
+            epoch, owner = r.i64(), r.i64()
             r.done()
-            room = self.room_bytes()
-            entries = self.room_entries()
-            if not (0 < size <= MAX_VALUE_BYTES and 0 < count <= entries and size * count <= room):
-                self._refuse("room", "client pid %d: RESERVE of %d x %d bytes (room %d bytes): refused",
-                             conn.pid, count, size, room)
-                raise _Refused(INVALID_ARGUMENT, f"a room of {count} x {size} bytes: this store grants rooms of "
-                               f"up to {room} bytes (room_bytes, at most a sixteenth of the capacity) and "
-                               f"{entries} entries")
-            if index.open_rooms(conn.id) >= ROOMS_PER_CONNECTION:
-                self._refuse("room", "client pid %d: RESERVE with %d rooms open: refused", conn.pid,
-                             ROOMS_PER_CONNECTION)
-                raise _Refused(INVALID_ARGUMENT, f"this connection holds {ROOMS_PER_CONNECTION} rooms already: "
-                               "use or ABORT one first")
-            lease, offsets = index.reserve_room(conn.id, size, count)
-            return frame(op, pack_ints([lease, self.arena.committed]), pack_ints(offsets))
-        if op == Op.COMMIT_ROOM:
-            lease = r.i64()
-            keys = self._keys(r)
-            offsets = r.ints()
-            r.done()
-            if len(keys) != len(offsets):
-                raise ProtocolError("COMMIT_ROOM with keys and offsets of different lengths")
-            codes = index.commit_room(lease, conn.id, keys, offsets)
-            refused = codes.count(INVALID_ARGUMENT)
-            if refused:
-                self._refuse("room", "client pid %d: COMMIT_ROOM of room %d: %d of %d entries named no extent of "
-                             "the room or a key past 256 bytes: refused", conn.pid, lease, refused, len(keys))
-            return frame(op, pack_ints(codes))
+            if epoch == self.epoch:
+                ended = index.fence(owner, conn.pid, own=owner == conn.id)
+            else:
+                ended = index.fence((epoch, owner), conn.pid)
+            if ended:
+                logger.info("client pid %d fenced connection %d of store process %d: %d leases ended",
+                            conn.pid, owner, epoch, ended)
+            return None
         if op in (Op.ABORT, Op.RELEASE):
             lease = r.i64()
             r.done()
@@ -571,11 +711,14 @@ class StoreDaemon:
             r.done()
             return frame(op, pack_ints([index.delete(k) for k in keys]))
         if op == Op.DELETE_PREFIX:
-            (prefix,) = r.keys()
+            prefixes = r.keys()
             r.done()
+            if len(prefixes) != 1:
+                raise _BadRequest(f"DELETE_PREFIX names one prefix, not {len(prefixes)}")
+            prefix = prefixes[0]
             return frame(op, pack_ints([index.delete_prefix(prefix)]))
         if op == Op.HELLO:
-            hello = r.json()
+            hello = _json(r)
             if not isinstance(hello, dict) or hello.get("version") != wire.PROTOCOL_VERSION:
                 version = hello.get("version") if isinstance(hello, dict) else None
                 return _error(INTERNAL_ERROR,
@@ -584,22 +727,13 @@ class StoreDaemon:
                               f"stop it with 'sglang-simm store stop {self.paths.name}'")
             conn.started = True
             self.idle_since = None
-            return frame(op, pack_json(self.describe()))
+            return frame(op, pack_json({**self.describe(), "conn": conn.id}))
         if op == Op.ADMIN:
-            cmd = r.json()
+            cmd = _json(r)
             if not isinstance(cmd, dict):
                 raise ProtocolError("an ADMIN body that is not a JSON object")
             return frame(op, pack_json(self._admin(cmd, conn)))
         raise ProtocolError(f"op {op.name} is not a request")
-
-    def room_bytes(self) -> int:
-        """The largest room a connection may hold (``RESERVE``)."""
-        return min(self.limits.room_bytes, self.index.capacity // 16)
-
-    def room_entries(self) -> int:
-        """The most extents in one room: a room is for small backups, and
-        its extents hold entries of the object cap."""
-        return max(0, min(ROOM_MAX_ENTRIES, self.limits.max_batch, self.index.max_objects // 64))
 
     def _count_entry_refusals(self) -> None:
         stats = self.index.stats
@@ -615,6 +749,7 @@ class StoreDaemon:
             "name": self.paths.name,
             "pid": os.getpid(),
             "generation": self.generation,
+            "epoch": self.epoch,
             "arena": self.arena.path,
             "arena_bytes": self.arena.size,
             "data_start": self.data_start,
@@ -622,9 +757,6 @@ class StoreDaemon:
             "capacity_bytes": self.index.capacity,
             "policy": self.index.policy,
             "max_batch": self.limits.max_batch,
-            "lease_timeout_s": self.limits.lease_timeout_s,
-            "room_bytes": self.room_bytes(),
-            "room_entries": self.room_entries(),
             "idle_exit_s": self.limits.idle_exit_s,
             "started_by": self.settings.started_by,
             "version": wire.PROTOCOL_VERSION,
@@ -647,6 +779,7 @@ class StoreDaemon:
         out["stale_released_bytes"] = self.stale_released
         out["recovery_dropped"] = self.dropped
         out["takeover_s"] = round(self.takeover_s, 4)
+        out["held_at_takeover"] = self.held_at_takeover
         out["limits"] = self.limits.as_dict()
         for reason in REFUSALS:
             out[f"refused_{reason}"] = max(self.refused[reason], out.get(f"refused_{reason}", 0))
@@ -660,8 +793,8 @@ class StoreDaemon:
         if what == "clear":
             removed = index.clear()
             # Give the shared memory back: nothing lies past the high water
-            # now, and below it only what is still held (rooms, puts being
-            # copied, pinned reads, quarantine) and the lease table.
+            # now, and below it only what is still held (puts being copied,
+            # pinned reads, leases of closed connections) and the lease table.
             high = index.alloc.high_water()
             self.arena.release_after(high, upto=self.arena.size)  # and what clients faulted in past it
             index.memory_released(self.arena.release_holes(index.alloc.free_extents(below=high)))
@@ -685,8 +818,6 @@ class StoreDaemon:
             self.settings.policy = index.policy
             self.settings.save(self.paths.settings)
             return {"policy": index.policy}
-        if what == "expire_leases":  # the lease time limit, now (tests, operators)
-            return {"expired": index.expire(float(cmd.get("older_than_s", 0.0)))}
         if what == "stop":
             self.stop_reason = "stopped"
             self.running = False
@@ -714,21 +845,24 @@ class StoreDaemon:
                 pass
 
 
-#: Requests that must see every commit sent before them (``_sweep``): reads,
-#: and ADMIN, whose status counts the objects and whose clear must remove
-#: a backup committed before it was asked for.
-_READS = (Op.LOOKUP, Op.GET, Op.ADMIN)
+class _BadRequest(ValueError):
+    """A request whose body parses into something it cannot take: answered
+    with InvalidArgument and a one-line reason, the connection kept."""
 
 
-def _asks_for_objects(buf: bytearray) -> bool:
-    """Whether the whole frames in ``buf`` hold a LOOKUP, a GET or an ADMIN."""
-    pos, end = 0, len(buf)
-    while end - pos >= wire.HEADER.size:
-        length, op = wire.HEADER.unpack_from(buf, pos)
-        if op in _READS:
-            return True
-        pos += wire.HEADER.size + length
-    return False
+def _json(r: Reader) -> Any:
+    """The rest of a body as JSON; _BadRequest when it is none (bad bytes,
+    bad syntax, nested past the parser's depth)."""
+    try:
+        return r.json()
+    except (ValueError, RecursionError, UnicodeError) as exc:
+        raise _BadRequest(f"the body is no JSON ({_short(exc)})") from None
+
+
+def _short(exc: BaseException) -> str:
+    """A reason for a client: the exception's text, one line, bounded."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 class _Refused(Exception):
@@ -744,7 +878,7 @@ def _error(code: int, why: str) -> bytes:
 def _lock_name(paths: StorePaths) -> int | None:
     """Hold ``NAME.lock`` for this process's life: one store per name. None
     when another live store process holds it."""
-    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_private(paths.lock, os.O_RDWR | os.O_CREAT)
     # A client probing the lock (``_host.lock_held``) holds it for a moment,
     # longer when its process is short of CPU: keep trying for two seconds
     # before concluding that a store process holds it.
@@ -775,8 +909,17 @@ def remove_files(paths: StorePaths, *, objects: bool) -> None:
             pass
 
 
+class _LogFile(logging.handlers.RotatingFileHandler):
+    """The store's log, never opened through a symlink (it would append to
+    the link's target)."""
+
+    def _open(self):  # type: ignore[override]
+        fd = open_private(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+
+
 def _setup_logging(paths: StorePaths, level: str) -> None:
-    handler = logging.handlers.RotatingFileHandler(paths.log, maxBytes=1 << 20, backupCount=1)
+    handler = _LogFile(paths.log, maxBytes=1 << 20, backupCount=1)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s pid %(process)d: %(message)s"))
     root = logging.getLogger("sglang_simm")
     root.handlers[:] = [handler]
@@ -785,15 +928,68 @@ def _setup_logging(paths: StorePaths, level: str) -> None:
     os.chmod(paths.log, 0o600)
 
 
-def _settings_for(args: argparse.Namespace, paths: StorePaths) -> tuple[StoreSettings, bool]:
+@dataclass
+class _Start:
+    """What ``_settings_for`` decided: the settings to serve with, and the
+    arena to take over (open and locked), if any."""
+
+    settings: StoreSettings
+    takeover: bool = False
+    arena_fd: int | None = None
+    #: another live store process holds an arena of this name: nothing to do
+    in_use: str = ""
+
+
+def _arena_to_take(paths: StorePaths, named: str) -> str:
+    """The arena file a dead store left: the one its settings name, when
+    that is an arena of this name in the store directory (never a path
+    elsewhere), else the only arena of the name; "" when none."""
+    arenas = paths.arenas()
+    if named and os.path.dirname(os.path.abspath(named)) == os.path.abspath(paths.root) and \
+            os.path.abspath(named) in {os.path.abspath(a) for a in arenas}:
+        return named
+    if named:
+        logger.warning("store settings name the arena %r, which is not one of this store's files", named)
+    return arenas[0] if len(arenas) == 1 else ""
+
+
+def _settings_for(args: argparse.Namespace, paths: StorePaths) -> _Start:
     """The settings to serve with, and whether a dead store's objects are
-    taken over: a dead store's own settings win over the launcher's."""
+    taken over: a dead store's own settings win over the launcher's, field
+    by field (one that is out of range is the launcher's). Nothing is
+    removed while another live store process holds an arena of the name
+    (its lock file removed, it still serves): this one then does nothing."""
     limits = StoreLimits.from_dict({**json.loads(args.limits or "{}"), "idle_exit_s": args.idle_exit})
     asked = StoreSettings(capacity=args.capacity, policy=args.policy, limits=limits, started_by=args.started_by)
-    kept = StoreSettings.load(paths.settings)
-    if kept is None or not kept.arena or not os.path.exists(kept.arena):
+    for arena in paths.arenas():
+        if arena_held(arena):
+            return _Start(asked, in_use=arena)
+    kept = StoreSettings.load(paths.settings, asked)
+    arena = _arena_to_take(paths, kept.arena if kept is not None else "")
+    why = ""
+    if not arena:
+        why = "no arena"
+    else:
+        why = IndexTable.unreadable(paths.index)
+    fd = None
+    if not why:
+        try:
+            fd = lock_arena(arena)
+        except (OSError, StoreAccessError) as exc:
+            why = str(exc)
+        else:
+            if fd is None:
+                return _Start(asked, in_use=arena)
+    if why:
+        if why != "no arena":
+            logger.warning("store %r: the objects a store process left cannot be taken over (%s): starting empty",
+                           paths.name, why)
         remove_files(paths, objects=True)
-        return asked, False
+        return _Start(asked)
+    if kept is None:
+        logger.warning("store %r: its settings are lost; taking over %s with the launcher's", paths.name, arena)
+        kept = asked
+    kept.arena = arena
     if (kept.capacity, kept.policy) != (asked.capacity, asked.policy):
         logger.warning(
             "store %r takes over with the settings it was started with (capacity %d, %s eviction), "
@@ -801,7 +997,29 @@ def _settings_for(args: argparse.Namespace, paths: StorePaths) -> tuple[StoreSet
             paths.name, kept.capacity, kept.policy, asked.capacity, asked.policy,
         )
     remove_files(paths, objects=False)
-    return kept, True
+    return _Start(kept, takeover=True, arena_fd=fd)
+
+
+def _check_backing(paths: StorePaths, start: _Start, force: bool) -> str | None:
+    """Before any memory is taken: a capacity beyond what the store
+    directory's filesystem, or the host's memory for a tmpfs, can ever back
+    is refused (the reason) for an operator's start without ``force``; a
+    store a client starts, or one taken over, starts and logs it, with the
+    figures (it lowers its capacity when the memory runs out, as any
+    store does), as it does a capacity beyond what is free now."""
+    settings = start.settings
+    backing = Backing.of(paths.root)
+    held = held_bytes(paths) if start.takeover else 0
+    refusal, warning = backing.check(settings.capacity, held)
+    if refusal and not force and not start.takeover and settings.started_by == "operator":
+        return refusal
+    if refusal:
+        logger.warning("store %r: %s; starting anyway (%s): puts will fail with OutOfMemory, and the store "
+                       "lower its capacity, when the memory runs out", paths.name, refusal,
+                       "forced" if force else "taken over" if start.takeover else "started by a client")
+    elif warning:
+        logger.warning("store %r: %s", paths.name, warning)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -815,6 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limits", default="", help="StoreLimits fields as JSON")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--detach", action="store_true", help="fork and return at once (the launcher exits)")
+    parser.add_argument("--force", action="store_true",
+                        help="start even with a capacity beyond what this host can back (a warning instead)")
     args = parser.parse_args(argv)
     ensure_dir(args.dir)
     paths = StorePaths(args.dir, args.name)
@@ -827,17 +1047,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # another store process of this name won the race: it serves
     if args.detach and os.fork():
         os._exit(0)  # the client that launched us reaps this launcher; the store lives on
-    _setup_logging(paths, args.log_level)
     try:
-        settings, takeover = _settings_for(args, paths)
-        daemon = StoreDaemon(paths, settings, takeover=takeover)
+        _setup_logging(paths, args.log_level)
+    except (OSError, StoreAccessError) as exc:
+        print(f"sglang-simm store {args.name!r}: cannot start: {exc}", file=sys.stderr)
+        return 1
+    try:
+        start = _settings_for(args, paths)
+        if start.in_use:
+            logger.warning("store %r: another live store process holds its arena %s (its lock file %s was "
+                           "removed?): it serves; this process stops", args.name, start.in_use, paths.lock)
+            return 0
+        refusal = _check_backing(paths, start, args.force)
+        if refusal:
+            logger.error("cannot start store %r: %s", args.name, refusal)
+            print(f"sglang-simm store {args.name!r}: cannot start: {refusal}", file=sys.stderr)
+            return 1
+        daemon = StoreDaemon(paths, start.settings, takeover=start.takeover, arena_fd=start.arena_fd)
+        settings, takeover = start.settings, start.takeover
     except Exception as exc:
         logger.exception("cannot start store %r", args.name)
         print(f"sglang-simm store {args.name!r}: cannot start: {exc}", file=sys.stderr)
         return 1
-    with open(paths.pid, "w") as f:
+    try:
+        os.unlink(paths.pid)  # whatever is there, a symlink included: never written through
+    except FileNotFoundError:
+        pass
+    with os.fdopen(open_private(paths.pid, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
         f.write(f"{os.getpid()}\n")
-    os.chmod(paths.pid, 0o600)
 
     def stop(signum: int, _frame: Any) -> None:
         daemon.stop_reason = signal.Signals(signum).name
@@ -848,7 +1085,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # outlive the terminal that started a client
     if takeover:
         logger.info("store %r took over %d objects (%d dropped as unsound) of the store process that died, "
-                    "in %.3f s", args.name, daemon.recovered, daemon.dropped, daemon.takeover_s)
+                    "in %.3f s; %d of its grants still held by live clients (epoch %d now)", args.name,
+                    daemon.recovered, daemon.dropped, daemon.takeover_s, daemon.held_at_takeover, daemon.epoch)
     logger.info(
         "store %r serving on %s: capacity %d bytes, arena %s (%d bytes), eviction %s, max %d connections, "
         "idle exit %s",

@@ -15,26 +15,32 @@ may wait up to the switch interval (5 ms) to get it back. So a call waits
 only where it must: requests are sent without letting the GIL go (a
 non-blocking send through ``ctypes.PyDLL``; the blocking send, under the
 kernel's time limit, only when the socket has no room), small copies keep
-it (``_copy``), and a backup's publish (COMMIT) is not waited for: its
-reply is read with the next reply on the connection (the store answers one
-connection's requests in order), and a publish that failed is counted
-(``commit_failures``) and logged. A backup then waits once (the PUT's
-reply), a restore once (the GET's).
+it (``_copy``). A backup waits twice (the PUT's reply, the COMMIT's), a
+restore once (the GET's); the RELEASE or ABORT that ends a lease gets no
+reply.
 
 It trusts nothing the store answers: every offset and size is checked
 against the arena it mapped before a byte is copied (a bad answer fails
-that call with ``INTERNAL_ERROR``), and after a get's copy the lease's word
-in the arena's lease table is checked, so a lease that expired meanwhile
-reads as a miss, never as bytes the store may have reused.
+that call with ``INTERNAL_ERROR``), and after a get's copy the lease's id
+in the arena's lease table is checked, so a lease the store no longer
+knows (a store process that died and was not told of it) reads as a miss.
 
 Faults never raise into the caller's data path: a store that is gone,
 stalled or restarting turns a call into transport codes
 (``StoreUnreachable.code``) within the call's time limit (``timeout_s``,
 reconnect and handshake included), and the next calls reconnect. A client
 starts a store process only when no process holds the name's lock (none
-is running, not even a stalled one). A connection is closed only when no
-copy under its leases is in flight, so the store never hands out memory
-this process may still be writing or reading.
+is running, not even a stalled one).
+
+The store never hands out memory this process may still be writing or
+reading (docs/local-store.md, the rule at the top). This side's part: a
+copy is counted in flight from *before* the request that grants its
+memory (``_Connection.enter``), a connection's socket closes only once no
+copy under it is in flight, ``close`` unmaps the arena only then, and a
+connection lost with leases (``_Connection.lost``) is *fenced*: once its
+copies are done this process tells the store so, on the connection
+itself if it can, else on its next one (``FENCE``, naming the store
+process and the connection). Until then the store keeps that memory.
 """
 
 from __future__ import annotations
@@ -50,19 +56,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from operator import add, gt
 from typing import Any
 
 from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._arena import POPULATE_CHUNK, ArenaMap
+from sglang_simm.embedded._arena import LEASE_WORDS, POPULATE_CHUNK, ArenaMap
 from sglang_simm.embedded._copy import copy_many, held_libc, human_bytes
 from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._limits import RateLimitedLog
 from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, lock_held, pid_alive, read_pid, store_dir
 from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
-from sglang_simm.embedded._room import Ask, Room, RoomCommit, Rooms, entries_due
 from sglang_simm.errors import (
     BUILD_CONNECTION_FAILED,
     DS_KEY_NOT_FOUND,
@@ -87,6 +91,12 @@ RESPAWN_AFTER_S = 1.0
 #: How long ``close`` waits for the thread faulting the arena in to stop
 #: (it stops after the chunk in flight, ``_arena.POPULATE_CHUNK``).
 CLOSE_FAULT_IN_WAIT_S = 1.0
+#: After a launch of the store process that brought no store up (it
+#: exited: a damaged file it could not get past, a capacity refused), the
+#: next launch from this process waits this long, doubling each time up to
+#: the most, instead of one per reconnection attempt.
+LAUNCH_BACKOFF_FIRST_S = 1.0
+LAUNCH_BACKOFF_MAX_S = 60.0
 #: Between reconnection attempts from the data path, at first and at most.
 RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 2.0
@@ -97,6 +107,30 @@ DEFAULT_MAX_BATCH = 16384
 #: An auto-started store exits after this long with no client (flag
 #: ``embedded_idle_exit_s``): long enough to outlive a server's restart.
 DEFAULT_IDLE_EXIT_S = 600.0
+
+
+class _Launches:
+    """This process's launches of one store (by socket path), shared by all
+    its handles and threads: one launcher at a time (single flight), and
+    after a launch that brought no store up, the next only after a back-off
+    that doubles (``LAUNCH_BACKOFF_*``)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.failures = 0
+        self.not_before = 0.0
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+_LAUNCHES: dict[str, _Launches] = {}
+_LAUNCHES_LOCK = threading.Lock()
+
+
+def _launches(paths: StorePaths) -> _Launches:
+    with _LAUNCHES_LOCK:
+        return _LAUNCHES.setdefault(paths.socket, _Launches())
 
 
 class StoreUnreachable(ConnectionError):
@@ -170,19 +204,13 @@ def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
 class _Connection:
     """One socket to the store process, and the arena it announced."""
 
-    def __init__(self, paths: StorePaths, timeout_s: float,
-                 on_commit: Callable[[int, bytes, int], None] | None = None) -> None:
+    def __init__(self, paths: StorePaths, timeout_s: float, lost: list | None = None) -> None:
         self.timeout_s = timeout_s
-        #: sent COMMITs and COMMIT_ROOMs whose replies are not read yet,
-        #: oldest first: the entries each publishes, or the room asked for
-        #: (an ``Ask``: a RESERVE); replies come in request order
-        self.pending: deque[int | Ask | RoomCommit] = deque()
-        #: this connection's rooms (set after the handshake: the store's
-        #: room size and lease time limit)
-        self.rooms = Rooms(0, 1, 1.0)
         self.committed = 0  # the store's committed arena bytes, as last announced
-        #: what to do with a COMMIT's reply: ``on_commit(op, body, entries)``
-        self.on_commit = on_commit
+        #: where this connection goes once broken, until it is fenced (its
+        #: handle's list: the next connection fences it)
+        self.lost = lost if lost is not None else []
+        self.fenced = False
         self._unread = b""  # bytes received past the last reply read
         self._scratch: ctypes.Array[ctypes.c_char] | None = None  # for receives that keep the GIL
         self._pollfd: _PollFd | None = None
@@ -285,56 +313,15 @@ class _Connection:
             if len(self._unread) == before:  # readable with nothing to read: the peer closed
                 return
 
-    def _settle(self, received_only: bool = False) -> None:
-        """Hand the replies of the COMMITs sent earlier to ``on_commit``
-        (``received_only``: those already in ``_unread``, waiting for none)."""
-        while self.pending and (not received_only or _whole_frame(self._unread)):
-            op, body = self._read_frame()
-            entries = self.pending.popleft()
-            if isinstance(entries, Ask):
-                self._room_answer(entries, op, body)
-                continue
-            if isinstance(entries, RoomCommit):
-                if op == Op.ERROR:  # the room ended under it: backups go the other way
-                    self.rooms.lost(entries.room)
-                entries = entries.entries
-            if self.on_commit is not None:
-                self.on_commit(op, body, entries)
-
-    def _room_answer(self, ask: Ask, op: int, body: bytes) -> None:
-        """The reply to a RESERVE: a room, none (the store is full), or a
-        refusal (rooms are then asked for again later)."""
-        if op != Op.RESERVE:
-            self.rooms.refused()
-            return
-        try:
-            r = Reader(body)
-            head, offsets = r.ints(), r.ints()
-            r.done()
-        except wire.ProtocolError as exc:
-            raise ConnectionResetError(f"the store process answered RESERVE with {exc}") from exc
-        if len(head) != 2:
-            raise ConnectionResetError("the store process answered RESERVE without its lease")
-        lease, committed = head
-        if len(offsets) > ask.count or not _in_arena(self, offsets, [ask.size] * len(offsets)):
-            raise ConnectionResetError("the store process answered RESERVE with room outside the arena")
-        self.committed = max(self.committed, committed)
-        self.rooms.granted(ask, lease, offsets)
-
     def exchange(self, data: bytes, *, reply: bool = True, timeout_s: float | None = None) -> tuple[int, bytes]:
-        """Send a frame and read the reply (the caller holds ``lock``); the
-        replies of COMMITs sent earlier come first, and are settled on the way."""
+        """Send a frame and read the reply (the caller holds ``lock``)."""
         if timeout_s is not None:
             _kernel_timeout(self.sock, timeout_s)
         try:
-            settling = bool(self.pending) and reply
-            if settling:
-                self._take_received()  # before the request: its own reply is never taken here
             _send(self.sock, data)
             if not reply:
                 return 0, b""
             self._held_until = time.monotonic() + HELD_WAIT_S
-            self._settle()  # a COMMIT's reply that came late: this request's is right behind it
             op, body = self._read_frame()
             if self._unread:
                 raise ConnectionResetError("the store process sent more than one reply")
@@ -352,22 +339,20 @@ class _Connection:
         if not self.broken:
             self.exchange(frame(op, pack_i64(lease)), reply=False)
 
-    def settle_now(self) -> int:
-        """Settle the COMMIT replies already received, without waiting for
-        more (the caller holds ``lock``); the entries of those still unread."""
-        try:
-            self._take_received()
-            self._settle(received_only=True)
-        except OSError:
-            pass
-        return sum(map(entries_due, self.pending))
-
     # -- copies in flight, and closing ------------------------------------------
 
     def enter(self) -> None:
+        """A copy under this connection's leases is in flight from now: call
+        it *before* the request that grants the memory (a disconnect or a
+        timeout may come between the reply and the copy)."""
         with self._state:
+            if self.broken:
+                raise StoreUnreachable(SEND_RPC_FAILED, "the connection to the store process was lost")
             self.inflight += 1
-        self.arena.enter()
+        if not self.arena.enter():
+            with self._state:
+                self.inflight -= 1
+            raise StoreUnreachable(BUILD_CONNECTION_FAILED, "this handle is closed")
 
     def leave(self) -> None:
         self.arena.leave()
@@ -378,34 +363,43 @@ class _Connection:
             self._close_socket()
 
     def break_off(self) -> None:
-        """No more requests; the socket closes (and the store releases this
-        connection's leases) once no copy under them is in flight. COMMIT
-        replies already here are settled first; those not here yet are
-        left unread (the store has the COMMITs and publishes them, unless
-        it fails first: such entries read as misses, never as wrong bytes)."""
+        """No more requests; the socket closes once no copy under this
+        connection's leases is in flight, and the connection is then
+        fenced (``_close_socket``)."""
         with self._state:
+            if not self.broken and self.info:
+                self.lost.append(self)  # fenced by the next connection if not by itself
             self.broken = True
             close = self.inflight == 0
-        if self.pending and self.lock.acquire(blocking=False):
-            try:
-                unread = self.settle_now()
-                self.pending.clear()
-            finally:
-                self.lock.release()
-            if unread and self.on_commit is not None:
-                self.on_commit(-1, b"", unread)
         if close:
             self._close_socket()
 
+    def fence_frame(self) -> bytes:
+        """The FENCE that ends this connection's leases at the store."""
+        return frame(Op.FENCE, pack_i64(int(self.info.get("epoch", 0))), pack_i64(int(self.info.get("conn", 0))))
+
     def _close_socket(self) -> None:
+        """No copy under this connection is in flight: say so on the socket
+        itself if it takes it at once (else the next connection says it),
+        and close it."""
         with self._state:
             if self._closed:
                 return
             self._closed = True
+        if self.info and _send_held is not None and _SEND_NOW:
+            data = self.fence_frame()
+            try:
+                self.fenced = _send_held(self.sock.fileno(), data, len(data), _SEND_NOW) == len(data)
+            except OSError:
+                pass
         try:
             self.sock.close()
         except OSError:
             pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
 
 class HostServer:
@@ -428,6 +422,7 @@ class HostServer:
         started_by: str = "client",
         limits: dict[str, Any] | None = None,
         fault_in: bool = True,
+        force: bool = False,
     ) -> None:
         self.paths = StorePaths(store_dir(root), name)  # a bad name or path fails before anything is made
         #: fault the committed arena in behind, from the connect on (a client
@@ -443,6 +438,8 @@ class HostServer:
         self.idle_exit_s = idle_exit_s
         self.started_by = started_by
         self.limits = dict(limits or {})
+        #: a store this handle starts starts even beyond what the host can back
+        self.force = force
         self.max_batch = DEFAULT_MAX_BATCH
         #: The network between this process and the store (see ``_faults``).
         self.faults = FaultInjector()
@@ -455,12 +452,8 @@ class HostServer:
         self.reconnects = 0
         self.closed = False
         self._warned = False
-        #: backed-up entries whose COMMIT the store refused (its lease had
-        #: expired) or answered wrongly: they read as misses
-        self.commit_failures = 0
-        #: backed-up entries whose COMMIT's reply never came (the connection
-        #: closed or broke first): the store had the COMMIT, most publish
-        self.commits_unconfirmed = 0
+        #: this handle's connections lost with leases, not fenced yet
+        self._lost: list[_Connection] = []
         self._log = RateLimitedLog(logger)
 
     # -- connecting ---------------------------------------------------------------
@@ -485,8 +478,12 @@ class HostServer:
                 if (exc.no_store and self.spawn_allowed and len(spawned_at) < MAX_SPAWNS
                         and (not spawned_at or time.monotonic() - spawned_at[-1] >= RESPAWN_AFTER_S)
                         and not self._starting()):
-                    if self._spawn():
+                    if self._spawn(backoff=False):  # its own policy: MAX_SPAWNS, RESPAWN_AFTER_S apart
                         spawned_at.append(time.monotonic())
+                elif (exc.no_store and len(spawned_at) >= MAX_SPAWNS and not self._starting()
+                        and time.monotonic() - spawned_at[-1] >= RESPAWN_AFTER_S):
+                    now = time.monotonic()
+                    break  # every launch failed: the log says why, and waiting longer changes nothing
             now = time.monotonic()
             if now >= deadline and not (spawned_at and now < deadline + START_GRACE_S and self._starting()):
                 break
@@ -497,7 +494,8 @@ class HostServer:
         raise StoreUnreachable(
             BUILD_CONNECTION_FAILED,
             f"host store {self.name!r} at {self.paths.socket} did not answer within {now - start:.0f} s "
-            f"({last}){started}" + (f"; its log says: {tail}" if tail else ""),
+            f"({last}){started}" + (f"; its log {self.paths.log} says: {tail}" if tail else
+                                    f"; see its log {self.paths.log}" if spawned_at else ""),
         )
 
     def _starting(self) -> bool:
@@ -506,14 +504,14 @@ class HostServer:
         for proc in self._spawned:
             if proc.poll() is None:
                 return True
-        return lock_held(self.paths)
+        return _launches(self.paths).running() or lock_held(self.paths)
 
     def _connect(self) -> _Connection:
         """A new connection with its handshake done, made current, within
         this handle's time limit (connect and handshake together)."""
         deadline = time.monotonic() + self.timeout_s
         try:
-            conn = _Connection(self.paths, self.timeout_s, self._commit_settled)
+            conn = _Connection(self.paths, self.timeout_s, self._lost)
         except FileNotFoundError as exc:
             raise StoreUnreachable(BUILD_CONNECTION_FAILED, "no store process is running", no_store=True) from exc
         except ConnectionRefusedError as exc:
@@ -547,8 +545,6 @@ class HostServer:
         conn.data_start = int(info["data_start"])
         self.max_batch = max(1, int(info.get("max_batch", DEFAULT_MAX_BATCH)))
         conn.committed = int(info.get("committed_bytes", 0))
-        conn.rooms = Rooms(max(0, int(info.get("room_bytes", 0))), max(0, int(info.get("room_entries", 0))),
-                           float(info.get("lease_timeout_s", 30.0)))
         if self.fault_in:
             arena.populate_behind(int(info.get("committed_bytes", 0)))  # a big store's: seconds
         with self._conn_lock:
@@ -556,6 +552,9 @@ class HostServer:
         if old is not None:
             old.break_off()
             self.reconnects += 1
+        launches = _launches(self.paths)
+        launches.failures, launches.not_before = 0, 0.0  # a store serves: a later launch is no retry
+        self._fence_lost(conn)
         asked = (self.capacity_requested, self.policy_requested)
         if self.spawn_allowed and asked != (info["capacity_bytes"], info["policy"]) and not self._warned:
             self._warned = True
@@ -577,15 +576,36 @@ class HostServer:
             current.retire()  # a restarted store: the old arena goes once unused
         return arena
 
-    def _spawn(self) -> bool:
+    def _spawn(self, backoff: bool = True) -> bool:
         """Start the store process, unless one holds the name's lock (it is
         running, starting, stopping or stalled: starting another would only
-        wait on the lock); whether one was started."""
+        wait on the lock); whether one was started. One launcher at a time
+        in this process; with ``backoff``, after a launch that brought no
+        store up, none before its back-off ends (``_Launches``)."""
         for proc in self._spawned:
             proc.poll()  # reap the short-lived launchers
         self._spawned = [p for p in self._spawned if p.returncode is None]
-        if lock_held(self.paths):
-            return False
+        launches = _launches(self.paths)
+        with _LAUNCHES_LOCK:  # one launch at a time in this process, whichever handle or thread asks
+            if launches.running() or lock_held(self.paths):
+                return False
+            now = time.monotonic()
+            if launches.proc is not None:  # the last launch is over, and no store holds the name: it failed
+                launches.proc = None
+                launches.failures += 1
+                launches.not_before = now + min(LAUNCH_BACKOFF_FIRST_S * 2 ** (launches.failures - 1),
+                                                LAUNCH_BACKOFF_MAX_S)
+                self._log.warning("launch", "host store %r: the store process this process started exited "
+                                  "without serving (%d time(s)); starting it again in %.0f s at the soonest; "
+                                  "its log %s says: %s", self.name, launches.failures,
+                                  launches.not_before - now, self.paths.log, _log_tail(self.paths.log))
+            if backoff and now < launches.not_before:
+                return False
+            launches.proc = self._launch()
+            self._spawned.append(launches.proc)
+        return True
+
+    def _launch(self) -> subprocess.Popen:
         cmd = [
             sys.executable, "-m", "sglang_simm.embedded._daemon", "--detach",
             "--dir", self.root, "--name", self.name,
@@ -594,29 +614,51 @@ class HostServer:
         ]
         if self.limits:
             cmd += ["--limits", json.dumps(self.limits)]
+        if self.force:
+            cmd.append("--force")
         env = dict(os.environ)
         # The store process must import this very package, wherever it came from.
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         logger.info("starting host store %r (%s, capacity %s, eviction %s)",
                     self.name, self.paths.socket, human_bytes(self.capacity_requested), self.policy_requested)
-        self._spawned.append(subprocess.Popen(
+        return subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             close_fds=True, start_new_session=True, env=env,
-        ))
-        return True
+        )
+
+    def _fence_lost(self, conn: _Connection) -> None:
+        """Tell the store, on ``conn``, that this process is done with the
+        leases of its lost connections whose copies are over (those still
+        copying are told of later)."""
+        done = [old for old in self._lost if old.closed]
+        if not done:
+            return
+        try:
+            with conn.lock:
+                for old in done:
+                    if not old.fenced and not conn.broken:
+                        conn.exchange(old.fence_frame(), reply=False)
+                        old.fenced = True
+        except OSError:
+            conn.break_off()
+        for old in done:
+            if old.fenced:
+                self._lost.remove(old)  # one at a time: a thread may append meanwhile
 
     def _current(self) -> _Connection:
         """The live connection, or a reconnection attempt (rate-limited, so a
         store that is down costs the data path nothing but the attempt)."""
         conn = self._conn
         if conn is not None and not conn.broken:
+            if self._lost:
+                self._fence_lost(conn)
             return conn
         if self.closed:
             raise StoreUnreachable(BUILD_CONNECTION_FAILED, "this handle is closed")
         now = time.monotonic()
         if now < self._retry_at:
-            raise StoreUnreachable(BUILD_CONNECTION_FAILED, "reconnecting to the store process")
+            raise StoreUnreachable(BUILD_CONNECTION_FAILED, "reconnecting to the store process" + self._launch_note())
         with self._conn_lock:
             conn = self._conn
             if conn is not None and not conn.broken:
@@ -628,7 +670,18 @@ class HostServer:
         except StoreUnreachable as exc:
             if self.spawn_allowed and exc.no_store:
                 self._spawn()  # the next attempt finds it up
+                note = self._launch_note()
+                if note:
+                    raise StoreUnreachable(exc.code, f"{exc}{note}", no_store=True) from exc
             raise
+
+    def _launch_note(self) -> str:
+        """What to add to an error while this process's launches of the
+        store fail: how often, and where its log is."""
+        failures = _launches(self.paths).failures if self.spawn_allowed else 0
+        if not failures:
+            return ""
+        return f"; the store process failed to start {failures} time(s): see its log {self.paths.log}"
 
     def _request(
         self, op: Op, *parts: bytes, conn: _Connection | None = None, timeout_s: float | None = None
@@ -693,197 +746,59 @@ class HostServer:
 
     def _put_batch(self, items: Sequence[tuple[str, int, int]], overwrite: bool) -> list[int]:
         n = len(items)
-        size = items[0][2] if n else 0
-        uniform = overwrite and n > 0 and all(s == size for _, _, s in items)
-        if uniform:
-            codes = self._put_in_room(items, size)
-            if codes is not None:
-                return codes
         part = encode_keys([k for k, _, _ in items])
-        conn, r = self._request(Op.PUT, bytes((int(overwrite),)), part, pack_ints([s for _, _, s in items]))
-        lease, committed = _ints(r, 2)
-        codes = _ints(r, n)
-        offsets = _ints(r, n)
-        if not lease:
-            return codes
-        # a backup: every entry reserved (counted in C, not picked one by one)
-        reserved = range(n) if codes.count(OK) == n else [i for i, code in enumerate(codes) if code == OK]
-        offs = _pick(offsets, reserved)
-        sizes = _pick([s for _, _, s in items], reserved)
-        ptrs = _pick([p for _, p, _ in items], reserved)
-        if not _in_arena(conn, offs, sizes):
-            self._send_one_way(conn, Op.ABORT, lease)
-            conn.break_off()
-            raise _bad_answer("PUT", "an offset outside the arena")
-        conn.committed = max(conn.committed, committed)
+        conn = self._current()
+        conn.enter()  # from before the PUT: its memory is ours until the copy is over
         try:
-            self._copy_in(conn, offs, sizes, ptrs)
-        except BaseException:
-            self._send_one_way(conn, Op.ABORT, lease)
-            raise
-        if overwrite:
-            # Then the COMMIT publishes every entry, unless the lease expired
-            # or the connection is lost: its reply is not waited for (read
-            # with the next one, ``_commit_settled``).
+            conn, r = self._request(Op.PUT, bytes((int(overwrite),)), part, pack_ints([s for _, _, s in items]),
+                                    conn=conn)
+            lease, committed = _ints(r, 2)
+            codes = _ints(r, n)
+            offsets = _ints(r, n)
+            if not lease:
+                return codes
+            # a backup: every entry reserved (counted in C, not picked one by one)
+            reserved = range(n) if codes.count(OK) == n else [i for i, code in enumerate(codes) if code == OK]
+            offs = _pick(offsets, reserved)
+            sizes = _pick([s for _, _, s in items], reserved)
+            ptrs = _pick([p for _, p, _ in items], reserved)
+            if not _in_arena(conn, offs, sizes):
+                self._send_one_way(conn, Op.ABORT, lease)
+                conn.break_off()
+                raise _bad_answer("PUT", "an offset outside the arena")
+            conn.committed = max(conn.committed, committed)
             try:
-                self._send_commit(conn, lease, len(reserved), ask_size=size if uniform else 0)
-            except StoreUnreachable as exc:
-                for i in reserved:
-                    codes[i] = exc.code
-            return codes
-        try:  # without overwrite another put of a key may win: its code is due
+                self._copy_in(conn, offs, sizes, ptrs)
+            except BaseException:
+                self._send_one_way(conn, Op.ABORT, lease)
+                raise
+        finally:
+            conn.leave()
+        # The copy is over: the COMMIT publishes it (or, with no overwrite,
+        # another put of a key wins).
+        try:
             _, r = self._request(Op.COMMIT, pack_i64(lease), conn=conn)
             final = _ints(r, len(reserved))
         except StoreUnreachable as exc:
-            final = [exc.code] * len(reserved)  # the lease died with the connection, or expired
+            final = [exc.code] * len(reserved)  # the connection was lost: the lease ends with its fence
         for i, code in zip(reserved, final):
             codes[i] = code
         return codes
 
     def _copy_in(self, conn: _Connection, offs: list[int], sizes: list[int], ptrs: list[int]) -> None:
-        """Copy a put's objects into its room in the arena."""
+        """Copy a put's objects into its room in the arena (the caller
+        counts the copy in flight: ``_Connection.enter``)."""
         arena = conn.arena
         base = arena.base
-        conn.enter()
-        try:
-            # What the store committed (a step ahead) is faulted in behind the
-            # puts; this one faults in its own pages where it got there first
-            # (unless they lie scattered among others: its copies fault them).
-            arena.populate_behind(conn.committed)
-            if offs:
-                lo, hi = min(offs), max(map(int.__add__, offs, sizes))
-                if hi - lo <= 2 * sum(sizes) + POPULATE_CHUNK:
-                    arena.populate(hi, lo)
-            copy_many(list(zip([base + o for o in offs], ptrs, sizes)))
-        finally:
-            conn.leave()
-
-    def _put_in_room(self, items: Sequence[tuple[str, int, int]], size: int) -> list[int] | None:
-        """A backup of objects of one size into the room this connection
-        holds, published by a COMMIT_ROOM whose reply is read later: no
-        wait. None where no room has space for it (the caller asks the
-        store, and a room is asked for on the way)."""
-        conn = self._conn
-        if conn is None or conn.broken or not conn.rooms.count_for(size):
-            return None
-        n = len(items)
-        with conn.lock:
-            if conn.broken:
-                return None
-            try:  # a room granted meanwhile, and COMMIT replies, if here
-                conn._take_received()
-                conn._settle(received_only=True)
-            except OSError:
-                conn.break_off()
-                return None
-            for old in conn.rooms.stale():
-                self._abort_room(conn, old)
-            got = conn.rooms.take(size, n)
-            if got is None:
-                return None
-            room, offs = got
-        try:
-            self._copy_in(conn, offs, [size] * n, [p for _, p, _ in items])
-        except BaseException:
-            with conn.lock:
-                for old in conn.rooms.failed(room):
-                    self._abort_room(conn, old)
-            raise
-        return self._send_commit_room(conn, room, [k for k, _, _ in items], offs)
-
-    def _send_commit_room(self, conn: _Connection, room: Room, keys: list[str], offs: list[int]) -> list[int]:
-        """Publish a backup copied into ``room`` without waiting for the
-        reply (read with a later one, ``_commit_settled``); and ask for
-        the next room, if one is due."""
-        n = len(keys)
-        body = frame(Op.COMMIT_ROOM, pack_i64(room.lease), encode_keys(keys), pack_ints(offs))
-        try:
-            with conn.lock:
-                if conn.broken:
-                    return [SEND_RPC_FAILED] * n
-                sent = time.monotonic()
-                conn.exchange(body, reply=False)
-                conn.pending.append(RoomCommit(n, room))
-                for old in conn.rooms.renewed(room, sent):
-                    self._abort_room(conn, old)
-                self._ask_room(conn, room.size)
-        except OSError:
-            conn.break_off()
-            return [SEND_RPC_FAILED] * n
-        return [OK] * n
-
-    def _ask_room(self, conn: _Connection, size: int) -> None:
-        """Send a RESERVE for objects of ``size`` bytes if one is due (the
-        caller holds ``conn.lock``); its reply is read with a later one."""
-        ask, drop = conn.rooms.ask(size)
-        for room in drop:
-            self._abort_room(conn, room)
-        if ask is not None:
-            conn.exchange(frame(Op.RESERVE, pack_i64(ask.size), pack_i64(ask.count)), reply=False)
-            conn.pending.append(ask)
-
-    def _abort_room(self, conn: _Connection, room: Room) -> None:
-        """Give a room back (the caller holds ``conn.lock``)."""
-        try:
-            conn.end_lease(Op.ABORT, room.lease)
-        except OSError:
-            conn.break_off()
-
-    def _send_commit(self, conn: _Connection, lease: int, entries: int, ask_size: int = 0) -> None:
-        """Send the COMMIT of ``lease`` (``entries`` reserved) without
-        waiting for its reply; and a RESERVE for objects of ``ask_size``
-        bytes, if one is due."""
-        try:
-            with conn.lock:
-                if conn.broken:
-                    raise StoreUnreachable(SEND_RPC_FAILED, "the connection to the store process was lost")
-                conn.exchange(frame(Op.COMMIT, pack_i64(lease)), reply=False)
-                conn.pending.append(entries)
-                if ask_size:
-                    self._ask_room(conn, ask_size)
-        except OSError as exc:
-            conn.break_off()  # the store drops the lease with the connection
-            raise StoreUnreachable(SEND_RPC_FAILED, f"the connection to the store process was lost ({exc})") from exc
-
-    def _commit_settled(self, op: int, body: bytes, entries: int) -> None:
-        """A COMMIT's reply, read after later requests went out: count and
-        log what it did not publish (``op`` -1: no reply will be read)."""
-        if op == -1:
-            self.commits_unconfirmed += entries
-            logger.debug("host store %r: %d backed-up entries' publish not confirmed (connection closed)",
-                         self.name, entries)
-            return
-        if op in (Op.COMMIT, Op.COMMIT_ROOM):
-            try:
-                codes = Reader(body).ints()
-            except wire.ProtocolError as exc:
-                raise ConnectionResetError(f"the store process answered COMMIT with {exc}") from exc
-            if len(codes) != entries:
-                raise ConnectionResetError(f"the store process answered COMMIT with {len(codes)} codes "
-                                           f"where {entries} were due")
-            failed = entries - codes.count(OK)
-            why = ", ".join(sorted({code_name(c) for c in codes if c != OK}))
-        elif op == Op.ERROR:
-            failed = entries
-            try:
-                why = str(Reader(body).json().get("error"))
-            except (ValueError, TypeError, AttributeError):
-                why = "an unreadable error"
-        else:
-            raise ConnectionResetError(f"the store process answered {op} to COMMIT")
-        if failed:
-            self.commit_failures += failed
-            self._log.warning("commit", "host store %r did not publish %d backed-up entries (%s): they read as "
-                              "misses (%d so far)", self.name, failed, why, self.commit_failures)
-
-    def settle(self) -> None:
-        """Wait for the replies of this handle's COMMITs sent so far (the
-        data path never does: a backup returns once its COMMIT is sent).
-        Afterwards every entry a put reported OK is published or counted in
-        ``commit_failures``."""
-        conn = self._conn
-        if conn is not None and not conn.broken and conn.pending:
-            self._request(Op.LOOKUP, encode_keys([]), conn=conn)
+        # What the store committed (a step ahead) is faulted in behind the
+        # puts; this one faults in its own pages where it got there first
+        # (unless they lie scattered among others: its copies fault them).
+        arena.populate_behind(conn.committed)
+        if offs:
+            lo, hi = min(offs), max(map(int.__add__, offs, sizes))
+            if hi - lo <= 2 * sum(sizes) + POPULATE_CHUNK:
+                arena.populate(hi, lo)
+        copy_many(list(zip([base + o for o in offs], ptrs, sizes)))
 
     def get_into(self, items: Sequence[tuple[str, int, int]]) -> list[int]:
         """Copy objects into ``(key, ptr, capacity)`` buffers: the object's
@@ -898,38 +813,40 @@ class HostServer:
     def _get_batch(self, items: Sequence[tuple[str, int, int]]) -> list[int]:
         n = len(items)
         part = encode_keys([k for k, _, _ in items])
-        conn, r = self._request(Op.GET, part, pack_ints([c for _, _, c in items]))
-        lease, slot = _ints(r, 2)
-        results = _ints(r, n)
-        offsets = _ints(r, n)
-        if not lease:
-            return results
-        # a restore: every entry there
-        hits = range(n) if min(results) >= 0 else [i for i, size in enumerate(results) if size >= 0]
-        offs, sizes = _pick(offsets, hits), _pick(results, hits)
-        caps = _pick([c for _, _, c in items], hits)
-        ptrs = _pick([p for _, p, _ in items], hits)
-        arena = conn.arena
-        if (not _in_arena(conn, offs, sizes)
-                or any(map(gt, sizes, caps))
-                or not 0 <= slot < conn.data_start // 8):
-            self._send_one_way(conn, Op.RELEASE, lease)
-            conn.break_off()
-            raise _bad_answer("GET", "an offset, size or lease slot outside what this client mapped")
-        base = arena.base
-        copies = list(zip(ptrs, [base + o for o in offs], sizes))
-        conn.enter()
+        conn = self._current()
+        conn.enter()  # from before the GET: the pinned bytes are ours until the copy is over
         try:
-            copy_many(copies)
-            # The lease must still be ours after the copy: one that expired
-            # meanwhile may have let the store reuse those bytes.
-            if ctypes.c_int64.from_address(base + 8 * slot).value != lease:
-                for i in hits:
-                    results[i] = DS_KEY_NOT_FOUND
+            conn, r = self._request(Op.GET, part, pack_ints([c for _, _, c in items]), conn=conn)
+            lease, slot = _ints(r, 2)
+            results = _ints(r, n)
+            offsets = _ints(r, n)
+            if not lease:
+                return results
+            # a restore: every entry there
+            hits = range(n) if min(results) >= 0 else [i for i, size in enumerate(results) if size >= 0]
+            offs, sizes = _pick(offsets, hits), _pick(results, hits)
+            caps = _pick([c for _, _, c in items], hits)
+            ptrs = _pick([p for _, p, _ in items], hits)
+            if (not _in_arena(conn, offs, sizes)
+                    or any(map(gt, sizes, caps))
+                    or not 0 < slot < conn.data_start // (8 * LEASE_WORDS)):
+                self._send_one_way(conn, Op.RELEASE, lease)
+                conn.break_off()
+                raise _bad_answer("GET", "an offset, size or lease slot outside what this client mapped")
+            base = conn.arena.base
+            try:
+                copy_many(list(zip(ptrs, [base + o for o in offs], sizes)))
+                # The lease must still be the store's after the copy: a store
+                # process that died meanwhile and whose successor was never
+                # told of it (no record) may have reused those bytes.
+                if ctypes.c_int64.from_address(base + 8 * LEASE_WORDS * slot).value != lease:
+                    for i in hits:
+                        results[i] = DS_KEY_NOT_FOUND
+            finally:
+                self._send_one_way(conn, Op.RELEASE, lease)
+            return results
         finally:
             conn.leave()
-            self._send_one_way(conn, Op.RELEASE, lease)
-        return results
 
     def delete(self, key: str) -> int:
         part = encode_keys([key])
@@ -958,8 +875,7 @@ class HostServer:
         ``clients``, ``pinned_objects``, ...) and ``injected_errors`` here."""
         out = self.status()
         out["injected_errors"] = self.faults.injected
-        out["commit_failures"] = self.commit_failures
-        out["commits_unconfirmed"] = self.commits_unconfirmed
+        out["unfenced_connections"] = len(self._lost)
         return out
 
     @property
@@ -1017,7 +933,8 @@ class HostServer:
 
     def close(self) -> None:
         """Drop this handle's connection (the store keeps running) and its
-        mapping of the arena, once no copy into it is in flight. The thread
+        mapping of the arena, once no copy into it is in flight (the last
+        copy unmaps it; a new one is refused). The thread
         faulting the arena in behind stops at its next chunk; it is waited
         for (briefly), so a closed handle no longer takes memory back that
         the store gives up (a clear)."""
@@ -1097,7 +1014,8 @@ def _check_hello(info: Any) -> None:
 
 def _log_tail(path: str, lines: int = 3) -> str:
     try:
-        with open(path, errors="replace") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, errors="replace") as f:
             return " | ".join(line.strip() for line in f.readlines()[-lines:])
     except OSError:
         return ""

@@ -8,18 +8,12 @@ themselves, between their own memory and the shared arena, inside
 * a put is two steps. ``begin_put`` reserves room (evicting as needed) and
   hands out offsets; the client copies into them; ``commit_put`` publishes
   the objects. Until then nobody can see them, so a writer killed in the
-  middle of a batch leaves nothing torn behind: ``drop_owner`` (its
-  connection closed) returns the reserved extents.
-* a *room* is a put lease whose keys come later (``reserve_room``): the
-  client copies a backup into some of its extents and publishes them with
-  ``commit_room``, which needs no reply, so a small backup waits for no
-  round trip. The rest of the room stays reserved for the next backups;
-  each commit renews the lease.
+  middle of a batch leaves nothing torn behind: once its process is gone
+  (``reap``) the reserved extents come back.
 * a get pins the objects it hands out (``begin_get``); ``release`` unpins
   them after the client's copy. An object deleted, overwritten or evicted
   while pinned disappears from the index at once but keeps its extent until
   the last pin goes, so a reader never copies bytes that are being reused.
-  A reader killed mid-get unpins through ``drop_owner``.
 
 Capacity is in object bytes (what a put stores, as the in-process store and
 SiMM count it); the arena is larger by some slack, for alignment and holes.
@@ -27,14 +21,26 @@ Eviction takes the oldest unpinned object: FIFO by default, as SiMM's data
 server behaves (it has no access bit: ``src/data_server/kv_cache_evictor.cc``
 at HEAD), or LRU, where a get makes an object young again.
 
-Leases belong to the connection that took them: another connection's
-COMMIT, ABORT or RELEASE is refused (``LeaseError``). A lease older than
-the lease time limit expires (``expire``): a get lease's pins are dropped
-and its word in the arena's lease table cleared, so the reader, which
-checks that word after its copy, reports a miss instead of bytes that may
-have been reused meanwhile; a put lease's room stops counting against the
-capacity but its extents stay quarantined until its connection closes,
-since its writer may still be copying into them.
+Leases follow one rule (docs/local-store.md, at the top): memory granted
+to a client, for a put or a read, is never granted to anyone else until
+that client has said it is done with it or its process is gone. Not on a
+timer, not when its connection closes, not across a store crash:
+
+* a lease belongs to its *owner*, the connection that took it; another
+  connection's COMMIT, ABORT or RELEASE is refused (``LeaseError``);
+* a connection that closes (``disconnect``), whoever closed it, leaves its
+  leases to its *process* (pid and start time, so a reused pid is another
+  process): they stay held until that process says it is done with them
+  (``fence``, naming the connection) or is gone (``reap``);
+* every grant is written to the lease table in the arena before its reply
+  is sent (lease id, pid, start time, connection, the span it covers), so
+  the next store process keeps the spans of owners still alive out of use
+  (``restore``'s holds) until they fence or die. Lease ids carry the store
+  process's epoch in their high bits: a reader's after-copy check never
+  passes on a later process's lease;
+* one connection holds at most ``max_leases_per_connection`` leases, and
+  put room past its largest batch only within ``capacity / HELD_SHARE``,
+  so a stopped or misbehaving client holds a bounded share.
 
 Every object also lives in the crash-consistent table (``_table``), when
 one is given, so the next store process of the name can take it over.
@@ -47,16 +53,18 @@ maps them as the real client does.
 
 from __future__ import annotations
 
+import bisect
 import itertools
-import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_simm.embedded._allocator import ExtentAllocator, aligned
+from sglang_simm.embedded._arena import LEASE_WORDS
 from sglang_simm.embedded._limits import StoreLimits, key_ok
+from sglang_simm.embedded._table import SlotPool
 from sglang_simm.errors import (
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
@@ -72,8 +80,13 @@ from sglang_simm.errors import (
 from sglang_simm.keys import warmup_keys
 
 EVICTION_POLICIES = ("fifo", "lru")
-#: All rooms together hold at most this fraction of the capacity (1 / it).
-ROOMS_SHARE = 8
+#: While a connection holds put room, more is granted to it only within
+#: this fraction of the capacity (1 / it); a put of its own is always
+#: granted when it holds none (its largest batch).
+HELD_SHARE = 4
+#: Lease ids are ``epoch << EPOCH_SHIFT | sequence``: unique across store
+#: processes of one arena (the epoch is kept in the lease table).
+EPOCH_SHIFT = 40
 
 
 def check_policy(policy: object) -> str:
@@ -99,11 +112,11 @@ STAT_NAMES = (
     "recovered",  # objects taken over from a store process that died
     "refused_key",  # entries with a key past 256 bytes
     "refused_size",  # entries with a negative size or one past SiMM's limit
-    "refused_leases",  # batches refused because max_leases were open
-    "refused_lease_owner",  # COMMIT/ABORT/RELEASE of another connection's lease
-    "refused_lease_expired",  # leases that outlived the lease time limit
-    "rooms_granted",  # rooms granted (put room a client holds for its next backups)
-    "refused_room",  # room entries naming an extent not in the room, or a bad key
+    "refused_leases",  # batches refused: max_leases open, or the connection's share held
+    "refused_lease_owner",  # COMMIT/ABORT/RELEASE/FENCE of another connection's or process's lease
+    "fenced",  # leases of closed connections ended by their process's fence
+    "reaped",  # leases of closed connections ended because their process was gone
+    "held_at_takeover",  # grants of a dead store process whose owners lived: kept out of use
     # Of the puts and hits, those of warm-up keys (``keys.WARMUP_KEY_PREFIX``):
     # a backend's start-up round trip, so that pages counted from these
     # counters (puts minus these, over objects per page) leave it out.
@@ -136,19 +149,47 @@ class _Object:
 
 @dataclass(slots=True)
 class _Lease:
-    owner: int
-    #: put: (entry index, key, object); get: the pinned objects
+    owner: Hashable
+    #: put: (entry index, key, object); a takeover's hold: (-1, b"", free extent)
     items: list = field(default_factory=list)
     overwrite: bool = False
     is_put: bool = True
-    started: float = 0.0
-    slot: int = 0  # its word in the lease table
+    slot: int = 0  # its record in the lease table
+    #: get and hold: the pinned objects
+    pinned: list = field(default_factory=list)
+    held_bytes: int = 0  # put room counted against its owner's share
+
+
+@dataclass(slots=True)
+class _Holder:
+    """Who holds leases: a connection, or once it closed, its process."""
+
+    pid: int
+    start: int  # the process's start time (``/proc/PID/stat``): a reused pid is another process
+    leases: set = field(default_factory=set)
+    connected: bool = True
+    #: its process said it is done with this connection's leases while the
+    #: store still saw it open: they end when it closes
+    fenced: bool = False
+    put_bytes: int = 0
+
+
+def lease_records(words: Any, slots: int) -> tuple[int, list[tuple[int, ...]]]:
+    """The epoch and the open grants ``(slot, lease id, pid, start, conn,
+    lo, hi)`` a lease table holds (a dead store process's, at takeover)."""
+    epoch = int(words[0])
+    out = []
+    for slot in range(1, slots):
+        at = slot * LEASE_WORDS
+        lease_id = int(words[at])
+        if lease_id > 0:
+            out.append((slot, lease_id, *(int(w) for w in words[at + 1:at + LEASE_WORDS])))
+    return epoch, out
 
 
 class _NoTable:
     """The table's surface for an index kept in memory only (unit tests)."""
 
-    def raise_high_water(self, end: int) -> None: ...
     def commit(self, *args: object) -> None: ...
     def free(self, *args: object) -> None: ...
     def clear(self) -> None: ...
@@ -161,9 +202,10 @@ class StoreIndex:
     committed (less than ``end``: the host has no memory left for it).
 
     ``data_start``: the first byte objects may use (the lease table lies
-    before it); ``lease_words``: that table, one int64 per lease slot (a
-    lease's id while it is open, else 0); ``table``: the crash-consistent
-    index (``_table.IndexTable``)."""
+    before it); ``lease_words``: that table, ``LEASE_WORDS`` int64 words per
+    lease slot (``lease_records``), zeroed but for the holds ``restore``
+    keeps; ``epoch``: this store process's number (lease ids carry it);
+    ``table``: the crash-consistent index (``_table.IndexTable``)."""
 
     def __init__(
         self,
@@ -176,7 +218,8 @@ class StoreIndex:
         data_start: int = 0,
         lease_words: Any = None,
         table: Any = None,
-        clock: Callable[[], float] = time.monotonic,
+        max_objects: int | None = None,
+        epoch: int = 1,
     ) -> None:
         self.set_policy(policy)
         self.alloc = ExtentAllocator(arena_bytes)
@@ -186,27 +229,26 @@ class StoreIndex:
         self.data_start = data_start
         self.capacity = self._check_capacity(capacity)
         self.limits = limits or StoreLimits()
-        self.max_objects = self.limits.objects_for(capacity)
+        #: the table's entries (a taken-over table keeps its own number)
+        self.max_objects = max_objects if max_objects is not None else self.limits.objects_for(capacity)
         self._commit = commit or (lambda end: end)
         self._committed = 0
         self.objects: OrderedDict[bytes, _Object] = OrderedDict()  # oldest first
         self.used = 0  # bytes of published objects
         self.reserved = 0  # bytes of puts between begin and commit
         self._leases: dict[int, _Lease] = {}
-        #: the put leases that are rooms: extents with no keys yet, published
-        #: a few at a time (``commit_room``)
-        self._rooms: set[int] = set()
-        self._by_owner: dict[int, set[int]] = {}
-        self._ids = itertools.count(1)
+        self._holders: dict[Hashable, _Holder] = {}
+        if not 0 < epoch < 1 << (63 - EPOCH_SHIFT):
+            raise ValueError(f"epoch {epoch} out of range")
+        self.epoch = epoch
+        self._ids = itertools.count((epoch << EPOCH_SHIFT) + 1)
         self._next_seq = 1  # publish order, kept in the table
-        self._high_water = data_start  # recorded in the table: room is handed out below it only
-        self._lease_words = lease_words if lease_words is not None else [0] * self.limits.max_leases
-        self._lease_slots = array("q", range(self.limits.max_leases - 1, -1, -1))
+        slots = self.limits.max_leases + 1  # slot 0: the header
+        self._lease_words = lease_words if lease_words is not None else [0] * (slots * LEASE_WORDS)
+        self._lease_words[0] = epoch
+        self._lease_slots = array("q", range(slots - 1, 0, -1))
         self._table = table if table is not None else _NoTable()
-        self._slots = array("q", range(self.max_objects - 1, -1, -1))
-        #: expired put leases' extents, by owner: freed when it is gone
-        self._quarantine: dict[int, list[_Object]] = {}
-        self._clock = clock
+        self._slots = SlotPool(self.max_objects)
         self.stats = dict.fromkeys(STAT_NAMES, 0)
         #: bytes the capacity was lowered to when the host ran out of memory
         self.memory_limited: int | None = None
@@ -225,11 +267,13 @@ class StoreIndex:
 
     # -- taking over a dead store's objects -----------------------------------
 
-    def restore(self, recovered: Any, quarantine_owner: int) -> int:
+    def restore(self, recovered: Any, holds: Sequence[tuple[int, ...]] = ()) -> int:
         """Publish what a dead store process's table held (``_table.Recovered``),
-        oldest first, and hold the free space below its high-water mark
-        (where its writers may still be copying) under ``quarantine_owner``
-        (released with ``drop_owner``); how many objects."""
+        oldest first; how many objects. ``holds``: its grants whose owners
+        still live (``lease_records``, their records still in the lease
+        table): each keeps its slot, its id and its span, whose free bytes
+        stay out of use and whose objects stay pinned, until its owner
+        fences (naming the dead process's epoch) or is gone."""
         align = self.alloc.align
         extents = sorted((o, aligned(max(s, 1), align)) for o, s in zip(recovered.offsets, recovered.sizes))
         clean, end = [], self.data_start
@@ -238,15 +282,7 @@ class StoreIndex:
                 continue
             clean.append((offset, length))
             end = offset + length
-        high = aligned(max(recovered.high_water, end), align)
-        quarantined, at = [], self.data_start
-        for offset, length in clean:
-            if offset > at:
-                quarantined.append(_Object(at, offset - at))
-            at = offset + length
-        if high > at:
-            quarantined.append(_Object(at, min(high, self.alloc.size) - at))
-        self.alloc.take_used(sorted(clean + [(q.offset, q.size) for q in quarantined]))
+        self.alloc.take_used(clean)
         keep = set(clean)
         taken_slots = set()
         for key, offset, size, slot in zip(recovered.keys, recovered.offsets, recovered.sizes, recovered.slots):
@@ -261,17 +297,42 @@ class StoreIndex:
             self.objects[key] = _Object(offset, size, slot)
             self.used += size
             taken_slots.add(slot)
-        if quarantined:
-            self._quarantine[quarantine_owner] = quarantined
-        self._table.raise_high_water(high)
-        self._high_water = high
         if taken_slots:
-            self._slots = array("q", (s for s in range(self.max_objects - 1, -1, -1) if s not in taken_slots))
+            self._slots = SlotPool(self.max_objects, taken_slots)
         if recovered.seqs:
             self._next_seq = max(recovered.seqs) + 1
+        self._hold(holds)
         self._committed = self._commit(self.alloc.high_water())
         self.stats["recovered"] = len(self.objects)
         return len(self.objects)
+
+    def _hold(self, holds: Sequence[tuple[int, ...]]) -> None:
+        """Keep the spans of a dead store process's live grants out of use."""
+        if not holds:
+            return
+        by_offset = sorted(((obj.offset, obj) for obj in self.objects.values()), key=lambda t: t[0])
+        starts = [o for o, _ in by_offset]
+        taken_slots = set()
+        for slot, lease_id, pid, start, conn, lo, hi in holds:
+            lo, hi = max(lo, self.data_start), min(hi, self.alloc.size)
+            gaps = [(max(a, lo), min(b, hi)) for a, b in self.alloc.free_extents() if a < hi and b > lo]
+            self.alloc.take_used([(a, b - a) for a, b in gaps])
+            items = [(-1, b"", _Object(a, b - a)) for a, b in gaps]
+            pinned = []
+            for _, obj in by_offset[max(bisect.bisect_right(starts, lo) - 1, 0):bisect.bisect_left(starts, hi)]:
+                if obj.offset < hi and obj.offset + aligned(max(obj.size, 1)) > lo:
+                    obj.pins += 1
+                    pinned.append(obj)
+            owner = (lease_id >> EPOCH_SHIFT, conn)
+            holder = self._holders.get(owner)
+            if holder is None:
+                holder = self._holders[owner] = _Holder(pid, start, connected=False)
+            lease = _Lease(owner, items, is_put=False, slot=slot, pinned=pinned)
+            self._leases[lease_id] = lease
+            holder.leases.add(lease_id)
+            taken_slots.add(slot)
+            self.stats["held_at_takeover"] += 1
+        self._lease_slots = array("q", (s for s in self._lease_slots if s not in taken_slots))
 
     # -- room ---------------------------------------------------------------
 
@@ -321,7 +382,7 @@ class StoreIndex:
         self._slots.extend(slots)
         align = self.alloc.align
         run_start = run_end = -1
-        for offset, size in sorted((obj.offset, aligned(obj.size, align)) for _, obj in victims):
+        for offset, size in sorted((obj.offset, aligned(max(obj.size, 1), align)) for _, obj in victims):
             if offset != run_end:
                 if run_end > run_start:
                     self.alloc.free(run_start, run_end - run_start)
@@ -393,7 +454,7 @@ class StoreIndex:
             todo = self._admissible(keys, sizes, overwrite, codes)
         if not todo:
             return 0, codes, offsets
-        if not self._lease_slots:
+        if not self._may_lease(owner, sum([sizes[i] for i in todo])):
             for i in todo:
                 codes[i] = DS_CACHE_POOL_ALLOC_FAILED
             stats["refused_leases"] += 1
@@ -418,10 +479,8 @@ class StoreIndex:
             end = max(end, offset + sizes[i])
         if not items:
             return 0, codes, offsets
-        if end > self._high_water:  # recorded before the room is handed out
-            self._high_water = aligned(end, self.alloc.align)
-            self._table.raise_high_water(self._high_water)
-        return self._lease(_Lease(owner, items, overwrite, True)), codes, offsets
+        lease = _Lease(owner, items, overwrite, True, held_bytes=sum([obj.size for _, _, obj in items]))
+        return self._lease(lease), codes, offsets
 
     def _admissible(self, keys: Sequence[bytes], sizes: Sequence[int], overwrite: bool,
                     codes: list[int]) -> list[int]:
@@ -471,10 +530,7 @@ class StoreIndex:
                 self.alloc.free(offset, size)
             return [], 0
         self.reserved += size * len(run)
-        slots = self._slots
-        taken = slots[len(slots) - len(run):]
-        del slots[len(slots) - len(run):]
-        taken.reverse()  # as one pop() at a time would hand them out
+        taken = self._slots.take(len(run))  # as one pop() at a time would hand them out
         placed = todo[:len(run)]
         for i, offset in zip(placed, run):
             offsets[i] = offset
@@ -485,10 +541,6 @@ class StoreIndex:
         entry (OK, or DS_DATA_ALREADY_EXISTS when another put of the key,
         without overwrite, was published first). ``owner``: the connection
         asking, refused (``LeaseError``) unless the lease is its own."""
-        lease = self._leases.get(lease_id)
-        if lease_id in self._rooms and (owner is None or lease.owner == owner):
-            raise LeaseError(INVALID_ARGUMENT, f"lease {lease_id} is a room: its extents are published with "
-                             "COMMIT_ROOM, naming a key for each")
         lease = self._end_lease(lease_id, is_put=True, owner=owner)
         return self._publish(lease.items, lease.overwrite)
 
@@ -521,74 +573,6 @@ class StoreIndex:
         self.stats["bytes_in"] += published_bytes
         self.stats["warmup_puts"] += warmups
         return out
-
-    # -- rooms ----------------------------------------------------------------
-
-    def open_rooms(self, owner: int) -> int:
-        return sum(1 for lease_id in self._by_owner.get(owner, ()) if lease_id in self._rooms)
-
-    def room_bytes_held(self) -> int:
-        """Bytes held in every room, not yet published."""
-        return sum([obj.size for lease_id in self._rooms for _, _, obj in self._leases[lease_id].items])
-
-    def reserve_room(self, owner: int, size: int, count: int) -> tuple[int, list[int]]:
-        """Up to ``count`` extents of ``size`` bytes held for ``owner``'s
-        later backups (``commit_room``), placed and evicted for as a put's
-        are: ``(lease, offsets)``, lease 0 when none could be placed. The
-        caller bounds one room (the daemon: ``room_bytes``); all rooms
-        together hold at most ``1 / ROOMS_SHARE`` of the capacity, so that
-        however many connections hold rooms, they never evict the cache
-        for room nobody writes: past it, fewer extents or none (lease 0)."""
-        share = self.capacity // ROOMS_SHARE - self.room_bytes_held()
-        count = min(count, max(share, 0) // max(size, 1))
-        if count < 1:
-            return 0, []
-        lease_id, codes, offsets = self.begin_put(owner, [b""] * count, [size] * count, True)
-        if not lease_id:
-            return 0, []
-        self._rooms.add(lease_id)
-        self.stats["rooms_granted"] += 1
-        return lease_id, [offset for offset, code in zip(offsets, codes) if code == OK]
-
-    def commit_room(self, lease_id: int, owner: int, keys: Sequence[bytes],
-                    offsets: Sequence[int]) -> list[int]:
-        """Publish the room's extents at ``offsets`` under ``keys`` (an
-        overwriting put each): a code per entry. An offset that is not a free
-        extent of this room, or a key past SiMM's limit, is refused
-        (INVALID_ARGUMENT) and harms nothing else; a refused key's extent
-        is given back. The room's lease is renewed; it ends once every
-        extent is used."""
-        if lease_id not in self._rooms:
-            raise LeaseError(SEND_RPC_FAILED, f"no open room {lease_id} (expired, or never granted)")
-        lease = self._leases[lease_id]
-        if lease.owner != owner:
-            self.stats["refused_lease_owner"] += 1
-            raise LeaseError(INVALID_ARGUMENT, f"room {lease_id} belongs to another connection")
-        spare = {item[2].offset: item for item in lease.items}
-        codes = [INVALID_ARGUMENT] * len(keys)
-        taken: list[tuple[int, bytes, _Object]] = []
-        dropped: list[_Object] = []
-        for i, (key, offset) in enumerate(zip(keys, offsets)):
-            item = spare.pop(offset, None)
-            if item is None:
-                self.stats["refused_room"] += 1
-            elif not key_ok(key):
-                self.stats["refused_room"] += 1
-                self.stats["refused_key"] += 1
-                dropped.append(item[2])
-            else:
-                taken.append((i, key, item[2]))
-        for obj in dropped:
-            self.reserved -= obj.size
-            self.alloc.free(obj.offset, obj.size)
-            self._release_slot(obj)
-        lease.items = list(spare.values())
-        lease.started = self._clock()
-        if not lease.items:
-            self._end_lease(lease_id, is_put=True, owner=owner)
-        for i, code in self._publish(taken, True):
-            codes[i] = code
-        return codes
 
     def _publish_one_by_one(self, items: list, overwrite: bool) -> list[tuple[int, int]]:
         """A put lease whose keys were published meanwhile, or that names one
@@ -627,7 +611,7 @@ class StoreIndex:
         stats["gets"] += n
         pinned = []
         lru = self.policy == "lru"
-        full = not self._lease_slots
+        full = not self._may_lease(owner, 0)
         for i, (key, cap) in enumerate(zip(keys, capacities)):
             obj = objects.get(key)
             if obj is None:
@@ -656,15 +640,15 @@ class StoreIndex:
             stats["warmup_hits"] += warmup_keys([key for key, r in zip(keys, results) if r >= 0])
         if not pinned:
             return 0, results, offsets
-        return self._lease(_Lease(owner, pinned, False, False)), results, offsets
+        return self._lease(_Lease(owner, is_put=False, pinned=pinned)), results, offsets
 
     def lease_slot(self, lease_id: int) -> int:
         lease = self._leases.get(lease_id)
         return lease.slot if lease is not None else -1
 
-    def release(self, lease_id: int, owner: int | None = None) -> None:
+    def release(self, lease_id: int, owner: Hashable | None = None) -> None:
         """Unpin a get lease, or abort a put lease (its room is returned).
-        An unknown lease (expired, or released already) is ignored; another
+        An unknown lease (released already) is ignored; another
         connection's is refused (``LeaseError``)."""
         lease = self._leases.get(lease_id)
         if lease is not None:
@@ -672,100 +656,160 @@ class StoreIndex:
             self._undo(lease)
 
     def _undo(self, lease: _Lease) -> None:
-        if lease.is_put:
-            slots = []
-            for _, _, obj in lease.items:
+        slots = []
+        for _, _, obj in lease.items:
+            if lease.is_put:
                 self.reserved -= obj.size
-                self.alloc.free(obj.offset, obj.size)
-                if obj.slot >= 0:
-                    slots.append(obj.slot)
+                self.stats["aborted"] += 1
+            self.alloc.free(obj.offset, obj.size)
+            if obj.slot >= 0:
+                slots.append(obj.slot)
+        if slots:
             self._table.free(slots)
             self._slots.extend(slots)
-            self.stats["aborted"] += len(lease.items)
-            return
-        for obj in lease.items:
+        for obj in lease.pinned:
             obj.pins -= 1
             if not obj.pins and not obj.live:
                 self.alloc.free(obj.offset, obj.size)
 
-    # -- leases -----------------------------------------------------------------
+    # -- leases: owners, fences, takeover -------------------------------------------
+
+    def connect(self, owner: Hashable, pid: int, start: int) -> None:
+        """A connection of process ``pid`` (started at ``start``) is open."""
+        self._holders[owner] = _Holder(pid, start)
+
+    def _holder(self, owner: Hashable) -> _Holder:
+        holder = self._holders.get(owner)
+        if holder is None:  # an owner never connected (unit tests): a process of its own
+            holder = self._holders[owner] = _Holder(0, 0)
+        return holder
+
+    def _may_lease(self, owner: Hashable, put_bytes: int) -> bool:
+        """Whether ``owner`` may open one more lease holding ``put_bytes`` of
+        put room: a free slot, under its own count, and within its share
+        (any put when it holds no put room: its largest batch)."""
+        if not self._lease_slots:
+            return False
+        holder = self._holder(owner)
+        if len(holder.leases) >= self.limits.max_leases_per_connection:
+            return False
+        return not put_bytes or not holder.put_bytes or holder.put_bytes + put_bytes <= self.capacity // HELD_SHARE
 
     def _lease(self, lease: _Lease) -> int:
+        """Open ``lease``: its record goes into the lease table (id last)
+        before the caller answers with its offsets."""
         lease_id = next(self._ids)
-        lease.started = self._clock()
-        lease.slot = self._lease_slots.pop()
-        self._lease_words[lease.slot] = lease_id
+        lease.slot = slot = self._lease_slots.pop()
+        holder = self._holder(lease.owner)
+        spans = [(obj.offset, obj.offset + aligned(max(obj.size, 1))) for _, _, obj in lease.items]
+        spans += [(obj.offset, obj.offset + aligned(max(obj.size, 1))) for obj in lease.pinned]
+        at = slot * LEASE_WORDS
+        words = self._lease_words
+        words[at + 1] = holder.pid
+        words[at + 2] = holder.start
+        words[at + 3] = lease.owner if isinstance(lease.owner, int) else -1
+        words[at + 4] = min([a for a, _ in spans])
+        words[at + 5] = max([b for _, b in spans])
+        words[at] = lease_id
         self._leases[lease_id] = lease
-        self._by_owner.setdefault(lease.owner, set()).add(lease_id)
+        holder.leases.add(lease_id)
+        holder.put_bytes += lease.held_bytes
         return lease_id
 
-    def _end_lease(self, lease_id: int, *, is_put: bool, owner: int | None = None) -> _Lease:
+    def _end_lease(self, lease_id: int, *, is_put: bool, owner: Hashable | None = None) -> _Lease:
         lease = self._leases.get(lease_id)
         if lease is None or lease.is_put != is_put:
             raise LeaseError(
-                SEND_RPC_FAILED, f"no open {'put' if is_put else 'get'} lease {lease_id} (expired, or never granted)"
+                SEND_RPC_FAILED, f"no open {'put' if is_put else 'get'} lease {lease_id} (ended, or never granted)"
             )
         if owner is not None and lease.owner != owner:
             self.stats["refused_lease_owner"] += 1
             raise LeaseError(INVALID_ARGUMENT, f"lease {lease_id} belongs to another connection")
-        del self._leases[lease_id]
-        self._rooms.discard(lease_id)
-        self._lease_words[lease.slot] = 0
-        self._lease_slots.append(lease.slot)
-        owned = self._by_owner[lease.owner]
-        owned.discard(lease_id)
-        if not owned:
-            del self._by_owner[lease.owner]
+        self._forget(lease_id, lease)
         return lease
 
-    def expire(self, max_age_s: float | None = None) -> int:
-        """End the leases older than ``max_age_s`` (the lease time limit):
-        unpin gets (their readers' check then fails), quarantine puts' room
-        until their connection is gone. How many expired."""
-        limit = self.limits.lease_timeout_s if max_age_s is None else max_age_s
-        cutoff = self._clock() - limit
-        old = [lid for lid, lease in self._leases.items() if lease.started <= cutoff]
-        for lease_id in old:
-            self._expire_lease(lease_id)
-        self.stats["refused_lease_expired"] += len(old)
-        return len(old)
+    def _forget(self, lease_id: int, lease: _Lease) -> None:
+        del self._leases[lease_id]
+        self._lease_words[lease.slot * LEASE_WORDS] = 0
+        self._lease_slots.append(lease.slot)
+        holder = self._holders.get(lease.owner)
+        if holder is not None:
+            holder.leases.discard(lease_id)
+            holder.put_bytes -= lease.held_bytes
+            if not holder.connected and not holder.leases:
+                del self._holders[lease.owner]
 
-    def _expire_lease(self, lease_id: int) -> None:
-        lease = self._end_lease(lease_id, is_put=self._leases[lease_id].is_put)
-        if lease.is_put:
-            for _, _, obj in lease.items:
-                self.reserved -= obj.size  # room no longer held against capacity
-            self._quarantine.setdefault(lease.owner, []).extend(obj for _, _, obj in lease.items)
-        else:
-            self._undo(lease)
-
-    def drop_owner(self, owner: int) -> int:
-        """A client is gone: abort its puts, unpin its gets and free its
-        quarantined room; how many leases it held."""
-        lease_ids = self._by_owner.pop(owner, set())
+    def drop_owner(self, owner: Hashable) -> int:
+        """End every lease of ``owner`` (its process is done with them, or
+        gone): abort its puts, unpin its gets; how many it held."""
+        holder = self._holders.pop(owner, None)
+        if holder is None:
+            return 0
+        lease_ids = list(holder.leases)
+        holder.connected = False
         for lease_id in lease_ids:
-            lease = self._leases.pop(lease_id)
-            self._rooms.discard(lease_id)
-            self._lease_words[lease.slot] = 0
-            self._lease_slots.append(lease.slot)
+            lease = self._leases[lease_id]
+            self._forget(lease_id, lease)
             self._undo(lease)
-        slots = []
-        for obj in self._quarantine.pop(owner, ()):
-            self.alloc.free(obj.offset, obj.size)
-            if obj.slot >= 0:
-                slots.append(obj.slot)
-        self._table.free(slots)
-        self._slots.extend(slots)
         return len(lease_ids)
 
-    def open_leases(self, owner: int | None = None) -> int:
+    def disconnect(self, owner: Hashable) -> int:
+        """``owner``'s connection closed, whoever closed it: its leases stay
+        held by its process (a thread of it may still be copying) unless it
+        fenced them already; how many are left held."""
+        holder = self._holders.get(owner)
+        if holder is None:
+            return 0
+        if holder.fenced or not holder.leases:
+            self.drop_owner(owner)
+            return 0
+        holder.connected = False
+        return len(holder.leases)
+
+    def fence(self, owner: Hashable, pid: int, *, own: bool = False) -> int:
+        """Process ``pid`` says it is done with every lease of connection
+        ``owner`` (``own``: the connection asking): they end, now if it is
+        closed or asking, else when it closes. How many ended; a fence of
+        another process's connection is refused (``LeaseError``)."""
+        holder = self._holders.get(owner)
+        if holder is None:
+            return 0
+        if holder.pid != pid:
+            self.stats["refused_lease_owner"] += 1
+            raise LeaseError(INVALID_ARGUMENT, f"connection {owner} is another process's")
+        if holder.connected and not own:
+            holder.fenced = True
+            return 0
+        ended = self.drop_owner(owner)
+        if own:
+            self._holders[owner] = _Holder(holder.pid, holder.start)
+        self.stats["fenced"] += ended
+        return ended
+
+    def reap(self, alive: Callable[[int, int], bool]) -> int:
+        """End the leases of closed connections whose process is gone
+        (``alive(pid, start)`` false); how many."""
+        gone = [owner for owner, h in self._holders.items() if not h.connected and not alive(h.pid, h.start)]
+        ended = sum(self.drop_owner(owner) for owner in gone)
+        self.stats["reaped"] += ended
+        return ended
+
+    def held_by_closed(self) -> tuple[int, int, list[int]]:
+        """Leases of closed connections: how many, the bytes they keep out of
+        use (put room and held spans), and their pids."""
+        leases, nbytes, pids = 0, 0, set()
+        for h in self._holders.values():
+            if not h.connected and h.leases:
+                pids.add(h.pid)
+                leases += len(h.leases)
+                nbytes += sum(obj.size for lid in h.leases for _, _, obj in self._leases[lid].items)
+        return leases, nbytes, sorted(pids)
+
+    def open_leases(self, owner: Hashable | None = None) -> int:
         if owner is None:
             return len(self._leases)
-        return len(self._by_owner.get(owner, ()))
-
-    @property
-    def quarantined_bytes(self) -> int:
-        return sum(obj.size for objs in self._quarantine.values() for obj in objs)
+        holder = self._holders.get(owner)
+        return len(holder.leases) if holder is not None else 0
 
     # -- the rest of the surface ----------------------------------------------------
 
@@ -800,36 +844,31 @@ class StoreIndex:
 
     def set_capacity(self, capacity: int) -> None:
         """Change the capacity now, evicting the oldest objects until the
-        stored bytes fit. Rooms end (sized for the old capacity, they
-        could hold all of a smaller one): their extents are quarantined
-        until their connections close, as an expired room's are, and
-        their clients' next commits into them read as misses."""
+        stored bytes fit (leases stay: their holders may be copying)."""
         self.capacity = self._check_capacity(capacity)
         self.memory_limited = None
-        for lease_id in list(self._rooms):
-            self._expire_lease(lease_id)
         while self.used + self.reserved > self.capacity and self._evict_one():
             pass
 
     def snapshot(self) -> dict[str, int]:
         out = dict(self.stats)
-        rooms = [self._leases[lease_id] for lease_id in self._rooms]
-        room_bytes = self.room_bytes_held()
+        closed_leases, closed_bytes, closed_pids = self.held_by_closed()
         out.update(
             objects=len(self.objects),
             max_objects=self.max_objects,
             used_bytes=self.used,
-            reserved_bytes=self.reserved - room_bytes,
-            rooms_open=len(rooms),
-            room_extents=sum(len(lease.items) for lease in rooms),
-            room_reserved_bytes=room_bytes,
-            quarantined_bytes=self.quarantined_bytes,
+            reserved_bytes=self.reserved,
             capacity_bytes=self.capacity,
             arena_bytes=self.alloc.size,
             arena_free_bytes=self.alloc.free_bytes,
             arena_high_water=self.alloc.high_water(),
-            pinned_objects=sum(len(lease.items) for lease in self._leases.values() if not lease.is_put),
-            open_leases=len(self._leases) - len(rooms),
+            pinned_objects=sum(len(lease.pinned) for lease in self._leases.values()),
+            open_leases=len(self._leases),
+            # held for processes whose connection closed, until they fence or are gone
+            closed_leases=closed_leases,
+            closed_held_bytes=closed_bytes,
+            closed_pids=closed_pids,
+            epoch=self.epoch,
             memory_limited=self.memory_limited or 0,
         )
         return out

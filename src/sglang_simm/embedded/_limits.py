@@ -45,11 +45,11 @@ REFUSALS = (
     "batch",  # more entries than max_batch
     "key",  # a key above 256 bytes
     "size",  # a value size below 0 or above SiMM's limit
-    "lease_owner",  # COMMIT/RELEASE/ABORT of another connection's lease
-    "leases",  # max_leases open leases
-    "lease_expired",  # a lease that outlived lease_timeout_s
-    "room",  # a RESERVE past room_bytes, or a COMMIT_ROOM naming extents not in its room
+    "lease_owner",  # COMMIT/RELEASE/ABORT of another connection's lease, FENCE of another process's
+    "leases",  # max_leases open leases, or a connection's own limits (count, share of the capacity)
     "bad_frame",  # a malformed frame (connection dropped)
+    "request",  # a request that parses into fields of the wrong type or out of range (InvalidArgument)
+    "hello",  # a connection that said no HELLO within the deadline (dropped)
 )
 
 
@@ -79,15 +79,9 @@ class StoreLimits:
     max_leases: int = 65536
     """Open leases (batches being copied) at once."""
 
-    lease_timeout_s: float = 30.0
-    """A lease older than this expires: its pins are dropped (the reader's
-    copy then reads as a miss) and its room is quarantined until its
-    connection closes."""
-
-    room_bytes: int = 16 << 20
-    """Put room one connection may hold for backups that wait for no reply
-    (``RESERVE``; two rooms at most, and no more than a sixteenth of the
-    capacity); 0: none, every backup asks for its room."""
+    max_leases_per_connection: int = 64
+    """Open leases one connection may hold (a client's threads each copy
+    under one at a time): a stopped or misbehaving client holds no more."""
 
     idle_exit_s: float = 0.0
     """Exit (freeing the shared memory) after this long with no client; 0: never."""
@@ -97,7 +91,7 @@ class StoreLimits:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"store limit {f.name} must be a number, got {value!r}")
-            floor = 0 if f.name in ("max_objects", "idle_exit_s", "room_bytes") else 1
+            floor = 0 if f.name in ("max_objects", "idle_exit_s") else 1
             if value < floor:
                 raise ValueError(f"store limit {f.name} must be >= {floor}, got {value!r}")
         if self.max_frame_bytes < 1 << 16:

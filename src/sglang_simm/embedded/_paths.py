@@ -105,6 +105,29 @@ def check_file(path: str, fd: int | None = None) -> None:
         raise StoreAccessError(f"{path} is not this user's alone: {why}; remove it, or stop the store that made it")
 
 
+def open_private(path: str, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` of a store file, never through a symlink (``O_NOFOLLOW``:
+    a link planted in the directory would make the store write, truncate
+    or append to its target), checked to be this user's alone; the fd.
+    StoreAccessError, saying so, for a symlink; FileNotFoundError passes
+    through."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreAccessError(
+                f"{path} is a symlink; the store opens only its own files: remove it") from None
+        raise
+    try:
+        check_file(path, fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreAccessError(f"{path} is not a plain file; remove it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @dataclass(frozen=True)
 class StorePaths:
     """The files of store ``name`` in directory ``root``."""
@@ -192,9 +215,15 @@ def held_bytes(paths: StorePaths) -> int:
 def lock_held(paths: StorePaths) -> bool:
     """True while a store process holds the name's lock (running, starting,
     stopping or stalled): then nobody may start another."""
+    return flock_held(paths.lock)
+
+
+def flock_held(path: str) -> bool:
+    """True while another open file of ``path`` holds a ``flock`` on it
+    (False when there is no such file, or it is a symlink)."""
     try:
-        fd = os.open(paths.lock, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -224,9 +253,10 @@ def pid_alive(pid: int | None) -> bool:
 
 def read_pid(paths: StorePaths) -> int | None:
     try:
-        with open(paths.pid) as f:
-            text = f.read().strip()
-    except (FileNotFoundError, PermissionError):
+        fd = os.open(paths.pid, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd) as f:
+            text = f.read(64).strip()
+    except OSError:  # absent, someone else's, or a symlink
         return None
     return int(text) if text.isdigit() else None
 

@@ -3,10 +3,9 @@
 Control messages only, one request per batch: keys, sizes and offsets,
 never object bytes (clients copy those through the shared arena). A frame
 is a header ``<u32 body length><u8 op>`` and a body. Requests and replies
-alternate on a connection in order, except ``RELEASE`` and ``ABORT``, which
-get no reply (a reader does not wait to unpin). A backup that fits the
-room its connection holds (``RESERVE``) is one ``COMMIT_ROOM``, whose
-reply the client reads with a later one.
+alternate on a connection in order, except ``RELEASE``, ``ABORT`` and
+``FENCE``, which get no reply: each says the client is done with memory,
+and nothing it does next depends on when the store reads it.
 
 Bodies are made of:
 * key lists: ``<u32 n><u32 bytes><keys joined by NUL>``, UTF-8 with
@@ -28,7 +27,7 @@ from enum import IntEnum
 from typing import Any, Sequence
 
 #: Bumped on any change a client and a store process must agree on.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 HEADER = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
@@ -46,13 +45,12 @@ class Op(IntEnum):
     DELETE = 8  # keys (one) -> codes
     DELETE_PREFIX = 9  # keys (one prefix) -> ints [count]
     ADMIN = 10  # JSON -> JSON (stats, clear, keys, set_capacity, stop)
-    RESERVE = 11  # i64 size, i64 count -> [lease, committed end], offsets (a room)
-    COMMIT_ROOM = 12  # i64 lease, keys, offsets -> codes (one per entry)
+    FENCE = 13  # i64 epoch, i64 connection -> (no reply): this process is done with that connection's leases
     ERROR = 255  # reply: JSON {"error": text, "code": SiMM code}
 
 
 #: Ops whose request gets no reply.
-ONE_WAY = frozenset({Op.ABORT, Op.RELEASE})
+ONE_WAY = frozenset({Op.ABORT, Op.RELEASE, Op.FENCE})
 
 
 class ProtocolError(Exception):

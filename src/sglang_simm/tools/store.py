@@ -49,8 +49,9 @@ def add_arguments(sub: Any) -> None:
                        help="exit (freeing its memory) after S seconds with no client (default 0: never)")
     start.add_argument("--max-connections", type=int, help="connections at once (default 1024)")
     start.add_argument("--max-objects", type=int, help="objects at once (default: one per 4 KiB of capacity)")
-    start.add_argument("--lease-timeout", type=float, metavar="S",
-                       help="a client's batch may hold memory this long (default 30)")
+    start.add_argument("--force", action="store_true",
+                       help="start even with a capacity beyond what the store directory's filesystem (or, on "
+                            "tmpfs, the host's memory) can back: a warning instead of a refusal")
     common(start)
     clear = actions.add_parser("clear", help="remove every object of a store")
     clear.add_argument("name")
@@ -122,18 +123,39 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
         return 0 if all(s["running"] for s in statuses) else 1
     if what == "start":
         capacity = parse_byte_size(args.capacity)
-        limits = {k: v for k, v in (("max_connections", args.max_connections), ("max_objects", args.max_objects),
-                                    ("lease_timeout_s", args.lease_timeout)) if v is not None}
+        limits = {k: v for k, v in (("max_connections", args.max_connections), ("max_objects", args.max_objects))
+                  if v is not None}
         if args.idle_exit < 0:
             raise ValueError(f"--idle-exit must be >= 0 seconds (0: never), got {args.idle_exit:g}")
         from sglang_simm.embedded._limits import StoreLimits
 
         StoreLimits.from_dict(limits)  # a bad value fails here, naming the option's field
+        paths = StorePaths(root, check_name(args.name))
+        running = os.path.exists(paths.socket) and lock_held(paths)
+        if not running:
+            # before anything is started or any memory taken: what this host can back
+            from sglang_simm.embedded._arena import Backing
+
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            backing = Backing.of(root)
+            refusal, warning = backing.check(capacity)
+            if refusal and not args.force:
+                console.print(f"store {args.name!r} not started: {refusal}. Choose a smaller --capacity "
+                              f"(or --force to start it anyway)")
+                return 1
+            if refusal or warning:
+                console.print(f"warning: {refusal or warning}")
+            console.print(f"starting store {args.name!r} in {root}: capacity {_human(capacity)}, "
+                          f"{args.eviction} eviction ({backing.figures()})")
         server = HostServer(check_name(args.name), root=root, capacity=capacity, policy=args.eviction,
-                            timeout_s=5.0, idle_exit_s=args.idle_exit, started_by="operator", limits=limits)
+                            timeout_s=5.0, idle_exit_s=args.idle_exit, started_by="operator", limits=limits,
+                            force=args.force)
+        t0 = time.monotonic()
         server.open()
         status = server.status()
         server.close()
+        if not running:
+            console.print(f"store {args.name!r} answered in {time.monotonic() - t0:.2f} s; its log: {paths.log}")
         if status.get("recovered"):
             console.print(f"store {args.name!r} took over {status['recovered']} objects of the store process "
                           f"that died, with the settings it was started with")
@@ -158,7 +180,7 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
             done = server.admin("clear")
         finally:
             server.close()
-        # what the files hold: after a clear with a room open, more than the committed prefix
+        # what the files hold: after a clear with a put still being copied, more than the committed prefix
         console.print(f"store {args.name!r}: removed {done['removed']} objects; "
                       f"{_human(held_bytes(server.paths))} of shared memory still held")
         return 0
@@ -236,10 +258,14 @@ def _free_dead(console: Any, paths: StorePaths) -> int:
     the name's lock so that no store starts meanwhile."""
     import fcntl
 
+    from sglang_simm.embedded._arena import arena_held
     from sglang_simm.embedded._daemon import remove_files
 
+    if any(arena_held(a) for a in paths.arenas()):  # its lock file removed, a store process still serves
+        console.print(f"store {paths.name!r}: a live store process holds its arena; stop that process")
+        return 1
     try:
-        fd = os.open(paths.lock, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(paths.lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         fd = None
     try:
@@ -323,10 +349,9 @@ def _print_status(console: Any, root: str, statuses: list[dict[str, Any]]) -> No
                      f"{s['rejected'] + s['out_of_memory']} refused"),
             ("clients", ", ".join(map(str, s["clients"])) or "none connected"),
             ("leases", f"{s['open_leases']} open"
-                       + (f", {s['rooms_open']} room{'s' if s['rooms_open'] != 1 else ''} holding "
-                          f"{_human(s['room_reserved_bytes'])} for backups"
-                          if s.get("rooms_open") else "")
-                       + (f", {_human(s['quarantined_bytes'])} quarantined" if s.get("quarantined_bytes") else "")),
+                       + (f", {s['closed_leases']} of closed connections holding {_human(s['closed_held_bytes'])} "
+                          f"for pids {', '.join(map(str, s['closed_pids']))} until they fence or exit"
+                          if s.get("closed_leases") else "")),
             ("refused", ", ".join(f"{k[len('refused_'):]} {v}" for k, v in sorted(s.items())
                                   if k.startswith("refused_") and v) or "nothing"),
             ("idle exit", f"after {s['idle_exit_s']:g} s with no client" if s.get("idle_exit_s") else "never"),
