@@ -514,7 +514,7 @@ class SGLangServer:
                     answer = json.load(response)
                 else:
                     answer = None
-                    for chunk in _sse_chunks(response):
+                    for chunk in sse_chunks(response):
                         if ttft is None:
                             ttft = time.perf_counter() - started
                         answer = chunk
@@ -583,7 +583,8 @@ class SGLangServer:
         return sum(_rss_bytes(pid, kind) for pid in pids)
 
 
-def _sse_chunks(response) -> Iterator[dict]:
+def sse_chunks(response) -> Iterator[dict]:
+    """The JSON of every ``data:`` line of a server-sent-events body, up to ``[DONE]``."""
     for raw in response:
         line = raw.decode().strip()
         if not line.startswith("data:"):

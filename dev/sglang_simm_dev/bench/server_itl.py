@@ -46,7 +46,6 @@ server's own noise floor). The same seeded prompts go to every backend;
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import threading
@@ -56,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sglang_simm_dev.bench.server_workloads import Backups, Workload, matchable, store_for_restart, tokens
-from sglang_simm_dev.sglang_server import SGLangServer, ServerError
+from sglang_simm_dev.sglang_server import SGLangServer, ServerError, sse_chunks
 
 #: the goal: the decoders' p99 inter-token latency under L3 traffic, ours
 #: over no L3, at most this (and no worse than the peers')
@@ -84,14 +83,7 @@ class Stream:
 def sse_payloads(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
     """The JSON of every ``data:`` line of a server-sent-events body, up to
     ``[DONE]``; an ``error`` payload raises."""
-    for raw in lines:
-        line = raw.decode().strip()
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            return
-        chunk = json.loads(payload)
+    for chunk in sse_chunks(lines):
         if "error" in chunk and "output_ids" not in chunk:
             raise ServerError(f"the stream answered an error: {chunk['error']}")
         yield chunk

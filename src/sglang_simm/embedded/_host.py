@@ -1052,6 +1052,34 @@ def get_or_open(name: str, *, root: str | None, capacity: int, policy: str, time
         return handle
 
 
+def open_running(root: str, name: str, wait_s: float = 1.0) -> HostServer:
+    """A handle on the running store ``name`` that never starts one (for
+    status, clear, stop, a scrape): ``StoreUnreachable`` at once where
+    nothing listens and no process holds the name's lock."""
+    paths = StorePaths(root, name)
+    if not os.path.exists(paths.socket) and not lock_held(paths):
+        raise StoreUnreachable(BUILD_CONNECTION_FAILED, "no store process is running", no_store=True)
+    handle = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5.0, fault_in=False)
+    handle.open(wait_s=wait_s)
+    return handle
+
+
+def running_status(root: str, name: str) -> dict[str, Any]:
+    """The running store's status, with the memory its files hold
+    (``held_bytes``) and ``running``; ``StoreUnreachable`` where none answers."""
+    from sglang_simm.embedded._paths import held_bytes
+
+    handle = open_running(root, name)
+    try:
+        status = handle.status()
+    finally:
+        handle.close()
+    status.setdefault("name", name)
+    status["running"] = True
+    status["held_bytes"] = held_bytes(StorePaths(root, name))
+    return status
+
+
 def existing(name: str, root: str | None = None) -> HostServer | None:
     return _HANDLES.get((store_dir(root), name))
 

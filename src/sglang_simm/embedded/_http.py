@@ -64,19 +64,10 @@ def store_metrics_from_env(root: str, name: str, environ: Any = None) -> Any:
     host = environ.get(HOST_ENV) or "127.0.0.1"
 
     def render() -> str:
-        from sglang_simm.embedded._host import HostServer
+        from sglang_simm.embedded._host import running_status
         from sglang_simm.embedded._metrics import render as render_text
-        from sglang_simm.embedded._paths import StorePaths, held_bytes
 
-        handle = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5.0, fault_in=False)
-        handle.open(wait_s=1.0)
-        try:
-            status = handle.status()
-        finally:
-            handle.close()
-        status.setdefault("name", name)
-        status["running"] = True
-        status["held_bytes"] = held_bytes(StorePaths(root, name))
+        status = running_status(root, name)
         return render_text([status])
 
     try:

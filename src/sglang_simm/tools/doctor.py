@@ -318,7 +318,7 @@ def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: R
     that doctor never leaves a store of its own choosing behind for the
     next server to find."""
     from sglang_simm.config import client_flag, load_config, with_client_flag
-    from sglang_simm.embedded._host import HostServer, StoreUnreachable
+    from sglang_simm.embedded._host import StoreUnreachable, running_status
     from sglang_simm.embedded._copy import human_bytes
     from sglang_simm.embedded._paths import StorePaths, private_store_dir, store_dir
 
@@ -327,12 +327,7 @@ def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: R
     running = None
     if os.path.exists(StorePaths(root, name).socket):
         try:
-            handle = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5.0, fault_in=False)
-            handle.open(wait_s=1.0)
-            try:
-                running = handle.status()
-            finally:
-                handle.close()
+            running = running_status(root, name)
         except StoreUnreachable as exc:
             report.problems.append(f"the local store {name!r} in {root} does not answer ({exc}); "
                                    f"its log: {StorePaths(root, name).log}")

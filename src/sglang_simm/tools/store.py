@@ -17,8 +17,15 @@ import sys
 import time
 from typing import Any
 
-from sglang_simm.embedded._host import HostServer, StoreUnreachable, lock_held, pid_alive, wait_gone
-from sglang_simm.errors import BUILD_CONNECTION_FAILED
+from sglang_simm.embedded._host import (
+    HostServer,
+    StoreUnreachable,
+    lock_held,
+    open_running,
+    pid_alive,
+    running_status,
+    wait_gone,
+)
 from sglang_simm.embedded._index import EVICTION_POLICIES
 from sglang_simm.embedded._paths import StorePaths, check_name, held_bytes, read_pid, store_dir, store_names
 
@@ -63,16 +70,6 @@ def add_arguments(sub: Any) -> None:
     common(stop)
 
 
-def _handle(root: str, name: str) -> HostServer:
-    paths = StorePaths(root, name)
-    if not os.path.exists(paths.socket) and not lock_held(paths):
-        # nothing runs and nothing starts: say so now (status walks every name of the directory)
-        raise StoreUnreachable(BUILD_CONNECTION_FAILED, "no store process is running", no_store=True)
-    server = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5.0, fault_in=False)
-    server.open(wait_s=1.0)
-    return server
-
-
 def _human(n: int) -> str:
     from sglang_simm.embedded._copy import human_bytes
 
@@ -82,20 +79,13 @@ def _human(n: int) -> str:
 def _status_of(root: str, name: str) -> dict[str, Any]:
     paths = StorePaths(root, name)
     try:
-        server = _handle(root, name)
+        return running_status(root, name)
     except StoreUnreachable as exc:
         pid = read_pid(paths)
         held = held_bytes(paths)
         return {"name": name, "running": False, "why": str(exc), "pid": pid if pid_alive(pid) else None,
                 "dead": not lock_held(paths) and (held > 0 or os.path.exists(paths.settings)),
                 "held_bytes": held}
-    try:
-        status = server.status()
-    finally:
-        server.close()
-    status["running"] = True
-    status["held_bytes"] = held_bytes(paths)
-    return status
 
 
 def run_store(console: Any, args: argparse.Namespace) -> int:
@@ -171,7 +161,7 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
         return 0
     if what == "clear":
         try:
-            server = _handle(root, check_name(args.name))
+            server = open_running(root, check_name(args.name))
         except StoreUnreachable as exc:
             console.print(f"[red]store {args.name!r} is not running in {root}[/red] ({_why(exc)}): nothing to "
                           f"clear; {_known(root)}")
@@ -231,7 +221,7 @@ def _stop(console: Any, root: str, name: str) -> int:
                       "(--dir or $SGLANG_SIMM_STORE_DIR names another directory)")
         return 1
     try:
-        server = _handle(root, name)
+        server = open_running(root, name)
     except StoreUnreachable:
         pid = read_pid(paths)
         if pid_alive(pid):
