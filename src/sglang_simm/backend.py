@@ -190,7 +190,7 @@ class HiCacheSiMM(HiCacheStorage):
         old = self.pools.install(name, binding, "register_mem_host_pool_v2")
         if old is not None:
             release([old], what=f"the replaced {name!r} host pool")
-        logger.info("sglang-simm: bound hybrid pool %r (%s)", name, binding.describe())
+        logger.info("sglang-simm: bound hybrid pool %r: %s", name, binding.describe())
 
     def on_host_pools_registered(self) -> None:
         """Once per attach (SGLang 0.5.23), after every pool: log the set."""

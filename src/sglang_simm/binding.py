@@ -307,10 +307,10 @@ class PoolBinding:
         """One line for the attach log: pages, objects, sizes, regions, chunks."""
         g = self.geometry
         return (
-            f"{type(self.pool).__name__}, {getattr(self.pool, 'layout', '?')}, {g.num_pages} pages of "
+            f"{type(self.pool).__name__} ({getattr(self.pool, 'layout', '?')}, {g.num_pages} pages of "
             f"{g.page_size} slots, {g.parts} objects of "
             f"{'/'.join(str(s) for s in sorted(set(self.sizes_list)))} bytes per page in "
-            f"{len(self.mrs)} region(s){f', split in {g.chunks} chunks' if g.chunks > 1 else ''}, "
+            f"{len(self.mrs)} region(s){f', split in {g.chunks} chunks' if g.chunks > 1 else ''}), "
             f"key prefix {self.prefix!r}"
         )
 
