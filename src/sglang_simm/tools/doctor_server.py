@@ -481,14 +481,14 @@ def _store_findings(extra: dict[str, Any]) -> list[Finding]:
         return [Finding("block", f"the cluster manager {config.host}:{config.port} is unreachable from here ({why})",
                         "manager_address, the manager process, the firewall")]
     root, name = where
-    from sglang_simm.embedded._host import StoreUnreachable
-    from sglang_simm.tools.store import _handle, _status_of
+    from sglang_simm.embedded._host import StoreUnreachable, open_running
+    from sglang_simm.tools.store import _status_of
 
     status = _status_of(root, name)
     keys = None
     if status.get("running"):
         try:
-            handle = _handle(root, name)
+            handle = open_running(root, name)
             try:
                 keys = handle.keys()
             finally:
