@@ -392,6 +392,35 @@ def test_a_conv_only_mamba_pool_has_no_temporal_object(hybrid_attach):
     assert torch.equal(page(pool, 5), want)
 
 
+def test_a_mamba_pools_per_slot_side_states_travel_with_its_states(hybrid_attach):
+    """SGLang 0.5.22+ Mamba pools with extra_checkpoint_buffers: SGLang's own
+    zero-copy description leaves the side states out (it raises), its
+    whole-page accessor includes them. Every byte of the slot, side states
+    included, comes back; the slots beside it are left alone."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend, _ = hybrid_attach(side=())
+    extra = (torch.zeros(MAMBA_CAPACITY, 5, dtype=torch.float32), torch.zeros(MAMBA_CAPACITY, 3, 2, dtype=torch.int8))
+    pool = mamba_pool(extra=extra)
+    backend.register_mem_host_pool_v2(pool, PoolName.MAMBA)
+    b = backend.pools.side["mamba"]
+    assert b.suffixes[-2:] == (".mamba.state0", ".mamba.state1") and len(b.mrs) == 5
+    assert b.page_bytes == pool.get_size_per_token()
+    randomize(pool, 5)
+    want = page(pool, 2)
+    key = hashes(1, "side")
+    assert backend.batch_set_v2([transfer(PoolName.MAMBA, keys=key, host_indices=torch.tensor([2]))]) == {
+        PoolName.MAMBA: [True]
+    }
+    randomize(pool, 6)
+    beside = [page(pool, 4), page(pool, 6)]
+    assert backend.batch_get_v2([transfer(PoolName.MAMBA, keys=key, host_indices=torch.tensor([5]))]) == {
+        PoolName.MAMBA: [True]
+    }
+    assert torch.equal(page(pool, 5), want)
+    assert all(torch.equal(page(pool, p), was) for p, was in zip((4, 6), beside))
+
+
 def test_a_v2_write_is_one_mput_of_every_pool_and_no_lookup(hybrid_attach):
     """As on v1: serving's backups are new pages, so v2 puts every object
     of every pool in one mput, without asking mexists first; pages stored
@@ -613,7 +642,7 @@ def test_mamba_keys_carry_the_tp_rank_and_mla_draft_keys_do_not(attach):
 
 
 def test_sglang_backs_side_pools_up_on_mla_non_writer_ranks_only_for_mamba():
-    """The premise of the refusal below, read from SGLang's own controller:
+    """The premise of leaving the MHA draft out below, read from SGLang's own controller:
     on a rank that is not the MLA storage writer, only Mamba state is backed
     up for this backend's names (Mooncake's MHA drafts are its own case)."""
     import types
@@ -627,25 +656,35 @@ def test_sglang_backs_side_pools_up_on_mla_non_writer_ranks_only_for_mamba():
         assert HybridCacheController.should_backup(rank1, transfer(PoolName.MAMBA, keys=[]))
 
 
-def test_an_mha_draft_of_an_mla_model_is_refused_at_tp_2_on_every_rank(attach):
+def test_an_mha_draft_of_an_mla_model_at_tp_2_is_left_out_and_the_targets_hits_stand(attach, caplog):
     """Two ranks of one TP-2 server (two storage configs): an MHA draft
     pool's heads differ per rank, yet only rank 0 would write it, so rank 1
-    would always miss and void every prefetch. Both ranks refuse it, naming
-    the fix; Mamba state and an MLA draft stay accepted."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName
+    would always miss and void every prefetch. Both ranks leave it out with
+    a warning naming the cost and the fix, and answer for the target alone:
+    no verdict for the draft (absent from every answer), the KV hit whole;
+    Mamba state and an MLA draft stay stored."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, count_pool_hits
 
-    from sglang_simm.errors import UnsupportedPoolError
-
+    keys = hashes(3)
     for rank in (0, 1):
-        backend, _ = attach(tiny_mla(), tokens=32, tp_size=2, tp_rank=rank)
+        backend, kv = attach(tiny_mla(), tokens=32, tp_size=2, tp_rank=rank)
         mha_draft = kv_side_pool(tiny(layer_num=1, head_num=1, name="draft-model"))
-        with pytest.raises(UnsupportedPoolError, match="MLA draft") as info:
+        with caplog.at_level(logging.WARNING, logger="sglang_simm.backend"):
             backend.register_mem_host_pool_v2(mha_draft, PoolName.DRAFT)
-        assert "'draft'" in str(info.value) and "TP 2" in str(info.value)
-        assert "draft" not in backend.pools.side
+        warned = [r.getMessage() for r in caplog.records if "leaves it out of L3" in r.getMessage()]
+        assert len(warned) == rank + 1 and "'draft'" in warned[-1] and "TP 2" in warned[-1]
+        assert "MLA draft" in warned[-1] and "speculative acceptance" in warned[-1]
+        assert "draft" not in backend.pools.side and "draft" in backend.pools.left_out
+        if rank == 0:
+            assert backend.batch_set_v1(keys, slots(kv, 0, 3)) == [True] * 3
+        draft_t = transfer(PoolName.DRAFT, keys=keys, host_indices=slots(mha_draft, 0, 3))
+        hit = backend.batch_exists_v2(keys, [draft_t])
+        assert hit.kv_hit_pages == 3 and PoolName.DRAFT not in hit.extra_pool_hit_pages
+        assert backend.batch_set_v2([draft_t]) == {} and backend.batch_get_v2([draft_t]) == {}
+        assert count_pool_hits(backend.batch_get_v2([draft_t])) == {}
         backend.register_mem_host_pool_v2(mamba_pool(), PoolName.MAMBA)
         backend.register_mem_host_pool_v2(kv_side_pool(tiny_mla(layer_num=1, name="draft")), PoolName.DRAFT)
-        assert sorted(backend.pools.side) == ["draft", "mamba"]
+        assert sorted(backend.pools.side) == ["draft", "mamba"] and backend.pools.left_out == {}
 
 
 def test_an_mha_draft_of_an_mla_model_round_trips_at_tp_1(attach):
@@ -817,41 +856,9 @@ def _region_count() -> int:
     return len(_client._regions)
 
 
-class KOnlyIndexerPoolHost:
-    """A look-alike of a page-addressable pool of no supported kind (a
-    K-only indexer such as QSA's): one host buffer, one object per page."""
-
-    page_size, size, layout = 4, 64, "page_first"
-
-    def __init__(self, parts: int = 1, **attrs):
-        self.parts = parts
-        self.kv_buffer = torch.zeros(self.size // self.page_size, parts, 32, dtype=torch.uint8)
-        self.__dict__.update(attrs)
-
-    def get_page_buffer_meta(self, indices):
-        pages = sorted({int(i) // self.page_size for i in indices.tolist()})
-        base, page_bytes = self.kv_buffer.data_ptr(), self.kv_buffer[0].nbytes
-        part = page_bytes // self.parts
-        ptrs = [base + p * page_bytes + j * part for p in pages for j in range(self.parts)]
-        return ptrs, [part] * len(ptrs)
-
-
 @pytest.mark.parametrize(
     "make, match",
     [
-        pytest.param(KOnlyIndexerPoolHost, "KOnlyIndexerPoolHost, 1 object", id="other-kind"),
-        pytest.param(
-            lambda: KOnlyIndexerPoolHost(parts=3, head_num=2), "KOnlyIndexerPoolHost, 3 object",
-            id="mha-like-with-three-parts",
-        ),
-        pytest.param(
-            lambda: KOnlyIndexerPoolHost(parts=2, index_k_with_scale_buffer=None, indexer_page_stride_size=64),
-            "KOnlyIndexerPoolHost, 2 object", id="dsa-like-with-two-parts",
-        ),
-        pytest.param(
-            lambda: mamba_pool(extra=(torch.zeros(MAMBA_CAPACITY, 5),)), "per-slot side states",
-            id="mamba-with-side-states",
-        ),
         pytest.param(
             lambda: kv_side_pool(tiny(layer_num=1), layout="layer_first"), "layout 'layer_first'",
             id="layer_first",
@@ -876,7 +883,7 @@ def test_unsupported_pools_are_refused_at_registration(hybrid_attach, make, matc
     assert backend.pools.side == {} and _region_count() == before
 
 
-def test_a_pool_of_another_kind_is_refused_by_class_and_name(hybrid_attach):
+def test_a_refused_pool_leaves_what_was_bound_untouched(hybrid_attach):
     import re
 
     from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -884,18 +891,14 @@ def test_a_pool_of_another_kind_is_refused_by_class_and_name(hybrid_attach):
     backend, pools = hybrid_attach(side=("draft",))
     binding = backend.pools.side["draft"]
     before = _region_count()
-    want = (
-        "hybrid pool 'indexer' (KOnlyIndexerPoolHost, 1 object(s) per page) is not supported: "
-        "this sglang-simm release supports Mamba state pools, SWA/draft MHA side pools, "
-        "MLA side pools and the DSA indexer pool"
-    )
+    want = "hybrid pool 'swa' (MHATokenToKVPoolHost) uses layout 'layer_first'"
     with pytest.raises(UnsupportedPoolError, match=re.escape(want)):
-        backend.register_mem_host_pool_v2(KOnlyIndexerPoolHost(), PoolName.INDEXER)
+        backend.register_mem_host_pool_v2(kv_side_pool(tiny(layer_num=1), layout="layer_first"), PoolName.SWA)
     # nothing of it stays registered; what was bound before is untouched
     assert list(backend.pools.side) == ["draft"] and backend.pools.side["draft"] is binding
     assert _region_count() == before
-    assert backend.batch_get_v2([transfer(PoolName.INDEXER, keys=hashes(1), host_indices=torch.arange(4))]) == {
-        PoolName.INDEXER: [False]
+    assert backend.batch_get_v2([transfer(PoolName.SWA, keys=hashes(1), host_indices=torch.arange(4))]) == {
+        PoolName.SWA: [False]
     }
 
 

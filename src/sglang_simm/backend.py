@@ -38,10 +38,11 @@ from typing import Any, Sequence
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from sglang_simm import copying, hybrid
-from sglang_simm.binding import Batch, PoolBinding, bind_kv_pool, bind_side_pool, kv_pool_of
+from sglang_simm.binding import Batch, PoolBinding, bind_kv_pool, bind_side_pool, is_logical_anchor, kv_pool_of
 from sglang_simm.breaker import Breaker
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, log_resolved
+from sglang_simm.errors import PoolLeftOutError
 from sglang_simm.exporter import exporter_for
 from sglang_simm.inflight import Call, Pools, release
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
@@ -158,6 +159,9 @@ class HiCacheSiMM(HiCacheStorage):
         replaces the bound one (whose memory is deregistered once the calls
         using it end). Raises (failing the attach) on a pool we refuse."""
         pool = kv_pool_of(mem_pool_host)
+        if is_logical_anchor(pool):
+            self._bind_logical_anchor(pool)
+            return
         with self.pools.lock:
             self.pools.check_open("register_mem_pool_host")
             if self.pools.kv is not None and self.pools.kv.pool is pool:
@@ -171,6 +175,20 @@ class HiCacheSiMM(HiCacheStorage):
             logger.warning(_LEGACY_WARNING)
         self._find_fault_reporter()
         logger.info("sglang-simm: bound %s to %s", binding.describe(), self.client.description)
+
+    def _bind_logical_anchor(self, pool: Any) -> None:
+        """A KV anchor that holds no KV (DeepSeek V4): nothing to register or
+        store; its pages' hits and bytes are its side pools'."""
+        if self.pools.logical is pool:
+            return
+        old = self.pools.install_logical(pool, "register_mem_pool_host")
+        self.mem_pool_host = pool
+        if old is not None:
+            release([old], what="the replaced KV host pool")
+        self._find_fault_reporter()
+        logger.info("sglang-simm: the KV anchor %s holds no KV (a logical anchor, as DeepSeek V4's): "
+                    "nothing is stored for it; hits and bytes come from the side pools bound beside it",
+                    type(pool).__name__)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Bind a hybrid side pool (Mamba, SWA, draft, DSA indexer) as the
@@ -186,7 +204,14 @@ class HiCacheSiMM(HiCacheStorage):
             current = self.pools.side.get(name)
             if current is not None and current.pool is host_pool:
                 return
-        binding = bind_side_pool(self.client, host_pool, name, self.storage_config, self.config)
+        try:
+            binding = bind_side_pool(self.client, host_pool, name, self.storage_config, self.config)
+        except PoolLeftOutError as exc:
+            old = self.pools.leave_out(name, str(exc), "register_mem_host_pool_v2")
+            if old is not None:
+                release([old], what=f"the replaced {name!r} host pool")
+            logger.warning("sglang-simm: %s", exc)
+            return
         old = self.pools.install(name, binding, "register_mem_host_pool_v2")
         if old is not None:
             release([old], what=f"the replaced {name!r} host pool")
@@ -195,7 +220,7 @@ class HiCacheSiMM(HiCacheStorage):
     def on_host_pools_registered(self) -> None:
         """Once per attach (SGLang 0.5.23), after every pool: log the set."""
         self._find_fault_reporter()
-        if self.pools.kv is None:
+        if self.pools.kv is None and self.pools.logical is None:
             logger.warning("sglang-simm: hybrid pools registered but no KV host pool is bound")
         logger.info(
             "sglang-simm: host pools bound to %s: %s", self.client.description,
@@ -208,8 +233,8 @@ class HiCacheSiMM(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Number of leading pages whose every object exists."""
         n = len(keys) if keys is not None else 0
-        if n == 0:
-            return 0
+        if n == 0 or self._logical():
+            return 0  # a logical anchor's hit is its side pools' (batch_exists_v2)
         with Call(self._fault, "batch_exists", self.breaker) as call:
             if not call.allow():
                 return 0
@@ -234,6 +259,10 @@ class HiCacheSiMM(HiCacheStorage):
         n = len(keys) if keys is not None else 0
         if n == 0:
             return []
+        if self._logical():
+            # Nothing to read: SGLang loads the page from the side pools'
+            # batch_get_v2 and uses the fewer of the two answers.
+            return [True] * n
         with Call(self._fault, "batch_get_v1", self.breaker) as call:
             if not call.allow():
                 return [False] * n
@@ -256,6 +285,8 @@ class HiCacheSiMM(HiCacheStorage):
         n = len(keys) if keys is not None else 0
         if n == 0:
             return []
+        if self._logical():
+            return [True] * n  # nothing to write: the side pools hold the page
         with Call(self._fault, "batch_set_v1", self.breaker) as call:
             if not call.allow():
                 return [False] * n
@@ -284,14 +315,25 @@ class HiCacheSiMM(HiCacheStorage):
         with Call(self._fault, "batch_exists_v2", self.breaker) as call:
             if not call.allow():
                 return hybrid.to_pool_transfer_result(hybrid.miss())
-            transfers = list(pool_transfers or [])
+            transfers = self._stored(pool_transfers)
             for t in transfers:
                 reason = hybrid.unsupported_policy_reason(t.hit_policy)
                 if reason:
                     self.counters.record_error("unsupported_hit_policy")
                     self.log("hit_policy", "SiMM batch_exists_v2: pool %r: %s", hybrid.pool_name(t.name), reason)
                     return hybrid.to_pool_transfer_result(hybrid.miss())
-            kv_pages = self._kv_pages(call, keys) if n else 0
+            if self._logical():
+                # No KV object exists; a prefix is restorable where the side
+                # pools restore it, and at least one of them must hold every
+                # page (ALL_PAGES), or nothing vouches for the KV itself.
+                if not any(hybrid.policy_name(t.hit_policy) == hybrid.ALL_PAGES
+                           and self.pools.get(hybrid.pool_name(t.name)) is not None for t in transfers):
+                    self.log("logical_alone", "SiMM batch_exists_v2: a logical KV anchor queried without a "
+                             "bound ALL_PAGES side pool; answering a miss")
+                    return hybrid.to_pool_transfer_result(hybrid.miss())
+                kv_pages = n
+            else:
+                kv_pages = self._kv_pages(call, keys) if n else 0
             if kv_pages <= 0 or not transfers:
                 return hybrid.to_pool_transfer_result(hybrid.fold_hits(kv_pages, []))
             if not call.allow():  # the KV lookup faulted, or the breaker opened since
@@ -323,7 +365,7 @@ class HiCacheSiMM(HiCacheStorage):
         """Read hybrid pools' pages into their host pools, every pool in one
         ``mget``: ``{pool name: one bool per key}``, True only where every
         object of the page read back exactly its expected size."""
-        transfers = list(transfers or [])
+        transfers = self._stored(transfers)
         with Call(self._fault, "batch_get_v2", self.breaker) as call:
             results = _all_false(transfers)
             if not call.allow():
@@ -342,7 +384,7 @@ class HiCacheSiMM(HiCacheStorage):
     def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Write hybrid pools' pages, every pool in one ``mput``, no lookup
         first (as ``batch_set_v1``): ``{pool name: one bool per key}``."""
-        transfers = list(transfers or [])
+        transfers = self._stored(transfers)
         with Call(self._fault, "batch_set_v2", self.breaker) as call:
             results = _all_false(transfers)
             if not call.allow():
@@ -443,6 +485,20 @@ class HiCacheSiMM(HiCacheStorage):
             logger.info("sglang-simm: reporting L3 outcomes to SGLang's fault reporter %s",
                         type(self.breaker.reports._reporter).__name__)
 
+    def _logical(self) -> bool:
+        """The KV anchor bound is a logical one (no KV to store)."""
+        return self.pools.kv is None and self.pools.logical is not None
+
+    def _stored(self, transfers: Any) -> list[Any]:
+        """``transfers`` without those of pools left out of L3: SGLang's
+        controller reads a pool absent from an answer as "no verdict"
+        (it neither narrows the hit nor fails the load)."""
+        out = list(transfers or [])
+        left_out = self.pools.left_out
+        if left_out:
+            out = [t for t in out if hybrid.pool_name(getattr(t, "name", None)) not in left_out]
+        return out
+
     def _bound(self, call: Call, name: str, where: str) -> PoolBinding | None:
         """The pool bound as ``name``, counted in on ``call``; None (logged
         unless the backend is closed) when there is none."""
@@ -527,14 +583,14 @@ class HiCacheSiMM(HiCacheStorage):
         SiMM's client has no key listing, so on a cluster nothing can be
         removed; the embedded store deletes by prefix.
         """
-        b = self.pools.kv
-        if b is None:
+        bound = self.pools.bound()
+        if not bound:
             return
-        if not b.prefix:
+        if not all(b.prefix for _, b in bound):
             logger.warning("SiMM clear(): key_scheme 'legacy' without extra_backend_tag has no "
                            "namespace of its own; nothing removed")
             return
-        prefixes = [bound.prefix for _, bound in self.pools.bound()]
+        prefixes = [b.prefix for _, b in bound]
         if not self.client.supports_delete_prefix:
             logger.warning("SiMM clear(): the SiMM client cannot list keys, so pages under %s stay "
                            "until the cluster evicts them", ", ".join(map(repr, prefixes)))

@@ -38,7 +38,7 @@ import torch
 
 from sglang_simm import hybrid, keys as keyspace
 from sglang_simm.client import KVClient
-from sglang_simm.errors import UnsupportedPoolError
+from sglang_simm.errors import PoolLeftOutError, UnsupportedPoolError
 from sglang_simm.geometry import (
     SUPPORTED_LAYOUTS,
     PageGeometry,
@@ -58,15 +58,21 @@ Meta = Callable[[Any], tuple[list[int], list[int]]]
 
 def host_regions(pool: Any, regions: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The host tensors that hold the pool's pages: ``regions`` when given
-    (a Mamba pool's temporal and conv states), else its one ``kv_buffer``."""
+    (a Mamba pool's temporal and conv states), else its ``kv_buffer``: one
+    tensor, or a K and a V tensor."""
     if regions is None:
         buffer = pool.kv_buffer
-        if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
+        if isinstance(buffer, (tuple, list)) and len(buffer) == 2 and hasattr(pool, "v_head_dim"):
+            # K and V in buffers of their own, each with its stride
+            # (AsymmetricMHATokenToKVPoolHost: MiMo-V2's head sizes differ)
+            regions = list(buffer)
+        elif not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
             raise UnsupportedPoolError(
-                f"{type(pool).__name__}.kv_buffer is not one host tensor; "
-                "this backend registers the host pool as one memory region"
+                f"{type(pool).__name__}.kv_buffer is neither one host tensor nor a K/V pair of them; "
+                "sglang-simm registers a KV host pool as one region, or two for K and V"
             )
-        regions = [buffer]
+        else:
+            regions = [buffer]
     regions = list(regions)
     if not regions or any(
         not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0 for t in regions
@@ -128,16 +134,29 @@ def kv_pool_of(pool: Any) -> Any:
     """The KV host pool SGLang handed over: SGLang 0.5.10-0.5.18 hand hybrid
     models' pools over as a ``HostPoolGroup`` proxy without head or layer
     attributes, whose anchor is the KV pool. Raises on a pool with no
-    ``kv_buffer``."""
+    ``kv_buffer`` that is not a logical anchor (``is_logical_anchor``)."""
     anchor = getattr(pool, "anchor_entry", None)
     if anchor is not None and getattr(anchor, "host_pool", None) is not None:
         pool = anchor.host_pool
-    if getattr(pool, "kv_buffer", None) is None:
+    if getattr(pool, "kv_buffer", None) is None and not is_logical_anchor(pool):
         raise UnsupportedPoolError(
-            f"{type(pool).__name__} has no kv_buffer (a logical KV pool, as DeepSeek V4 "
-            "uses); sglang-simm stores MHA and MLA KV pools only"
+            f"{type(pool).__name__} has no kv_buffer and is not a logical KV anchor; "
+            "sglang-simm stores KV host pools that hold their pages in host memory"
         )
     return pool
+
+
+def is_logical_anchor(pool: Any) -> bool:
+    """A KV anchor that holds no KV at all (DeepSeek V4's ``LogicalHostPool``:
+    page-aligned token slots, no tensor, ``get_page_buffer_meta`` answers
+    None): its pages' bytes live in the side pools SGLang registers beside
+    it, which this backend stores."""
+    if getattr(pool, "kv_buffer", None) is not None or not callable(getattr(pool, "get_page_buffer_meta", None)):
+        return False
+    try:
+        return pool.get_page_buffer_meta(torch.arange(0, int(pool.page_size), dtype=torch.int64)) is None
+    except Exception:
+        return False
 
 
 def page_identity(storage_config: Any, pool: Any, pool_name: str, tag: str | None) -> keyspace.PageIdentity:
@@ -191,9 +210,10 @@ def bind_kv_pool(client: KVClient, pool: Any, storage_config: Any, config: SiMMC
 
 
 def bind_side_pool(client: KVClient, pool: Any, name: str, storage_config: Any, config: SiMMConfig) -> PoolBinding:
-    """Bind a hybrid side pool (Mamba, SWA, draft, DSA indexer) called
-    ``name``: refused where only some ranks would write it
-    (``hybrid.writer_only_refusal``), else bound as the KV pool is."""
+    """Bind a hybrid side pool (Mamba, SWA, draft, indexers, DeepSeek V4's
+    pools) called ``name``: left out (PoolLeftOutError) where only some
+    ranks would write it (``hybrid.writer_only_refusal``), else bound as
+    the KV pool is."""
     sc = storage_config
     model_is_mla = bool(getattr(sc, "is_mla_model", False))
     layout = hybrid.describe_side_pool(pool, name, model_is_mla=model_is_mla)
@@ -202,13 +222,13 @@ def bind_side_pool(client: KVClient, pool: Any, name: str, storage_config: Any, 
         tp_size=int(getattr(sc, "tp_size", 1) or 1), dcp_size=int(getattr(sc, "dcp_size", 1) or 1),
     )
     if refusal:
-        raise UnsupportedPoolError(refusal)
+        raise PoolLeftOutError(refusal)
     identity = replace(
         page_identity(sc, pool, name, config.extra_backend_tag), is_mla=layout.replicated, tp_lcm_size=None
     )
     return PoolBinding(
         client=client, pool=pool, identity=identity, scheme=config.key_scheme,
-        meta=pool.get_page_buffer_meta, regions=layout.regions, part_names=layout.part_names,
+        meta=layout.meta or pool.get_page_buffer_meta, regions=layout.regions, part_names=layout.part_names,
     )
 
 

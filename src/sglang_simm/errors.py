@@ -10,6 +10,7 @@ Exception tree::
      +-- ClientNotInstalledError   (the real ``simm.kv`` is missing or foreign)
      +-- ClusterUnreachableError   (warm-up round trip failed at attach)
      +-- UnsupportedPoolError      (a host pool or layout we refuse at attach)
+     |    +-- PoolLeftOutError     (a side pool the attach goes on without)
      +-- BackendClosedError        (a pool registered with a closed backend)
 """
 
@@ -138,6 +139,12 @@ class ClusterUnreachableError(SiMMError, ConnectionError):
 
 class UnsupportedPoolError(SiMMError, ValueError):
     """A host pool, layout or page geometry this backend refuses at attach."""
+
+
+class PoolLeftOutError(UnsupportedPoolError):
+    """A side pool this deployment cannot store whose absence SGLang's
+    controller tolerates (its pages are left out of hits and transfers):
+    the attach goes on without it, with a warning naming the cost."""
 
 
 class BackendClosedError(SiMMError, RuntimeError):

@@ -202,25 +202,23 @@ def to_pool_transfer_result(verdict: HitVerdict) -> Any:
 # ------------------------------------------------------------- side pools
 
 
-#: What ``describe_side_pool`` accepts, for messages.
-SUPPORTED_SIDE_POOLS = (
-    "Mamba state pools, SWA/draft MHA side pools, MLA side pools and the DSA indexer pool"
-)
-
-
 @dataclass(frozen=True)
 class SidePoolLayout:
     """How a side pool's pages are registered and named."""
 
-    #: what the pool is, for logs: "mamba", "mha", "mla" or "indexer"
+    #: what the pool is, for logs: "mamba", "mha", "mla", "indexer" or
+    #: "object" (any other page-addressable pool)
     kind: str
     #: host tensors to register (an object's region is the one holding it)
     regions: tuple[Any, ...]
-    #: object names in ``get_page_buffer_meta`` order; None: the KV naming
-    #: (``.k``/``.v`` for MHA, ``.kv`` for MLA)
+    #: object names in page order; None: the KV naming (``.k``/``.v`` for
+    #: MHA, ``.kv`` for MLA)
     part_names: tuple[str, ...] | None
     #: objects identical on every TP rank (MLA-like): keys carry no TP rank
     replicated: bool
+    #: the pool's page description (``get_page_buffer_meta``'s shape); the
+    #: pool's own method unless it leaves objects out (``_mamba_meta``)
+    meta: Any = None
 
 
 def _host_tensors(pool: Any) -> list[Any]:
@@ -263,24 +261,79 @@ def _host_tensors(pool: Any) -> list[Any]:
     return tensors
 
 
-def _parts_per_page(pool: Any) -> int:
+def _parts_per_page(pool: Any, meta: Any) -> int:
     import torch
 
     page_size = int(pool.page_size)
-    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(0, page_size, dtype=torch.int64))
+    ptrs, sizes = meta(torch.arange(0, page_size, dtype=torch.int64))
     if len(ptrs) != len(sizes) or not ptrs:
         raise UnsupportedPoolError(f"{type(pool).__name__} reports no objects for a page")
     return len(ptrs)
 
 
+class _WithoutSideStates:
+    """A Mamba host pool seen without its per-slot side states, so SGLang's
+    own ``get_page_buffer_meta`` describes the temporal and conv objects
+    (it refuses a pool with side states, which it does not describe)."""
+
+    slot_state_device_tensors = ()
+
+    def __init__(self, pool: Any):
+        self._pool = pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+def _mamba_meta(pool: Any) -> Any:
+    """The page description of a Mamba pool with per-slot side states
+    (``extra_checkpoint_buffers``, SGLang 0.5.22+): SGLang's own objects of
+    each page (temporal, conv...), then one object per side state, the
+    page's rows of that state's buffer. Each side-state buffer has the
+    slot on axis 0 (``MambaPoolHost.init_kv_buffer``), so a page's rows are
+    ``page_size`` consecutive rows from its first slot: the bytes SGLang's
+    own whole-page path moves for it (``_iter_page_tensors``).
+    """
+    states = list(pool.slot_state_buffers)
+    rows = [t[0].numel() * t.element_size() for t in states]
+    plain = _WithoutSideStates(pool)
+    own = type(pool).get_page_buffer_meta
+    page_size = int(pool.page_size)
+
+    def meta(indices: Any) -> tuple[list[int], list[int]]:
+        ptrs, sizes = own(plain, indices)
+        firsts = [int(i) for i in indices.tolist()[::page_size]]
+        per = len(ptrs) // max(1, len(firsts))
+        out_p: list[int] = []
+        out_s: list[int] = []
+        for n, first in enumerate(firsts):
+            out_p += ptrs[n * per:(n + 1) * per]
+            out_s += sizes[n * per:(n + 1) * per]
+            for t, row in zip(states, rows):
+                out_p.append(t.data_ptr() + first * row)
+                out_s.append(page_size * row)
+        return out_p, out_s
+
+    return meta
+
+
 def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolLayout:
     """Check a side pool and say how to store it; raise UnsupportedPoolError
-    (failing the attach) on one this backend cannot store zero-copy."""
+    (failing the attach) on one this backend cannot store zero-copy.
+
+    Every page-addressable pool is stored: SGLang's zero-copy description
+    of a page (``get_page_buffer_meta``) says which bytes are the page,
+    and ``geometry`` checks that description against every page of the
+    pool before anything is moved. Pools this module knows are named and
+    keyed by what they hold; any other (an index-K pool, a QSA index) is
+    stored as its objects by position, under keys that carry the TP rank
+    (unique per rank whatever the pool holds).
+    """
     kind_name = type(pool).__name__
     if not callable(getattr(pool, "get_page_buffer_meta", None)):
         raise UnsupportedPoolError(
             f"hybrid pool {name!r} ({kind_name}) has no get_page_buffer_meta, so its pages "
-            f"cannot be moved zero-copy; this sglang-simm release supports {SUPPORTED_SIDE_POOLS}"
+            "cannot be moved zero-copy; sglang-simm stores pools SGLang describes page by page"
         )
     try:
         page_size = int(pool.page_size)
@@ -295,15 +348,11 @@ def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolL
             f"hybrid pool {name!r} ({kind_name}) uses layout {layout!r}; sglang-simm supports "
             f"{', '.join(SUPPORTED_LAYOUTS)}: start SGLang with --hicache-mem-layout page_first"
         )
-    if getattr(pool, "slot_state_device_tensors", None):
-        raise UnsupportedPoolError(
-            f"hybrid pool {name!r} ({kind_name}) carries per-slot side states "
-            "(extra_checkpoint_buffers), which SGLang's zero-copy page description "
-            "does not cover; sglang-simm cannot store this Mamba pool"
-        )
     regions = tuple(_host_tensors(pool))
+    is_mamba = hasattr(pool, "temporal_buffer") and hasattr(pool, "conv_buffer")
+    meta = _mamba_meta(pool) if is_mamba and getattr(pool, "slot_state_device_tensors", None) else None
     try:
-        parts = _parts_per_page(pool)
+        parts = _parts_per_page(pool, meta or pool.get_page_buffer_meta)
     except UnsupportedPoolError:
         raise
     except Exception as exc:
@@ -312,18 +361,19 @@ def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolL
             f"{layout!r}): {type(exc).__name__}: {exc}"
         ) from exc
 
-    if hasattr(pool, "temporal_buffer") and hasattr(pool, "conv_buffer"):
+    if is_mamba:
         names = []
         if int(getattr(pool, "temporal_state_elem_size", 1) or 0) > 0:
             names.append("temporal")
         names += [f"conv{i}" for i in range(len(pool.conv_buffer))]
+        names += [f"state{i}" for i in range(len(getattr(pool, "slot_state_buffers", ()) if meta else ()))]
         if len(names) != parts:
             raise UnsupportedPoolError(
                 f"hybrid pool {name!r} ({kind_name}) reports {parts} objects per state slot, "
                 f"expected {len(names)} ({', '.join(names)})"
             )
         # Mamba/linear-attention state is sharded by TP even beside MLA KV.
-        return SidePoolLayout("mamba", regions, tuple(names), replicated=False)
+        return SidePoolLayout("mamba", regions, tuple(names), replicated=False, meta=meta)
     is_mla_pool = hasattr(pool, "kv_lora_rank") or hasattr(pool, "kv_cache_dim")
     if is_mla_pool and parts == 1:
         return SidePoolLayout("mla", regions, None, replicated=True)
@@ -334,38 +384,51 @@ def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolL
         # page (every layer's packed keys and scales), replicated exactly
         # when the model's KV is. The part keeps the positional name "o0".
         return SidePoolLayout("indexer", regions, ("o0",), replicated=bool(model_is_mla))
-    raise UnsupportedPoolError(
-        f"hybrid pool {name!r} ({kind_name}, {parts} object(s) per page) is not supported: "
-        f"this sglang-simm release supports {SUPPORTED_SIDE_POOLS}"
-    )
+    # Any other page-addressable pool (MiniMax's index K, Qwen4's QSA index,
+    # DeepSeek V4's compressed KV, indexer and state pools), its objects by
+    # position. Beside a rank-replicated model SGLang writes side pools on
+    # its writer rank only and every rank loads those bytes
+    # (HybridCacheController.should_backup: only Mamba state is backed up
+    # off the writer), so such a pool is identical on every rank by
+    # SGLang's own design and is keyed without the rank, as SGLang's file
+    # and Mooncake backends key it; the TP-sharded exceptions (MHA heads,
+    # Mamba state) are told apart above. Elsewhere every rank writes its
+    # own, keyed by rank.
+    names = tuple(f"o{i}" for i in range(parts))
+    return SidePoolLayout("object", regions, names, replicated=bool(model_is_mla))
 
 
 def writer_only_refusal(
     layout: SidePoolLayout, name: str, kind_name: str, *, model_is_mla: bool, tp_size: int, dcp_size: int = 1
 ) -> str | None:
-    """Why a side pool cannot be stored by this deployment, or None.
+    """Why a side pool is left out of this deployment's L3, or None.
 
     Beside a rank-replicated (MLA) model, SGLang writes to storage only on
     its storage writer ranks (``HiCacheStorageConfig.is_storage_writer``:
     TP rank 0, or one per DCP shard), and its hybrid controller backs a side
     pool up on the other ranks only when it is Mamba state
-    (``HybridCacheController.should_backup``; Mooncake's MHA drafts are its
-    own exception). A TP-sharded pool there (an MHA draft of an MLA target:
-    the draft's KV heads are split over TP like any Llama-style attention)
-    is therefore written by rank 0 alone, in rank 0's heads. Other ranks
-    cannot use those bytes, and never get their own, so their hit query
-    always misses and SGLang's MIN all-reduce of the hit voids every
-    prefetch on every rank. Refused rather than left to miss.
+    (``HybridCacheController.should_backup``; it makes one exception, MHA
+    drafts, for the backend named ``mooncake`` only, by name). A TP-sharded
+    pool there (an MHA draft of an MLA target: the draft's KV heads are
+    split over TP like any Llama-style attention) would be written by rank
+    0 alone, in rank 0's heads: other ranks could not use those bytes and
+    never get their own, so their hit query would always miss and SGLang's
+    MIN all-reduce of the hit would void every prefetch on every rank.
+    Such a pool is left out instead (the backend binds no memory for it and
+    leaves it out of hits and transfers, which SGLang's controller reads as
+    "no verdict"), and the target's pages are stored as usual.
     """
     if not model_is_mla or layout.replicated or layout.kind == "mamba" or tp_size <= max(1, dcp_size):
         return None
     return (
         f"hybrid pool {name!r} ({kind_name}) holds TP-sharded {layout.kind.upper()} pages beside an "
-        f"MLA model at TP {tp_size}: SGLang backs such a pool up only on the MLA writer rank, while "
-        f"its bytes differ per rank (a draft model's KV heads are sharded across TP), so the other "
-        f"ranks would never find their pages and every prefetch would miss on every rank. Use an "
-        f"MLA draft (the model's own NextN/MTP layers), run attention at TP 1 (--enable-dp-attention "
-        f"with --dp-size equal to --tp-size), or leave --hicache-storage-backend off for this model"
+        f"MLA model at TP {tp_size}: SGLang backs such a pool up only on the MLA writer rank while its "
+        f"bytes differ per rank (a draft model's KV heads are sharded across TP), so sglang-simm leaves "
+        f"it out of L3. The model's own pages are stored and restored as usual; a prefix restored "
+        f"from L3 runs the draft on stale draft KV for those tokens, which lowers speculative "
+        f"acceptance (the target model still verifies every token). To store the draft too, use an "
+        f"MLA draft (the model's own NextN/MTP layers) or run attention at TP 1 "
+        f"(--enable-dp-attention with --dp-size equal to --tp-size)"
     )
 
 

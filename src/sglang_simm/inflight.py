@@ -136,6 +136,11 @@ class Pools:
         self.closed = False
         self.kv: PoolBinding | None = None
         self.side: dict[str, PoolBinding] = {}
+        #: a KV anchor that holds no KV (DeepSeek V4's logical pool), bound
+        #: instead of ``kv``: nothing to store for it, hits from side pools
+        self.logical: Any = None
+        #: side pools left out of L3 (``PoolLeftOutError``), by name: why
+        self.left_out: dict[str, str] = {}
 
     def get(self, name: str) -> PoolBinding | None:
         """The pool bound as ``name`` (``hybrid.KV``: the KV pool), or None."""
@@ -168,12 +173,29 @@ class Pools:
             if not closed:
                 old = self.get(name)
                 if name == KV:
-                    self.kv = binding
+                    self.kv, self.logical = binding, None
                 else:
                     self.side[name] = binding
+                    self.left_out.pop(name, None)
         if closed:
             binding.close()
             self.check_open(where)
+        return old
+
+    def install_logical(self, pool: Any, where: str) -> PoolBinding | None:
+        """Make ``pool``, a logical KV anchor, the KV pool: no binding; the
+        KV binding it replaces, if any (for the caller to ``release``)."""
+        with self.lock:
+            self.check_open(where)
+            old, self.kv, self.logical = self.kv, None, pool
+        return old
+
+    def leave_out(self, name: str, why: str, where: str) -> PoolBinding | None:
+        """Record side pool ``name`` as left out; the binding it replaces."""
+        with self.lock:
+            self.check_open(where)
+            old = self.side.pop(name, None)
+            self.left_out[name] = why
         return old
 
     def close(self) -> list[PoolBinding] | None:
@@ -184,7 +206,7 @@ class Pools:
                 return None
             self.closed = True
             bindings = [b for _, b in self.bound()]
-            self.kv, self.side = None, {}
+            self.kv, self.side, self.logical = None, {}, None
         return bindings
 
 
