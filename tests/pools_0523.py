@@ -459,6 +459,8 @@ def ple_side_states(capacity: int) -> tuple[torch.Tensor, ...]:
 def mamba_host_pool(layout: str, extra=()):
     """``build_mamba_host_pool`` (assembler:1251-1275) over test_hybrid's
     Mamba state buffers, in ``layout``."""
+    sglang_attr("sglang.srt.mem_cache.pool_host.mamba", "MambaPoolHost")
+    sglang_attr("sglang.srt.mem_cache.device_pool_info", "MambaStateBufferInfo")
     from test_hybrid import MAMBA_CAPACITY, mamba_pool
 
     pool = mamba_pool(extra=extra)
@@ -539,7 +541,9 @@ DSV4_HOST_PAGES = 8
 def runtime_context():
     """A runtime context of its own for the device pools that read the
     server arguments (DeepSeek V4), so the process-wide one stays as it was."""
-    from sglang.srt.runtime_context import ParallelContext, RuntimeContext, use_context
+    module = "sglang.srt.runtime_context"
+    RuntimeContext, ParallelContext = sglang_attr(module, "RuntimeContext"), sglang_attr(module, "ParallelContext")
+    use_context = sglang_attr(module, "use_context")
     from sglang.srt.server_args import ServerArgs
 
     context = RuntimeContext(parallel=ParallelContext())
