@@ -199,7 +199,7 @@ def test_region_geometry_fits_each_buffer_with_its_own_stride():
         make_indices=lambda lo, hi: list(range(lo, hi)),
     )
     assert owners.tolist() == [1, 0]
-    assert g.token_stride.tolist() == [256, 20] and g.sizes.tolist() == [256, 20]
+    assert g.page_stride.tolist() == [256, 20] and g.sizes.tolist() == [256, 20]
     want = meta(list(range(slots)))[0]
     assert g.pointers(np.arange(slots)).tolist() == want
 

@@ -97,6 +97,20 @@ def pool_geometry(pool: Any, meta: Meta, regions: Sequence[torch.Tensor]) -> tup
         return derive_region_geometry(meta, regions=spans, **common)
     except UnsupportedPoolError:
         raise
+    except NotImplementedError as exc:
+        # SGLang's own refusal to describe the pool's pages for storage
+        # (MXFP8 KV: its scales live outside kv_buffer): no L3 backend can
+        # store it, so say what to change.
+        fix = (
+            "serve this model with --kv-cache-dtype auto (or fp8_e4m3) to keep L3, or leave "
+            "--hicache-storage-backend off"
+            if "mxfp8" in type(pool).__name__.lower()
+            else "leave --hicache-storage-backend off for this model"
+        )
+        raise UnsupportedPoolError(
+            f"SGLang does not describe the pages of {type(pool).__name__} for L3 storage ({exc}); "
+            f"sglang-simm cannot store this pool: {fix}"
+        ) from exc
     except Exception as exc:
         raise UnsupportedPoolError(
             f"cannot read the page geometry of {type(pool).__name__} "

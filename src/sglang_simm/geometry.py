@@ -1,13 +1,15 @@
 """Page geometry: where each object of a KV page lies in the host pool.
 
 SGLang's ``get_page_buffer_meta`` walks pages in a Python loop on every
-call. Its pointer formula is affine in the page's first token slot::
+call. Its pointer formula is affine in the page's index::
 
-    ptr(slot, part) = base[part] + slot * token_stride
+    ptr(page, part) = base[part] + page * page_stride      (page = first slot // page_size)
 
 for every layout we accept, so it is sampled once at registration (first,
 second and last page), checked, and then evaluated with numpy for a whole
-batch. Sampling the pool's own method keeps us right across SGLang releases
+batch. A stride per page, not per token slot: pools whose page rows are not
+a whole number of bytes per token (DeepSeek V4's compressed KV and state
+pools, one row of a few hundred bytes per 256-token page) follow it too. Sampling the pool's own method keeps us right across SGLang releases
 whose formulas differ, instead of re-deriving each one.
 
 Objects larger than SiMM's value limit are cut into equal chunks, which are
@@ -39,10 +41,10 @@ class PageGeometry:
     page_size: int
     #: pages the pool holds
     num_pages: int
-    #: bytes between the starts of two consecutive token slots; one per part
+    #: bytes between the starts of two consecutive pages; one per part
     #: (an array) when the parts live in separate buffers of their own
     #: stride (``derive_region_geometry``)
-    token_stride: int | np.ndarray
+    page_stride: int | np.ndarray
     #: byte address of each object of slot 0, in part order
     base: np.ndarray
     #: byte size of each object, in part order
@@ -61,12 +63,13 @@ class PageGeometry:
         return int(self.sizes.sum())
 
     def pointers(self, first_slots: np.ndarray) -> np.ndarray:
-        """Object addresses for pages starting at ``first_slots``, page-major.
+        """Object addresses for pages starting at ``first_slots`` (page-aligned,
+        as ``page_starts`` checks), page-major.
 
         In int64 whatever the slots' dtype: SGLang's host indices may be
-        int32, and ``slot * stride`` passes 2^31 in any pool over 2 GiB."""
-        slots = np.asarray(first_slots).astype(np.int64, copy=False)
-        return (slots[:, None] * self.token_stride + self.base[None, :]).ravel()
+        int32, and ``page * stride`` passes 2^31 in any pool over 2 GiB."""
+        pages = np.asarray(first_slots).astype(np.int64, copy=False) // self.page_size
+        return (pages[:, None] * self.page_stride + self.base[None, :]).ravel()
 
     def object_ids(self, pages: np.ndarray) -> np.ndarray:
         """Indices into a per-pool table of objects, page-major."""
@@ -110,16 +113,16 @@ def derive_geometry(
 
     if num_pages > 1:
         delta = sampled[1][0] - base
-        token_stride = int(delta[0]) // page_size
-        if np.any(delta != token_stride * page_size):
+        page_stride = int(delta[0])
+        if np.any(delta != page_stride):
             raise UnsupportedPoolError(
                 "the host pool's page objects do not move together from page to page; "
                 + _LAYOUT_FIX
             )
     else:
-        token_stride = 0
+        page_stride = 0
     for page, (ptrs, psizes) in sampled.items():
-        expected = base + page * page_size * token_stride
+        expected = base + page * page_stride
         if ptrs.shape != base.shape or np.any(ptrs != expected) or np.any(psizes != sizes):
             raise UnsupportedPoolError(
                 f"page {page} of the host pool does not follow the layout of page 0; "
@@ -127,13 +130,13 @@ def derive_geometry(
             )
 
     # Every object of the last page inside the buffer: then every page is.
-    last = base + (num_pages - 1) * page_size * token_stride
+    last = base + (num_pages - 1) * page_stride
     if np.any(base < buffer_start) or np.any(last + sizes > buffer_start + buffer_bytes):
         raise UnsupportedPoolError(
             "the host pool's page objects lie outside its kv_buffer "
             f"(buffer {buffer_bytes} bytes at {buffer_start:#x})"
         )
-    if num_pages > 1 and token_stride * page_size < int(sizes.max()):
+    if num_pages > 1 and page_stride < int(sizes.max()):
         raise UnsupportedPoolError(
             "the host pool's page objects overlap the next page; " + _LAYOUT_FIX
         )
@@ -145,7 +148,7 @@ def derive_geometry(
     return PageGeometry(
         page_size=page_size,
         num_pages=num_pages,
-        token_stride=token_stride,
+        page_stride=page_stride,
         base=base,
         sizes=sizes,
         chunks=chunks,
@@ -168,7 +171,7 @@ def derive_region_geometry(
 
     ``regions`` are the buffers as ``(start, bytes)``. Each part is fitted on
     its own, inside the region that holds it. Returns the geometry (with one
-    ``token_stride`` per part) and the region index of every part.
+    ``page_stride`` per part) and the region index of every part.
     """
     if not regions:
         raise UnsupportedPoolError("the host pool has no buffers to register")
@@ -214,7 +217,7 @@ def derive_region_geometry(
 
     base = np.concatenate([g.base for g in fitted])
     sizes = np.concatenate([g.sizes for g in fitted])
-    strides = np.asarray([g.token_stride for g in fitted], dtype=np.int64)
+    strides = np.asarray([g.page_stride for g in fitted], dtype=np.int64)
     owners = np.asarray(region_of, dtype=np.int64)
     object_bytes = tuple(int(s) for s in sizes)
     chunks = max(chunk_count(s, value_limit) for s in object_bytes)
@@ -225,7 +228,7 @@ def derive_region_geometry(
     geometry = PageGeometry(
         page_size=page_size,
         num_pages=fitted[0].num_pages,
-        token_stride=strides,
+        page_stride=strides,
         base=base,
         sizes=sizes,
         chunks=chunks,

@@ -56,6 +56,9 @@ SERVERS: dict[str, Callable[[str], ServerConfig]] = {
     # one cause that keeps L3 from hitting: a prefetch threshold above every
     # prompt the tests send (doctor --server must name it); metrics on
     "l3-threshold": _server("l3-threshold", "simm", {"prefetch_threshold": 4096}, enable_metrics=True),
+    # SGLang 0.5.23's buffer_only host mode: the host pool only stages
+    # transfers, every cached page lives in L3 (write_through is forced)
+    "buffer-only": _server("buffer-only", "simm", extra_args=("--hicache-host-memory-mode", "buffer_only")),
     # the control: every successful L3 read comes back with flipped bytes;
     # no warm-up round trip (it would see them and refuse to start)
     "corrupt-reads": _server("corrupt-reads", "simm",

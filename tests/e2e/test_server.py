@@ -8,7 +8,9 @@ One server per route, shared by the module's tests:
   ``direct`` io backend, metrics off (SGLang's default), a small embedded
   store (so the soak runs at its capacity, evicting).
 
-and ``l3-threshold``: the plugin entry point with a prefetch threshold above
+``buffer-only``: the plugin entry point in SGLang 0.5.23's
+``--hicache-host-memory-mode buffer_only`` (the host pool only stages
+transfers), and ``l3-threshold``: the plugin entry point with a prefetch threshold above
 every prompt the tests send, one cause that keeps L3 from hitting, for
 ``doctor --server`` to name (the other two are its healthy and metrics-off
 cases; the backend's own /metrics series are checked on both routes).
@@ -94,6 +96,24 @@ def test_restore_after_flush_hits_every_full_page(server):
     assert restored.cached_details.get("storage_backend") == "HiCacheSiMM"
     assert server.l3_pages_read() - read == want // PAGE, why(server, "the backend read other pages than the hit")
     assert_same_outputs(server, restored, fresh, "after a flush")
+
+
+def test_buffer_only_host_mode_restores_from_l3(servers):
+    """SGLang 0.5.23's ``--hicache-host-memory-mode buffer_only``: no host
+    tier holds pages, so a flushed prompt comes back from L3 alone, with the
+    outputs of its first computation."""
+    server = servers.get("buffer-only")
+    ids = prompt(7, LONG)
+    stored = server.l3_pages_stored()
+    fresh = server.generate(ids)
+    backed_up(server, fresh, stored)
+    server.flush_cache()
+    restored = server.generate(ids)
+    want = matchable_tokens(LONG, PAGE)
+    assert restored.storage_tokens == want, why(server, f"L3 hit {restored.cached_details}, expected {want} tokens")
+    assert restored.host_tokens == 0, restored.cached_details
+    assert_same_outputs(server, restored, fresh, "buffer_only, restored from L3")
+    assert "Traceback" not in server.log_text(), why(server, "a traceback in the server log")
 
 
 def test_restore_after_eviction_under_load(server):
