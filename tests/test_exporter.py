@@ -98,12 +98,36 @@ def test_breaker_one_call():
     assert value(registry, "sglang_simm:breaker_transitions_total", to="closed") == 1
 
 
+def test_every_l3_call_is_timed_by_operation(attach):
+    """Gets, sets and the hit queries SGLang waits on before a prefill
+    (v1 and v2) each land in the latency histogram under their operation."""
+    import torch
+
+    from sglang_simm_dev.pools import PRESETS
+
+    registry = prometheus_client.CollectorRegistry()
+    backend, host = attach(PRESETS["tiny"])
+    counters = BackendCounters(storage_metrics=False, exporter=L3Exporter(LABELS, registry=registry))
+    backend.counters = backend.answers.counters = counters
+    ps = host.page_size
+    keys = ["p0", "p1"]
+    assert backend.batch_set_v1(keys, torch.arange(0, 2 * ps)) == [True, True]
+    assert backend.batch_exists(keys) == 2
+    assert backend.batch_exists_v2(keys, []).kv_hit_pages == 2
+    assert backend.batch_get_v1(keys, torch.arange(2 * ps, 4 * ps)) == [True, True]
+    counters.flush_export()
+    for op, n in (("set", 1), ("exists", 2), ("get", 1)):
+        assert value(registry, "sglang_simm:l3_call_seconds_count", op=op) == n, op
+        assert value(registry, "sglang_simm:l3_call_seconds_sum", op=op) > 0, op
+
+
 def test_every_series_exists_from_attach():
     """A scrape before any L3 call tells the plugin's zeros from no plugin."""
     registry = prometheus_client.CollectorRegistry()
     L3Exporter(LABELS, registry=registry)
     assert value(registry, "sglang_simm:l3_pages_hit_total") == 0
     assert value(registry, "sglang_simm:l3_call_seconds_count", op="set") == 0
+    assert value(registry, "sglang_simm:l3_call_seconds_count", op="exists") == 0
 
 
 def test_two_backends_share_families():

@@ -249,8 +249,9 @@ class HiCacheSiMM(HiCacheStorage):
             return 0
         t0 = perf_counter()
         codes = self.client.mexists_codes(lookup.keys)
-        call.record(codes, perf_counter() - t0)
-        (pages,) = self.answers.found([lookup], codes)
+        dt = perf_counter() - t0
+        call.record(codes, dt)
+        (pages,) = self.answers.found([lookup], codes, dt)
         return leading(pages)
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
@@ -342,12 +343,13 @@ class HiCacheSiMM(HiCacheStorage):
             lookups = [self._resolve(call, hybrid.pool_name(t.name), page_keys, None, "batch_exists_v2")
                        for t in transfers]
             found = [lk for lk in lookups if lk is not None]
-            codes = []
+            codes, dt = [], 0.0
             if found:
                 t0 = perf_counter()
                 codes = self.client.mexists_codes(object_keys(found))
-                call.record(codes, perf_counter() - t0)
-            pages = iter(self.answers.found(found, codes) if found else [])
+                dt = perf_counter() - t0
+                call.record(codes, dt)
+            pages = iter(self.answers.found(found, codes, dt) if found else [])
             absent = [False] * kv_pages
             queries = [
                 hybrid.PoolQuery(name=t.name, policy=hybrid.policy_name(t.hit_policy),

@@ -61,7 +61,7 @@ COUNTERS = (
 )
 
 #: operations whose latency is kept: the client's batch call of each
-OPERATIONS = ("get", "set")
+OPERATIONS = ("get", "set", "exists")
 
 
 class LatencyTally:
@@ -121,7 +121,8 @@ class _Families:
         self.faults = Counter(f"{PREFIX}l3_faults", "Faults of L3 calls by SiMM code (or exception type); "
                               "each is answered as a miss", labelnames=(*LABELS, "code"), registry=registry)
         self.latency = Histogram(f"{PREFIX}l3_call_seconds", "Latency of the SiMM client's batch call per "
-                                 "operation (get: mget of a batch_get_v1; set: mput of a batch_set_v1)",
+                                 "operation (get: mget of a batch_get; set: mput of a batch_set; "
+                                 "exists: mexists of a hit query, on the request's path)",
                                  labelnames=(*LABELS, "op"), buckets=LATENCY_BUCKETS, registry=registry)
         self.breaker_state = Gauge(f"{PREFIX}breaker_state", "The circuit breaker's state: 0 closed, "
                                    "1 half open, 2 open (L3 calls skipped)", labelnames=LABELS,

@@ -120,9 +120,13 @@ class BackendCounters:
                 self._pending.backup_pgs.append(written)
                 self._pending.backup_bandwidth.append(_gib_per_s(nbytes, seconds))
 
-    def record_exists(self) -> None:
+    def record_exists(self, seconds: float = 0.0) -> None:
+        """One hit query's lookup (its ``mexists``, ``seconds`` long: SGLang
+        waits for it before a request's prefill)."""
         with self._lock:
             self.exists_queries += 1
+            if self._latency is not None and seconds > 0:
+                self._latency.observe("exists", seconds)
 
     def record_codes(self, codes: Counter[int]) -> None:
         with self._lock:

@@ -60,10 +60,11 @@ class Answers:
 
     # ------------------------------------------------------------ lookups
 
-    def found(self, batches: Sequence[Batch], codes: Sequence[int]) -> list[list[bool]]:
+    def found(self, batches: Sequence[Batch], codes: Sequence[int], seconds: float = 0.0) -> list[list[bool]]:
         """``mexists`` codes (0: the object exists) to one bool per page
-        asked for, per batch: every object of the page exists."""
-        self.counters.record_exists()
+        asked for, per batch: every object of the page exists. ``seconds``:
+        the ``mexists`` call's time, for the latency histogram."""
+        self.counters.record_exists(seconds)
         out = []
         for bt, seg in _split(batches, codes, "mexists"):
             parts = bt.binding.parts
