@@ -168,3 +168,51 @@ def test_cli_server_that_does_not_answer_exits_1(capsys):
     assert main(["doctor", "--server", f"127.0.0.1:{port}"]) == 1
     out = capsys.readouterr().out
     assert "does not answer" in out and "keep L3 from hitting" in out
+
+
+@pytest.fixture
+def keyed_server():
+    """An HTTP server on 127.0.0.1 that answers SGLang's endpoints only with
+    ``Authorization: Bearer k3y`` (as ``launch_server --api-key k3y`` does)
+    and 401 otherwise; stopped at the end."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.append(self.headers.get("Authorization"))
+            if self.headers.get("Authorization") != "Bearer k3y":
+                self.send_response(401)
+                self.end_headers()
+                return
+            body = {"/server_info": json.dumps(HEALTHY).encode(),
+                    "/metrics": b"sglang_simm:l3_pages_hit_total 0\n"}.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{httpd.server_address[1]}", seen
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_an_api_key_reaches_every_endpoint_and_a_missing_one_is_named(keyed_server, capsys):
+    url, seen = keyed_server
+    view = ds.read_server(url, api_key="k3y")
+    assert view.errors == [] and view.info["hicache_storage_backend"] == "simm"
+    assert view.metrics is not None and set(seen) == {"Bearer k3y"}
+    assert main(["doctor", "--server", url]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "HTTP 401" in out and "--api-key" in out
+    assert main(["doctor", "--server", url, "--api-key", "wrong"]) == 1
+    assert "not the server's" in " ".join(capsys.readouterr().out.split())

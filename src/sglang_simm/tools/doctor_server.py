@@ -85,7 +85,14 @@ def read_server(url: str, *, timeout_s: float = 10.0, api_key: str | None = None
             view.info = json.loads(body)
             break
     else:
-        view.errors.append(f"{url} serves neither /server_info nor /get_server_info (HTTP {status})")
+        if status in (401, 403):
+            view.errors.append(
+                f"{url} refuses /server_info (HTTP {status}): "
+                + ("the API key given is not the server's" if api_key else
+                   "the server was started with --api-key; pass it: doctor --server URL --api-key KEY")
+            )
+        else:
+            view.errors.append(f"{url} serves neither /server_info nor /get_server_info (HTTP {status})")
         return view
     try:
         status, body = _get(url + "/metrics", timeout_s, headers)
