@@ -41,19 +41,13 @@ def _pages(host: Any, first: int, count: int) -> list[Any]:
 
 
 def _backend(route: str, geom: Any) -> tuple[Any, Any]:
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    from sglang_simm_dev.pools import build_host_pool, storage_config
+    from sglang_simm_dev.pools import build_host_pool, create_backend
 
     host = build_host_pool(geom, tokens=64)
     # a store of this case's own: every release's probe shares one store
     # directory, and the same pages would have the same keys
-    extra: dict[str, Any] = {"manager_address": f"local://compat-{route}-{geom.name}-{uuid.uuid4().hex[:8]}"}
-    if route == "dynamic":
-        extra.update(backend_name="simm", module_path="sglang_simm", class_name="HiCacheSiMM", interface_v1=1)
-    cfg = storage_config(extra_config=extra, is_mla_model=geom.is_mla, model_name=geom.name)
-    backend = StorageBackendFactory.create_backend(route, cfg, host)
-    backend.register_mem_pool_host(host)
+    address = f"local://compat-{route}-{geom.name}-{uuid.uuid4().hex[:8]}"
+    backend = create_backend(route, host, manager_address=address, is_mla_model=geom.is_mla, model_name=geom.name)
     return backend, host
 
 
