@@ -37,7 +37,8 @@ def record(release: str, status: str, probe_out: str, log: str, req: str) -> dic
         tail = Path(log).read_text(errors="replace").strip().splitlines()[-6:] if Path(log).exists() else []
         rec["problems"] = [status] + tail
         return rec
-    cases = [k for k, v in probe.items() if isinstance(v, dict)]
+    cases = [k for k, v in probe.items() if isinstance(v, dict) and k != "pools"]
+    rec["stacks"] = probe.get("pools", {})  # the hybrid pool stacks: kept in the record, not the table
     rec["routes"] = probe.get("routes", [])
     rec["pools"] = sorted({k.split("-")[1] for k in cases})
     rec["v2"] = any(k.endswith("-v2") for k in cases)
@@ -89,8 +90,13 @@ def render(results: str, target: str, expected: list[str] | None = None) -> None
         "On each route an MHA and an MLA host pool round-trip three pages (`batch_set_v1`,",
         "`batch_exists`, `batch_get_v1`, bytes compared) and, where SGLang has the v2 batch",
         "interface (`PoolTransfer`), the same through `batch_set_v2` / `batch_exists_v2` /",
-        "`batch_get_v2`. SGLang's own cache controller and a real server are exercised on the main",
-        "release only (the test suite: `tests/test_demo.py`, `tests/e2e/`).",
+        "`batch_get_v2`. Then every host pool stack SGLang 0.5.23 hands a backend",
+        "(`sglang_simm_dev.hybrid_pools`: MiMo-V2, MiniMax M3 and M3 NVFP4, Qwen4-Exp QSA, Mamba with",
+        "side states, Mamba + SWA, DeepSeek V4, MLA + MHA draft) that the release can build is attached",
+        "and driven as SGLang's hybrid cache controller does, its pages read back into other slots",
+        "byte for byte, and an MXFP8 KV pool must be refused at attach; a stack whose classes the",
+        "release lacks is skipped, naming them. SGLang's own cache controller and a real server are",
+        "exercised on the main release only (the test suite: `tests/test_demo.py`, `tests/e2e/`).",
         "",
         f"Machine: {platform.system()} {platform.machine()}, Python {platform.python_version()}, CPU torch.",
         "Releases with no file in `requirements/` get the nearest older file with SGLang's own pins",

@@ -3,7 +3,8 @@
 # of its own (built once, reused while its stamp matches), checked by
 # `python -m sglang_simm_dev.compat_probe` (the plugin route where the
 # release has plugins, the dynamic route, MHA and MLA pools, v2 where it
-# exists); writes docs/compatibility.md from the results.
+# exists, every hybrid pool stack of sglang_simm_dev.hybrid_pools the
+# release can build); writes docs/compatibility.md from the results.
 #
 #   scripts/compat.sh              every release from 0.5.8 to the newest on the index
 #   scripts/compat.sh --ci         the oldest, the first with plugins and the newest

@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from sglang_simm_dev.hybrid_pools import hashes  # noqa: F401  (the page keys every test module uses)
+
 
 def tiny(**changes):
     from sglang_simm_dev.pools import PRESETS
@@ -18,12 +20,6 @@ def tiny_mla(**changes):
 
     base = ModelGeometry("tiny-mla", 2, 1, 48, 4, is_mla=True, kv_lora_rank=32, qk_rope_head_dim=16)
     return dataclasses.replace(base, **changes)
-
-
-def hashes(n: int, salt: str = "") -> list[str]:
-    import hashlib
-
-    return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
 
 
 def fill_random(host, seed: int) -> None:

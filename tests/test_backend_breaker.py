@@ -228,7 +228,8 @@ def test_a_disabled_breaker_never_opens(local):
 def test_hybrid_v2_calls_are_gated_once_for_every_pool(local):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from test_hybrid import kv_side_pool, transfer
+    from sglang_simm_dev.hybrid_pools import transfer
+    from test_hybrid import kv_side_pool
 
     backend, kv, faults = local()
     swa = kv_side_pool(tiny(layer_num=1, name="swa-layers"))

@@ -1,7 +1,8 @@
 """Older SGLang releases, each in its own virtual environment (scripts/test.sh
 builds them and names their pythons in SGLANG_SIMM_COMPAT_PYTHONS): the
 installed wheel, both routes where the release has them, MHA and MLA pages
-round-tripped through SGLang's factory, v2 where it exists
+round-tripped through SGLang's factory, v2 where it exists, and every pool
+stack of ``sglang_simm_dev.hybrid_pools`` the release can build
 (``sglang_simm_dev.compat_probe``, the check scripts/compat.sh runs on every
 release).
 
@@ -83,3 +84,10 @@ def test_older_release_round_trips_pages_through_sglangs_factory(python):
     release = tuple(int(x) for x in result["sglang"].split(".")[:3])
     if release >= PLUGINS_SINCE:  # plugin entry points: load_plugins() made `simm` ours
         assert "simm-mha" in result and "simm-mla" in result
+    # every stack, round-tripped where the release builds it (failures() holds
+    # those to their bytes), else skipped naming what the release lacks
+    from sglang_simm_dev.hybrid_pools import STACKS
+
+    assert list(result["pools"]) == [*STACKS, "mxfp8"]
+    for label, r in result["pools"].items():
+        assert set(r) in ({"skipped"}, {"stored", "bytes_equal", "kv_hit"}, {"refused"}), (label, r)

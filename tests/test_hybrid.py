@@ -21,6 +21,8 @@ from pages import hashes, page, slots
 from sglang_simm import hybrid, keys as keyspace
 from sglang_simm.errors import UnsupportedPoolError
 from sglang_simm.geometry import derive_region_geometry
+from sglang_simm_dev.hybrid_pools import region_count, transfer
+from sglang_simm_dev.pools import MAMBA_CAPACITY, mamba_pool
 
 
 def tiny(**changes):
@@ -227,23 +229,6 @@ def test_region_geometry_refuses_an_object_outside_every_buffer():
 
 # ------------------------------------------------------------ real host pools
 
-MAMBA_LAYERS = 2
-MAMBA_CAPACITY = 8  # device slots; the host pool holds twice that, plus one
-
-
-def mamba_pool(*, temporal=(2, 4, 4), convs=((3, 8), (5,)), extra=(), temporal_dtype=torch.float32):
-    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
-    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-
-    info = MambaStateBufferInfo(
-        temporal=torch.zeros(MAMBA_LAYERS, MAMBA_CAPACITY, *temporal, dtype=temporal_dtype),
-        conv=tuple(torch.zeros(MAMBA_LAYERS, MAMBA_CAPACITY, *c, dtype=torch.bfloat16) for c in convs),
-        extra_checkpoint_buffers=tuple(extra),
-    )
-    return MambaPoolHost(
-        info, 2.0, 0, device_capacity=MAMBA_CAPACITY, pin_memory=False, device="cpu", layout="page_first"
-    )
-
 
 def kv_side_pool(geom, tokens=32, layout="page_first"):
     from sglang_simm_dev.pools import build_host_pool
@@ -262,15 +247,6 @@ def randomize(pool, seed: int) -> None:
     for t in buffers(pool):
         flat = t.view(-1).view(torch.uint8)
         flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
-
-
-def transfer(name, *, keys, host_indices=None, policy=None):
-    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
-
-    return PoolTransfer(
-        name=name, keys=keys, host_indices=host_indices,
-        hit_policy=policy if policy is not None else PoolHitPolicy.ALL_PAGES,
-    )
 
 
 @pytest.fixture
@@ -850,12 +826,6 @@ def test_the_legacy_key_scheme_refuses_side_pools_at_attach(attach):
     assert backend.pools.side == {}
 
 
-def _region_count() -> int:
-    from sglang_simm.embedded import _client
-
-    return len(_client._regions)
-
-
 @pytest.mark.parametrize(
     "make, match",
     [
@@ -877,10 +847,10 @@ def _region_count() -> int:
 def test_unsupported_pools_are_refused_at_registration(hybrid_attach, make, match):
     backend, _ = hybrid_attach(side=())
     pool = make()
-    before = _region_count()
+    before = region_count()
     with pytest.raises(UnsupportedPoolError, match=match):
         backend.register_mem_host_pool_v2(pool, "swa")
-    assert backend.pools.side == {} and _region_count() == before
+    assert backend.pools.side == {} and region_count() == before
 
 
 def test_a_refused_pool_leaves_what_was_bound_untouched(hybrid_attach):
@@ -890,13 +860,13 @@ def test_a_refused_pool_leaves_what_was_bound_untouched(hybrid_attach):
 
     backend, pools = hybrid_attach(side=("draft",))
     binding = backend.pools.side["draft"]
-    before = _region_count()
+    before = region_count()
     want = "hybrid pool 'swa' (MHATokenToKVPoolHost) uses layout 'layer_first'"
     with pytest.raises(UnsupportedPoolError, match=re.escape(want)):
         backend.register_mem_host_pool_v2(kv_side_pool(tiny(layer_num=1), layout="layer_first"), PoolName.SWA)
     # nothing of it stays registered; what was bound before is untouched
     assert list(backend.pools.side) == ["draft"] and backend.pools.side["draft"] is binding
-    assert _region_count() == before
+    assert region_count() == before
     assert backend.batch_get_v2([transfer(PoolName.SWA, keys=hashes(1), host_indices=torch.arange(4))]) == {
         PoolName.SWA: [False]
     }
@@ -966,10 +936,10 @@ def test_close_releases_every_region_and_clear_removes_side_objects(hybrid_attac
     backend.clear()
     assert len(server) == 0
     assert result(s.query(mamba_query())) == (0, {}, [])
-    before = _region_count()
+    before = region_count()
     regions = 1 + sum(len(b.mrs) for b in backend.pools.side.values())
     backend.close()
-    assert _region_count() == before - regions
+    assert region_count() == before - regions
     assert backend.pools.side == {}
 
 

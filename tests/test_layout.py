@@ -193,7 +193,7 @@ def test_the_tools_are_the_operators_commands_only():
 def test_the_instruments_are_a_project_of_their_own():
     dev = _modules(DEV_ROOT, DEV_PACKAGE)
     for instrument in ("cli", "bench", "demo", "server_demo", "sglang_server", "cpu_standins", "tiny_model",
-                       "pools", "nullkv", "compat_probe", "l3_counts"):
+                       "pools", "hybrid_pools", "nullkv", "compat_probe", "l3_counts"):
         assert f"{DEV_PACKAGE}.{instrument}" in dev
     assert (REPO / "dev" / "pyproject.toml").is_file()
     graph = {module: _imports_within(path, dev) - {module} for module, path in dev.items()}

@@ -78,7 +78,7 @@ def test_wheel_holds_the_package_typing_marker_and_entry_points(wheel):
 OPERATOR_TOOLS = {"__init__.py", "cli.py", "doctor.py", "doctor_server.py", "store.py"}
 #: The instruments, which live in the repository's dev/ (package sglang_simm_dev).
 INSTRUMENTS = ("bench", "demo", "server_demo", "sglang_server", "cpu_standins", "tiny_model", "compat_probe",
-               "nullkv", "pools", "l3_counts", "sitecustomize", "sglang_simm_dev")
+               "nullkv", "pools", "hybrid_pools", "l3_counts", "sitecustomize", "sglang_simm_dev")
 
 
 @pytest.mark.slow

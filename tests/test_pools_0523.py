@@ -1,13 +1,14 @@
 """Every host pool type SGLang 0.5.23 hands a storage backend, on the backend.
 
 Each stack is built as SGLang's hybrid pool assembler builds it and attached
-as its hybrid cache controller attaches it (tests/pools_0523.py says how,
-with SGLang's file:line); each storable pool's pages are backed up as the
+as its hybrid cache controller attaches it (``sglang_simm_dev.hybrid_pools``
+says how, with SGLang's file:line); each storable pool's pages are backed up as the
 controller backs them up, found by ``batch_exists_v2``, then read back into
 other host slots after the host memory was scrambled, and compared byte for
 byte through the pool's own ``get_page_buffer_meta``.
 
-A release without one of these classes skips the test that needs it.
+A release without one of these classes skips the test that needs it (the
+harness raises ``Missing``, naming what the release lacks).
 """
 
 from __future__ import annotations
@@ -15,26 +16,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-import pools_0523 as pools
+from sglang_simm_dev import hybrid_pools as pools
 
 LAYOUTS = ("page_first", "page_first_direct")
 
-#: stack label -> builder
-STACKS = {
-    "mimo-v2": pools.mimo_v2,  # AsymmetricMHATokenToKVPoolHost anchor + SWA
-    "minimax-m3": pools.minimax_m3,  # MHATokenToKOnlyPoolHost indexer
-    "minimax-m3-nvfp4": pools.minimax_m3_nvfp4,  # NVFP4 main + index page rows
-    "qwen4-exp": pools.qwen4_exp_qsa,  # QSAIndexerPoolHost + Mamba
-    "mamba-ple": pools.mamba_with_side_states,  # MambaPoolHost with extra_checkpoint_buffers
-    "deepseek-v4": pools.deepseek_v4,  # LogicalHostPool + V4 paged and state pools
-    # pools sglang-simm already stores: the harness's own controls
-    "mamba-swa": pools.mamba_swa,
-    "mla-draft-tp1": lambda layout: pools.mla_with_mha_draft(0, layout),  # the draft registered late
-}
-
-CASES = [pytest.param(label, layout, id=f"{label}-{layout}") for label in STACKS for layout in LAYOUTS]
+CASES = [pytest.param(label, layout, id=f"{label}-{layout}") for label in pools.STACKS for layout in LAYOUTS]
 
 #: storage objects SGLang's get_page_buffer_meta gives per page, per pool, in
 #: the page-first layouts (None: it refuses; the controller's pages are whole)
@@ -53,8 +40,16 @@ OBJECTS_PER_PAGE = {
 }
 
 
+def needs(build, *args):
+    """``build(*args)``, or skip naming what this SGLang lacks."""
+    try:
+        return build(*args)
+    except pools.Missing as e:
+        pytest.skip(str(e))
+
+
 def _build(label: str, layout: str) -> pools.Stack:
-    return STACKS[label](layout)
+    return needs(pools.STACKS[label], layout)
 
 
 def _result(r):
@@ -186,26 +181,24 @@ def test_every_pool_round_trips_byte_for_byte(attach, label, layout):
 # ----------------------------------------------------------------- MXFP8
 
 
-def test_mxfp8_kv_is_refused_at_attach_saying_why_and_what_to_do(attach, monkeypatch):
+def test_mxfp8_kv_is_refused_at_attach_saying_why_and_what_to_do(attach):
     """MHATokenToKVPoolMXFP8Host keeps each page's UE8M0 scales outside
     kv_buffer and exposes no storage pages (its get_page_buffer_meta
     raises): the backend must refuse it when it is attached, not at the
     first backup, and say so."""
-    from test_hybrid import _region_count
-
     from sglang_simm.errors import UnsupportedPoolError
 
-    pool = pools.mxfp8_host_pool(monkeypatch)
+    pool = needs(pools.mxfp8_host_pool)
     with pytest.raises(NotImplementedError):
         pool.get_page_buffer_meta(pools.slots(pool, 1))
-    before = _region_count()
+    before = pools.region_count()
     with pytest.raises(UnsupportedPoolError) as info:
         attach(SimpleNamespace(name="tiny-mxfp8", is_mla=False, page_size=pool.page_size), pool=pool)
     message = str(info.value)
     assert "MHATokenToKVPoolMXFP8Host" in message  # which pool
     assert "scale" in message.lower()  # why: its scales are not in its pages
     assert "--kv-cache-dtype" in message  # what to do
-    assert _region_count() == before
+    assert pools.region_count() == before
 
 
 # --------------------------------------------------------- MLA + MHA draft
@@ -215,7 +208,7 @@ def _tp2(attach):
     """Two ranks of one TP-2 server over one store: an MLA KV anchor
     (replicated: both ranks hold the same bytes) and an MHA draft pool
     (sharded: each rank its own heads)."""
-    stacks = {rank: pools.mla_with_mha_draft(rank) for rank in (0, 1)}
+    stacks = {rank: needs(pools.mla_with_mha_draft, rank) for rank in (0, 1)}
     backends = {rank: pools.attach_stack(attach, stacks[rank], tp_size=2, tp_rank=rank) for rank in (0, 1)}
     keys = pools.hashes(3, "mla-draft")
     plans = {rank: pools.plan(stacks[rank], keys=keys) for rank in (0, 1)}
@@ -233,8 +226,8 @@ def test_an_mha_draft_of_an_mla_model_at_tp2_is_left_out_as_sglang_drives_it(att
     stored. Both ranks leave the draft out and restore the target's KV:
     the draft is absent from every answer (no verdict, so SGLang's MIN of
     the pools' hits is the KV's), and no rank loads another rank's heads."""
-    PoolName = pools.pool_names()
     stacks, backends, plans = _tp2(attach)
+    PoolName = pools.pool_names()
     assert pools.should_backup(stacks[1], writer=False, name=PoolName.DRAFT) is False  # the premise
     want = {rank: pools.snapshot(stacks[rank], plans[rank], "src") for rank in (0, 1)}
     assert want[0][PoolName.KV] == want[1][PoolName.KV]

@@ -7,6 +7,14 @@ MLA host pool, then the same through the v2 batch interface where the release
 has it, and prints one JSON object. ``scripts/compat.sh`` and
 ``tests/test_compat.py`` run it in each release's virtual environment; every
 case records what SGLang answered, so the caller decides what counts as a pass.
+
+Under ``"pools"``, every host pool stack of ``hybrid_pools`` (SGLang 0.5.23's
+hybrid models) the release can build, on the last route (``simm`` where the
+release has it): attached and driven as SGLang's hybrid controller does, its
+pages backed up, the host memory scrambled, read back into other slots and
+compared (``{"stored", "bytes_equal", "kv_hit"}``); MXFP8 KV, which the
+backend refuses, as ``{"refused": message}``; a stack the release lacks a
+class for, or builds otherwise, as ``{"skipped": why}``.
 """
 
 from __future__ import annotations
@@ -14,11 +22,16 @@ from __future__ import annotations
 import json
 import uuid
 from importlib.metadata import version
+from types import SimpleNamespace
 from typing import Any
 
 
 #: The first SGLang release that loads ``sglang.srt.plugins`` entry points.
 PLUGINS_SINCE = (0, 5, 11)
+#: pages each pool stack round-trips (``hybrid_pools.plan``'s default)
+STACK_PAGES = 3
+#: the stack the backend must refuse at attach
+REFUSED = "mxfp8"
 
 
 def _geometries() -> dict[str, Any]:
@@ -41,19 +54,13 @@ def _pages(host: Any, first: int, count: int) -> list[Any]:
 
 
 def _backend(route: str, geom: Any) -> tuple[Any, Any]:
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    from sglang_simm_dev.pools import build_host_pool, storage_config
+    from sglang_simm_dev.pools import build_host_pool, create_backend
 
     host = build_host_pool(geom, tokens=64)
     # a store of this case's own: every release's probe shares one store
     # directory, and the same pages would have the same keys
-    extra: dict[str, Any] = {"manager_address": f"local://compat-{route}-{geom.name}-{uuid.uuid4().hex[:8]}"}
-    if route == "dynamic":
-        extra.update(backend_name="simm", module_path="sglang_simm", class_name="HiCacheSiMM", interface_v1=1)
-    cfg = storage_config(extra_config=extra, is_mla_model=geom.is_mla, model_name=geom.name)
-    backend = StorageBackendFactory.create_backend(route, cfg, host)
-    backend.register_mem_pool_host(host)
+    address = f"local://compat-{route}-{geom.name}-{uuid.uuid4().hex[:8]}"
+    backend = create_backend(route, host, manager_address=address, is_mla_model=geom.is_mla, model_name=geom.name)
     return backend, host
 
 
@@ -124,6 +131,54 @@ def v2_case(route: str, geom: Any) -> dict[str, Any] | None:
         backend.close()
 
 
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def stack_case(route: str, label: str, manager_address: str) -> dict[str, Any]:
+    """One pool stack of ``hybrid_pools`` (``REFUSED``: the MXFP8 KV pool)
+    attached through SGLang's factory on ``route`` and round-tripped
+    (``hybrid_pools.round_trip``); never raises."""
+    from sglang_simm.errors import UnsupportedPoolError
+    from sglang_simm_dev import hybrid_pools as hp
+
+    try:
+        if label == REFUSED:
+            stack = hp.mxfp8_host_pool()
+        else:
+            hp.requirements()
+            stack = hp.STACKS[label]("page_first")
+    except hp.Missing as e:
+        return {"skipped": str(e)}
+    except Exception as e:  # an older release's constructors: not this release's pool
+        return {"skipped": f"not built: {_error(e)}"}
+    attach = hp.FactoryAttach(route, manager_address)
+    try:
+        if label == REFUSED:
+            geom = SimpleNamespace(name="tiny-mxfp8", is_mla=False, page_size=stack.page_size)
+            attach(geom, pool=stack)
+            return {"accepted": True}
+        return hp.round_trip(attach, stack)
+    except UnsupportedPoolError as e:
+        return {"refused": str(e)}
+    except Exception as e:
+        return {"error": _error(e)}
+    finally:
+        try:
+            attach.close()
+        except Exception:
+            pass
+
+
+def pools_case(route: str, manager_address: str | None = None) -> dict[str, Any]:
+    """Every stack of ``hybrid_pools`` and the MXFP8 KV pool, label ->
+    ``stack_case``, over one store (each stack's keys are its own)."""
+    from sglang_simm_dev.hybrid_pools import STACKS
+
+    address = manager_address or f"local://compat-pools-{route}-{uuid.uuid4().hex[:8]}"
+    return {label: stack_case(route, label, address) for label in [*STACKS, REFUSED]}
+
+
 def probe() -> dict[str, Any]:
     import sglang_simm
 
@@ -141,6 +196,7 @@ def probe() -> dict[str, Any]:
             v2 = v2_case(route, geom)
             if v2 is not None:
                 result[f"{route}-{pool}-v2"] = v2
+    result["pools"] = pools_case(result["routes"][-1])
     from sglang_simm.embedded import reset_servers
 
     reset_servers()  # stops the host stores this probe started
@@ -150,7 +206,7 @@ def probe() -> dict[str, Any]:
 def failures(result: dict[str, Any]) -> list[str]:
     """What in a probe's result is not a pass, one line each (empty: passed)."""
     problems = []
-    cases = {k: v for k, v in result.items() if isinstance(v, dict)}
+    cases = {k: v for k, v in result.items() if isinstance(v, dict) and k != "pools"}
     for name, r in cases.items():
         if name.endswith("-v2"):
             ok = r["set"] == [True] * 3 and r["exists"] == 3 and r["get"] == [True] * 3
@@ -168,6 +224,27 @@ def failures(result: dict[str, Any]) -> list[str]:
         for route in result.get("routes", []):
             if f"{route}-{pool}" not in cases:
                 problems.append(f"{route}-{pool}: not run")
+    problems += stack_failures(result.get("pools"))
+    return problems
+
+
+def stack_failures(stacks: dict[str, Any] | None) -> list[str]:
+    """The pool stacks that were built and did not round-trip byte for byte
+    (MXFP8: was not refused); a skipped stack is not a failure."""
+    if not isinstance(stacks, dict):
+        return ["pools: not run"]
+    problems = []
+    for label, r in stacks.items():
+        if "skipped" in r:
+            continue
+        if label == REFUSED:
+            ok = "refused" in r
+        else:
+            ok = r.get("stored") is True and r.get("bytes_equal") is True and r.get("kv_hit") == STACK_PAGES
+        if not ok:
+            problems.append(f"pools {label}: {r}")
+    if REFUSED not in stacks:
+        problems.append(f"pools {REFUSED}: not run")
     return problems
 
 

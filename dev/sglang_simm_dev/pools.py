@@ -121,6 +121,31 @@ def _host_pool_class(is_mla: bool) -> Any:
     raise ImportError(f"this SGLang has no {name} in {' or '.join(places)}")
 
 
+#: the Mamba state pool of :func:`mamba_pool`: layers, and device slots (the
+#: host pool holds twice that, plus one)
+MAMBA_LAYERS = 2
+MAMBA_CAPACITY = 8
+
+
+def mamba_pool(*, temporal=(2, 4, 4), convs=((3, 8), (5,)), extra=(), temporal_dtype=torch.float32) -> Any:
+    """SGLang's ``MambaPoolHost`` (0.5.2x) in the page-first layout, over
+    Mamba state buffers of ``MAMBA_CAPACITY`` device slots: a temporal state
+    of shape ``temporal`` (float32 by default), bfloat16 conv states of shapes
+    ``convs``, and ``extra`` per-slot side states
+    (``MambaStateBufferInfo.extra_checkpoint_buffers``)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(MAMBA_LAYERS, MAMBA_CAPACITY, *temporal, dtype=temporal_dtype),
+        conv=tuple(torch.zeros(MAMBA_LAYERS, MAMBA_CAPACITY, *c, dtype=torch.bfloat16) for c in convs),
+        extra_checkpoint_buffers=tuple(extra),
+    )
+    return MambaPoolHost(
+        info, 2.0, 0, device_capacity=MAMBA_CAPACITY, pin_memory=False, device="cpu", layout="page_first"
+    )
+
+
 def storage_config(**fields: Any) -> Any:
     """SGLang's ``HiCacheStorageConfig`` with sensible defaults for one rank,
     keeping only the fields the installed release has. The defaults are
@@ -138,6 +163,28 @@ def storage_config(**fields: Any) -> Any:
     if unknown - {"attn_cp_rank", "attn_cp_size", "dcp_size", "dcp_rank", "dp_rank", "logical_page_size"}:
         raise TypeError(f"HiCacheStorageConfig has no field(s) {sorted(unknown)}")
     return HiCacheStorageConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def create_backend(route: str, host: Any, *, manager_address: str, **fields: Any) -> Any:
+    """The backend as SGLang's cache controller attaches it to the host KV
+    pool ``host``: ``StorageBackendFactory.create_backend(route, config,
+    host)``, then ``register_mem_pool_host(host)``. ``route`` is ``simm``
+    (the plugin route, where the release loads plugins) or ``dynamic``
+    (every release: the backend named by module and class); ``fields`` are
+    the storage config's (:func:`storage_config`), ``extra_config`` merged
+    under the store address."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    extra: dict[str, Any] = {"manager_address": manager_address, **fields.pop("extra_config", {})}
+    if route == "dynamic":
+        extra.update(backend_name="simm", module_path="sglang_simm", class_name="HiCacheSiMM", interface_v1=1)
+    backend = StorageBackendFactory.create_backend(route, storage_config(extra_config=extra, **fields), host)
+    try:
+        backend.register_mem_pool_host(host)
+    except BaseException:
+        backend.close()  # a refused pool: nothing of this backend stays open
+        raise
+    return backend
 
 
 def _call(fn: Any, /, **kwargs: Any) -> Any:

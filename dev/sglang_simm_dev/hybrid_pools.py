@@ -1,6 +1,8 @@
 """Every host pool type SGLang 0.5.23 hands a storage backend, built on the
 CPU the way its hybrid pool assembler builds it, and the transfers its hybrid
-cache controller sends for them.
+cache controller sends for them: an instrument for the tests
+(``tests/test_pools_0523.py``) and the compat probe (``compat_probe``), which
+round-trips every stack here that a release can build (:func:`round_trip`).
 
 Each builder mirrors one assembler path of
 ``sglang/srt/mem_cache/hybrid_cache/hybrid_pool_assembler.py`` (0.5.23),
@@ -9,9 +11,14 @@ from it only where a CPU must: ``pin_memory=False`` (pinning needs a GPU
 driver), small sizes, and the layout passed in rather than read from
 ``--hicache-mem-layout``. The assembler's own private helpers are used where
 it has them (``_mha_host_inputs``, the DeepSeek V4 region resolvers).
+:data:`STACKS` names every stack; MXFP8 (:func:`mxfp8_host_pool`) is a pool of
+its own, which the backend refuses.
 
-A release without one of these classes or helpers skips the test that needs
-it (:func:`sglang_attr`), with the name it lacks.
+A release without one of these classes or helpers makes the builder that
+needs it raise :class:`Missing` (:func:`sglang_attr`), naming what it lacks:
+the tests skip on it, the compat probe records it. Nothing here imports
+pytest or the tests; :func:`factory_attach` attaches a backend through
+SGLang's ``StorageBackendFactory`` as the tests' ``attach`` fixture does.
 
 How the controller (``hybrid_cache/hybrid_cache_controller.py``, cited as
 ``controller:LINE``) addresses each pool, which :func:`backup` and
@@ -37,15 +44,16 @@ How the controller (``hybrid_cache/hybrid_cache_controller.py``, cited as
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import hashlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
-import pytest
 import torch
 
-from pages import hashes
+from sglang_simm_dev.pools import MAMBA_CAPACITY, create_backend, mamba_pool
 
 #: CPU stand-ins for what the assembler reads from the server arguments
 ALLOCATOR = "default"  # get_allocator_type() for every backend but shm
@@ -55,13 +63,22 @@ RATIO = 2.0  # --hicache-ratio
 # ----------------------------------------------------------------- classes
 
 
+class Missing(LookupError):
+    """The installed SGLang lacks what a stack needs (the message names it)."""
+
+
 def sglang_attr(module: str, name: str) -> Any:
-    """``module.name`` of the installed SGLang, or skip the test naming what
-    this release lacks."""
-    mod = pytest.importorskip(module, reason=f"this SGLang has no {module}")
+    """``module.name`` of the installed SGLang, or :class:`Missing` naming
+    what this release lacks."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise Missing(f"this SGLang ({sglang_version()}) has no {module}") from e
     obj = getattr(mod, name, None)
     if obj is None:
-        pytest.skip(f"this SGLang ({sglang_version()}) has no {module}.{name}")
+        raise Missing(f"this SGLang ({sglang_version()}) has no {module}.{name}")
     return obj
 
 
@@ -200,10 +217,51 @@ def attach_stack(attach, stack: Stack, **fields):
     return backend
 
 
-def transfer(name, *, keys, host_indices=None, policy=None):
-    from test_hybrid import transfer as make
+class FactoryAttach:
+    """The tests' ``attach`` fixture without pytest, for :func:`attach_stack`:
+    ``attach(geom, *, pool, **fields) -> (backend, pool)`` builds the backend
+    through SGLang's ``StorageBackendFactory`` on ``route`` over the store at
+    ``manager_address`` (``pools.create_backend``, as ``compat_probe`` does);
+    :meth:`close` closes every backend it made."""
 
-    return make(name, keys=keys, host_indices=host_indices, policy=policy)
+    def __init__(self, route: str, manager_address: str):
+        self.route, self.manager_address = route, manager_address
+        self.made: list[Any] = []
+
+    def __call__(self, geom, *, pool, **fields):
+        fields.setdefault("is_mla_model", geom.is_mla)
+        fields.setdefault("model_name", geom.name)
+        backend = create_backend(self.route, pool, manager_address=self.manager_address, **fields)
+        self.made.append(backend)
+        return backend, pool
+
+    def close(self) -> None:
+        while self.made:
+            self.made.pop().close()
+
+
+def transfer(name, *, keys, host_indices=None, policy=None):
+    """SGLang's ``PoolTransfer`` for pool ``name`` (``ALL_PAGES`` unless
+    ``policy`` says otherwise)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
+
+    return PoolTransfer(
+        name=name, keys=keys, host_indices=host_indices,
+        hit_policy=policy if policy is not None else PoolHitPolicy.ALL_PAGES,
+    )
+
+
+def hashes(n: int, salt: str = "") -> list[str]:
+    """``n`` page keys as SGLang spells them (sha256 hex), salted."""
+    return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def region_count() -> int:
+    """Host memory regions the embedded client has bound, all backends of
+    this process together."""
+    from sglang_simm.embedded import _client
+
+    return len(_client._regions)
 
 
 @dataclass
@@ -457,12 +515,10 @@ def ple_side_states(capacity: int) -> tuple[torch.Tensor, ...]:
 
 
 def mamba_host_pool(layout: str, extra=()):
-    """``build_mamba_host_pool`` (assembler:1251-1275) over test_hybrid's
-    Mamba state buffers, in ``layout``."""
+    """``build_mamba_host_pool`` (assembler:1251-1275) over
+    ``pools.mamba_pool``'s Mamba state buffers, in ``layout``."""
     sglang_attr("sglang.srt.mem_cache.pool_host.mamba", "MambaPoolHost")
     sglang_attr("sglang.srt.mem_cache.device_pool_info", "MambaStateBufferInfo")
-    from test_hybrid import MAMBA_CAPACITY, mamba_pool
-
     pool = mamba_pool(extra=extra)
     if layout == pool.layout:
         return pool
@@ -481,13 +537,11 @@ def hybrid_anchor(layout: str, page_size: int = 8):
 def mamba_with_side_states(layout: str) -> Stack:
     """A Mamba hybrid whose checkpoint slots carry PLE side states
     (``MambaStateBufferInfo.extra_checkpoint_buffers``)."""
-    from test_hybrid import MAMBA_CAPACITY
-
     PoolName, Policy = pool_names(), hit_policies()
     sglang_attr("sglang.srt.mem_cache.device_pool_info", "MambaStateBufferInfo")
     mamba = mamba_host_pool(layout, extra=ple_side_states(MAMBA_CAPACITY))
     if not getattr(mamba, "slot_state_buffers", None):
-        pytest.skip(f"this SGLang ({sglang_version()}) keeps no Mamba slot side states")
+        raise Missing(f"this SGLang ({sglang_version()}) keeps no Mamba slot side states")
     # Mamba: own slots, one state per node under the node's last key
     # (components/mamba.py:916-927), TRAILING_PAGES
     return Stack("mamba-ple", hybrid_anchor(layout), [Side(PoolName.MAMBA, mamba, Policy.TRAILING_PAGES, window=1)],
@@ -625,13 +679,25 @@ def deepseek_v4(layout: str) -> Stack:
 # ------------------------------------------------------------------ MXFP8
 
 
-def mxfp8_host_pool(monkeypatch):
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` set to ``value`` for the block, then as it was."""
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def mxfp8_host_pool():
     """``MHATokenToKVPoolMXFP8Host`` over SGLang's CPU
     ``MHATokenToKVPoolMXFP8`` (128-token pages: the interleaved scale
     layout), the class ``get_mha_host_pool_cls`` picks for it. Its
     constructor insists on the staged CUDA/HIP write-back kernel, which a CPU
-    lacks: that one gate is opened here (the staging buffers it would size
-    are CPU tensors); the pool's buffers and storage methods are SGLang's."""
+    lacks: that one gate is opened while it runs (the staging buffers it
+    would size are CPU tensors), and closed again; the pool's buffers and
+    storage methods are SGLang's."""
     host_cls = sglang_attr("sglang.srt.mem_cache.pool_host.mha_mxfp8", "MHATokenToKVPoolMXFP8Host")
     device_cls = sglang_attr("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPoolMXFP8")
     from sglang.srt.mem_cache.pool_host import mha as mha_host
@@ -645,10 +711,11 @@ def mxfp8_host_pool(monkeypatch):
         self.staging_token_capacity = self.staging_page_capacity * self.page_size
         self.staging_k_buffer = self.staging_v_buffer = None
 
-    monkeypatch.setattr(mha_host.MHATokenToKVPoolHost, "_init_write_back_staging_buffers", staging)
-    monkeypatch.setattr(mha_mxfp8, "can_use_write_back_jit_kernel", lambda **_: True)
-    pool = mha_host_pool(device, layout="page_first")
-    assert type(pool) is host_cls
+    with _patched(mha_host.MHATokenToKVPoolHost, "_init_write_back_staging_buffers", staging), \
+            _patched(mha_mxfp8, "can_use_write_back_jit_kernel", lambda **_: True):
+        pool = mha_host_pool(device, layout="page_first")
+    if type(pool) is not host_cls:
+        raise TypeError(f"get_mha_host_pool_cls picked {type(pool).__name__}, not {host_cls.__name__}")
     return pool
 
 
@@ -687,3 +754,61 @@ def should_backup(stack: Stack, *, writer: bool, name) -> bool:
     me = NS(backup_skip=not writer, storage_backend_type="simm", mem_pool_host=NS(entry_map=entries))
     return controller.should_backup(me, transfer(name, keys=[]))
 
+
+
+# ------------------------------------------------------------ every stack
+
+
+#: every stack the harness builds, label -> builder(layout)
+STACKS: dict[str, Callable[[str], Stack]] = {
+    "mimo-v2": mimo_v2,  # AsymmetricMHATokenToKVPoolHost anchor + SWA
+    "minimax-m3": minimax_m3,  # MHATokenToKOnlyPoolHost indexer
+    "minimax-m3-nvfp4": minimax_m3_nvfp4,  # NVFP4 main + index page rows
+    "qwen4-exp": qwen4_exp_qsa,  # QSAIndexerPoolHost + Mamba
+    "mamba-ple": mamba_with_side_states,  # MambaPoolHost with extra_checkpoint_buffers
+    "deepseek-v4": deepseek_v4,  # LogicalHostPool + V4 paged and state pools
+    "mamba-swa": mamba_swa,  # plain MHA, SWA and Mamba pools: the harness's control
+    "mla-draft-tp1": lambda layout: mla_with_mha_draft(0, layout),  # the draft registered late
+}
+
+
+def requirements() -> None:
+    """What replaying the controller needs of SGLang besides the pools
+    (v2 transfers, hit policies, the hybrid controller's ``should_backup``):
+    :class:`Missing` where the release lacks it."""
+    pool_names()
+    hit_policies()
+    sglang_attr("sglang.srt.mem_cache.hicache_storage", "PoolTransfer")
+    sglang_attr("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller", "HybridCacheController")
+
+
+def round_trip(attach, stack: Stack, **fields) -> dict[str, Any]:
+    """One stack driven as SGLang's hybrid controller drives it, for the
+    compat probe: attached (:func:`attach_stack`), three pages of every pool
+    backed up as two nodes (:func:`backup`), the storage hit query
+    (``batch_exists_v2`` with the controller's PREFETCH transfers), the host
+    memory scrambled, the hit read back into other slots (:func:`prefetch`)
+    and compared byte for byte through each pool's ``get_page_buffer_meta``
+    (a window-1 pool: the hit's last node state). ``{"stored": every pool's
+    pages written, "bytes_equal": every pool's pages read and as written,
+    "kv_hit": pages the hit query found}``; an attach the backend refuses
+    raises ``UnsupportedPoolError``."""
+    backend = attach_stack(attach, stack, **fields)
+    p = plan(stack)
+    scramble_all(stack, 1)
+    want = snapshot(stack, p, "src")
+    stored = backup(backend, stack, p)
+    kv_hit = int(backend.batch_exists_v2(p.keys, queries(stack)).kv_hit_pages)
+    scramble_all(stack, 2)
+    got = prefetch(backend, stack, p)
+    have = snapshot(stack, p, "dst")
+    equal = set(got) == set(stack.pools()) and all(all(ok) and ok for ok in got.values())
+    for name in stack.pools():
+        side = next((s for s in stack.sides if s.name == name), None)
+        pages = [-1] if side is not None and side.window == 1 else range(len(p.keys))
+        equal = equal and all(have[name][i] == want[name][i] for i in pages)
+    return {
+        "stored": set(stored) == set(stack.pools()) and all(all(ok) and ok for ok in stored.values()),
+        "bytes_equal": bool(equal),
+        "kv_hit": kv_hit,
+    }
