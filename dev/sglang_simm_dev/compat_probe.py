@@ -143,7 +143,7 @@ def probe() -> dict[str, Any]:
                 result[f"{route}-{pool}-v2"] = v2
     from sglang_simm.embedded import reset_servers
 
-    reset_servers()  # stops the host stores this probe started
+    reset_servers()  # stops the local stores this probe started
     return result
 
 
