@@ -3,7 +3,7 @@
     python benchmarks/copy_ceiling.py [--mib 24] [--object-kib 128] [--repeat 15] [--json PATH]
 
 Every read from an L3 tier on the same host ends in a copy from the store's
-memory into the host pool SGLang allocated (the host store's arena, Mooncake's
+memory into the host pool SGLang allocated (the local store's arena, Mooncake's
 segment or transfer buffer, the ``file`` backend's page cache). So no backend
 reads a batch faster than this machine copies it, and a goal of reading N
 times faster than another backend cannot be met where that backend already

@@ -2,7 +2,7 @@
 
     python benchmarks/metrics_overhead.py [--pages 1,8,128] [--rounds 7] [--calls 200]
 
-Two backends over one in-process store and two real SGLang host pools (the
+Two backends over one in-process local store and two real SGLang host pools (the
 ``tiny`` geometry), one built with SGLang's metrics off
 (``enable_storage_metrics`` False: no exporter) and one with them on (the
 exporter, on a Prometheus registry of this process). Each round times
@@ -23,7 +23,7 @@ import uuid
 
 
 #: this thread's CPU time: on a shared machine, wall time mostly measures the
-#: neighbours (the in-process store copies on the calling thread)
+#: neighbours (the in-process local store copies on the calling thread)
 _clock = time.thread_time
 
 
@@ -111,7 +111,7 @@ def main() -> None:
           f"metrics off {statistics.median(alone[False]):.0f} ns, on {statistics.median(alone[True]):.0f} ns "
           f"per call")
     print(f"per call (thread CPU time), median of {args.rounds} rounds of {args.calls} calls, "
-          f"{geom.page_size}-token pages of {geom.page_bytes()} bytes, in-process store")
+          f"{geom.page_size}-token pages of {geom.page_bytes()} bytes, in-process local store")
     print(f"{'op':7s} {'pages':>5s} {'metrics off':>12s} {'metrics on':>12s} {'on - off':>10s} {'spread off':>11s}")
     for pages in sizes:
         for op in ("set", "exists", "get"):

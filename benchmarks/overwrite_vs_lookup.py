@@ -1,9 +1,9 @@
-"""What a write of pages already stored costs against asking ``mexists`` first, on the host store.
+"""What a write of pages already stored costs against asking ``mexists`` first, on the local store.
 
     python benchmarks/overwrite_vs_lookup.py [--pages 128] [--repeat 9] [--release head|v0.1.0.post1]
 
 Our zero-copy writes put every page without a lookup first (serving's
-backups are new pages). This measures, on a host store of this run's own,
+backups are new pages). This measures, on a local store of this run's own,
 with 64 KiB pages (2 objects) from a real SGLang host pool, median of
 ``--repeat`` calls each:
 
@@ -42,8 +42,8 @@ def main() -> None:
     name = f"overwrite-{uuid.uuid4().hex[:8]}"
     pool = build_host_pool(geom, tokens=args.pages * geom.page_size)
     fill_pool(pool)
-    extra = {"manager_address": f"local://{name}", "embedded_capacity_bytes": 1 << 30,
-             "client_flags": {"embedded_simm_release": args.release}}
+    extra = {"manager_address": f"local://{name}", "local_store_capacity_bytes": 1 << 30,
+             "client_flags": {"local_store_simm_release": args.release}}
     backend = HiCacheSiMM(storage_config(model_name=geom.name, extra_config=extra), pool)
     try:
         b, client = backend.pools.kv, backend.client
@@ -58,7 +58,7 @@ def main() -> None:
                 times[what].append(time.perf_counter() - t0)
                 if what == "mput new":
                     assert not any(codes), codes[:4]
-        print(f"host store, {args.pages} pages of {geom.page_bytes() // 1024} KiB, SiMM {args.release}, "
+        print(f"local store, {args.pages} pages of {geom.page_bytes() // 1024} KiB, SiMM {args.release}, "
               f"median of {args.repeat}:")
         for what, ts in times.items():
             print(f"  {what:12} {statistics.median(ts) * 1e6:9.0f} us")

@@ -1,4 +1,4 @@
-"""What a host store costs to start, empty, and to take over after kill -9, by capacity.
+"""What a local store costs to start, empty, and to take over after kill -9, by capacity.
 
     PYTHONPATH=src python benchmarks/store_start.py [--capacities 4GiB,1TiB] [--objects 2000] [--timeout 60]
 

@@ -81,7 +81,7 @@ def test_null_client(benchmark, null_rig, backend, op, n):
 @pytest.mark.parametrize("op", bench.OPS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_embedded_store(benchmark, embedded_rig, backend, op, n):
-    """The whole data path on the host store (64 KiB pages)."""
+    """The whole data path on the local store (64 KiB pages)."""
     _run(benchmark, embedded_rig, backend, op, n)
 
 
@@ -95,7 +95,7 @@ def bandwidth_rig(request):
 
 @pytest.mark.parametrize("what", ["set", "get", "torch-copy"])
 def test_bandwidth(benchmark, bandwidth_rig, what):
-    """Ours on the host store against a torch copy of the same bytes."""
+    """Ours on the local store against a torch copy of the same bytes."""
     rig = bandwidth_rig
     benchmark.group = f"bandwidth-{rig.label}"
     benchmark.extra_info.update(bytes=rig.nbytes, object_bytes=rig.object_sizes)

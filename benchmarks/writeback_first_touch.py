@@ -1,11 +1,11 @@
-"""Where a write-back's time goes on a host store that has not used its memory yet.
+"""Where a write-back's time goes on a local store that has not used its memory yet.
 
     python benchmarks/writeback_first_touch.py [--pages 192] [--manager local|inprocess]
 
 Writes ``--pages`` llama3-8b pages (8 MiB each) from a real SGLang host pool
 through our backend in batches of 128, as SGLang's backup thread does, twice:
 into a fresh store, then (after ``clear()``) into the memory it now uses. On
-the host store it splits the time into the reservation request (the store
+the local store it splits the time into the reservation request (the store
 process commits the arena's memory: ``posix_fallocate``, the kernel
 allocating and zeroing every page), this process mapping it in
 (``MADV_POPULATE_WRITE``) and the copy itself. Last, the same bytes copied
@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 @contextlib.contextmanager
 def timed_host_store(parts: dict[str, float]) -> Iterator[None]:
-    """Add the time of the host store's reservation and publish requests,
+    """Add the time of the local store's reservation and publish requests,
     of mapping the arena in and of the copies to ``parts``."""
     from sglang_simm.embedded import _arena, _host
 
@@ -76,7 +76,7 @@ def main() -> None:
     fill_pool(pool)
     name = f"first-touch-{uuid.uuid4().hex[:6]}"
     nbytes = pages * geom.page_bytes()
-    extra = {"manager_address": f"{args.manager}://{name}", "embedded_capacity_bytes": nbytes + (64 << 20)}
+    extra = {"manager_address": f"{args.manager}://{name}", "local_store_capacity_bytes": nbytes + (64 << 20)}
     backend = HiCacheSiMM(storage_config(model_name=geom.name, extra_config=extra), pool)
     try:
         for label, salt in (("into a fresh store", "a"), ("into memory the store uses (after clear())", "b")):

@@ -1,6 +1,6 @@
 """Offline inference with SGLang's Engine and SiMM as the HiCache L3 tier.
 
-    MANAGER=local python examples/engine.py        # embedded store, one machine
+    MANAGER=local python examples/engine.py        # local store, one machine
     MANAGER=10.0.0.1:30001 python examples/engine.py
 
 Needs a GPU and a model; `bash scripts/demo.sh` (from a clone) shows the data path without one.

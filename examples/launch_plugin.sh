@@ -2,7 +2,7 @@
 # SGLang 0.5.11+: `pip install sglang-simm` registers the backend name `simm`
 # through SGLang's plugin entry points; no SGLang edit, no module path.
 # Edit MODEL and the manager address (host:port of the SiMM cluster manager,
-# or "local" for the embedded store on one machine).
+# or "local" for the local store on one machine).
 set -euo pipefail
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
 exec python -m sglang.launch_server \

@@ -4,7 +4,7 @@
 #
 #   scripts/test.sh [pytest args...]          everything (what CI runs)
 #   scripts/test.sh --fast [pytest args...]   unit and contract tests on the
-#                                             in-process store: no SGLang
+#                                             in-process local store: no SGLang
 #                                             servers, no store processes of
 #                                             the store's own tests, no other
 #                                             venvs, no wheel (runs src/)

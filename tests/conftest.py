@@ -1,7 +1,7 @@
 """Shared fixtures: real SGLang host pools on the CPU, backends built through
-SGLang's own storage factory, each test on its own embedded store.
+SGLang's own storage factory, each test on its own local store.
 
-Host stores (``local``: one store process per name) live in a directory of
+Local stores (``local``: one store process per name) live in a directory of
 this test session's own, under /dev/shm; every store process still running
 at the end of the session is stopped by its pid."""
 
@@ -120,7 +120,7 @@ def host_store_dir():
 @pytest.fixture(autouse=True)
 def _embedded_flags_restored():
     """The embedded client's flags are process-global, as SiMM's are: a flag
-    one test sets (``embedded_scope`` by any ``local://`` backend, a fault
+    one test sets (``local_store_scope`` by any ``local://`` backend, a fault
     flag) would otherwise hold for every later test, and a test would pass
     or fail by what ran before it. Each test leaves the flags as it found
     them."""
@@ -140,13 +140,13 @@ def _embedded_flags_restored():
 
 @pytest.fixture
 def store_name() -> str:
-    """A fresh name for a host store (``local://NAME``). The embedded
-    client's scope is set to the host store for the test, so
+    """A fresh name for a local store (``local://NAME``). The embedded
+    client's scope is set to the local store for the test, so
     ``get_server(store_name)`` before any backend attaches is that store,
     not a store inside this process of the same name."""
     from sglang_simm.embedded import set_flag
 
-    set_flag("embedded_scope", "host")
+    set_flag("local_store_scope", "host")
     return f"t-{uuid.uuid4().hex[:12]}"
 
 
@@ -154,7 +154,7 @@ def store_name() -> str:
 def attach(store_name):
     """``attach(geom, layout=..., tokens=..., route=..., **storage_fields)`` ->
     (backend, host_pool). The backend comes from SGLang's StorageBackendFactory
-    (plugin route ``simm`` or the ``dynamic`` route), over one embedded store."""
+    (plugin route ``simm`` or the ``dynamic`` route), over one local store."""
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     from sglang_simm.plugin import register

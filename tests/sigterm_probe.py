@@ -1,5 +1,5 @@
 """Run by ``test_server_launch``'s SIGTERM test only (not collected: no ``test_``
-prefix): opens a host store in the session's store directory, says so, and
+prefix): opens a local store in the session's store directory, says so, and
 waits to be signalled."""
 
 import os

@@ -1,4 +1,4 @@
-"""The v1 zero-copy data path over real SGLang host pools and the embedded store."""
+"""The v1 zero-copy data path over real SGLang host pools and the local store."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_a_write_is_one_put_and_pages_already_stored_keep_their_bytes(attach, st
     A page stored before is put again; HEAD's mput overwrites it with the
     same bytes, the tag's keeps it (DataServerDataAlreadyExists, counted as
     stored before); either way every page reads back right."""
-    backend, host = attach(tiny(), extra={"client_flags": {"embedded_simm_release": release}})
+    backend, host = attach(tiny(), extra={"client_flags": {"local_store_simm_release": release}})
     fill_random(host, 7)
     keys = hashes(4)
     want = [page(host, p) for p in range(4)]

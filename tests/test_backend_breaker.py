@@ -1,5 +1,5 @@
 """The breaker in the data path: real SGLang host pools (built as
-test_backend.py builds them) on the in-process store, whose fault flags
+test_backend.py builds them) on the in-process local store, whose fault flags
 (``down``, ``latency_us``) stand for a store that is gone or hung.
 
 Faults open the breaker, misses never do; while it is open every
@@ -30,7 +30,7 @@ FAST = {"breaker_threshold": 2, "breaker_backoff_ms": 50, "breaker_backoff_max_m
 @pytest.fixture
 def local(attach, store_name):
     """``local(**extra)`` -> (backend, host pool, faults): a backend on an
-    in-process store of the test's own with ``FAST``'s breaker."""
+    in-process local store of the test's own with ``FAST``'s breaker."""
 
     def _local(geom=None, **extra):
         extra = {"manager_address": f"inprocess://{store_name}", **FAST, **extra}

@@ -48,7 +48,7 @@ def tiny_run(tmp_path_factory, store_parent):
 def test_exit_code_and_output(tiny_run):
     rc, result, text = tiny_run
     assert rc == 0, result["checks"]["failures"]
-    for title in ("Own overhead per call, null client", "Per call on the host store",
+    for title in ("Own overhead per call, null client", "Per call on the local store",
                   "Longest GIL hold per call", "Bandwidth", "Goals", "results verified"):
         assert title in text
 
@@ -108,7 +108,7 @@ def test_no_simm_alias_left_behind(tiny_run):
 
 
 def test_the_stores_a_run_starts_leave_nothing_in_the_store_directory(tiny_run, store_parent):
-    """Its host stores live in a directory of the run's own, removed with
+    """Its local stores live in a directory of the run's own, removed with
     their lock and log files when it ends."""
     assert tiny_run[0] == 0
     assert os.listdir(store_parent) == []

@@ -476,7 +476,7 @@ def test_self_times_take_each_inner_layer_out_of_its_caller():
 
 
 def test_backup_breakdown_reaches_every_layer_of_a_real_backup():
-    """Our backend on a host store (its own process) and a real host pool:
+    """Our backend on a local store (its own process) and a real host pool:
     every layer's timer saw the call and the copy took time (``measure``
     raises unless every backup stored all its pages): a PUT and a COMMIT
     round trip each."""

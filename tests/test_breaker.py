@@ -657,7 +657,7 @@ def test_a_broken_reporter_never_breaks_the_data_path(caplog):
 
 
 # --------------------------------------------------------------------------
-# The in-process store's real answers: misses pass, an outage opens, a
+# The in-process local store's real answers: misses pass, an outage opens, a
 # probe after it comes back closes
 # --------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ def test_operator_flags_are_set_last_and_win():
 
 
 def test_connect_to_a_cluster_address_sets_flags_then_warms_up(tmp_path, monkeypatch):
-    """A cluster address, served here by a named embedded server standing in
+    """A cluster address, served here by a named local store standing in
     for the cluster behind it (injected as the ``simm.kv`` module)."""
     monkeypatch.setenv("SGLANG_SIMM_LOG_DIR", str(tmp_path))
     monkeypatch.delenv("SICL_NET_DEVICES", raising=False)
@@ -51,7 +51,7 @@ def test_connect_to_a_cluster_address_sets_flags_then_warms_up(tmp_path, monkeyp
         names = [n for n, _ in seen]
         assert names.index("cm_primary_node_ip") < names.index("clnt_thread_pool_size")
         assert ("cm_rpc_inter_port", "30001") in seen and ("clnt_use_k8s", "false") in seen
-        assert all(not n.startswith("embedded_") for n in names)  # embedded-only flags stay out
+        assert all(not n.startswith(("local_store_", "embedded_")) for n in names)  # local-store-only flags stay out
         log_file = dict(seen)["clnt_log_file"]
         assert log_file.startswith(str(tmp_path)) and log_file.endswith("simm_clnt.log")
         import os
@@ -90,9 +90,9 @@ def test_a_failed_warm_up_closes_the_store_it_opened():
     kv = types.SimpleNamespace(**{n: getattr(embedded, n) for n in ("BlockView", "register_mr", "deregister_mr", "set_flag")})
     kv.Store = Store
     name = f"warm-{uuid.uuid4().hex[:8]}"
-    scope = embedded.get_flag("embedded_scope")
+    scope = embedded.get_flag("local_store_scope")
     try:
-        embedded.set_flag("embedded_scope", "process")
+        embedded.set_flag("local_store_scope", "process")
         embedded.get_server(name).faults.configure(error_rate=1.0)
         config = SiMMConfig.from_mapping({"manager_address": f"inprocess://{name}"})
         with pytest.raises(Exception, match="warm-up"):
@@ -100,14 +100,14 @@ def test_a_failed_warm_up_closes_the_store_it_opened():
         assert len(closed) == 1
     finally:
         embedded.reset_servers(name)
-        embedded.set_flag("embedded_scope", scope)
+        embedded.set_flag("local_store_scope", scope)
 
 
 def test_a_client_in_simms_layers_is_called_at_its_native_layer():
     """SiMM's Python ``Store.mput``/``mget`` unwrap a ``BlockView`` per
     object before calling the native store; a client with every native
     piece gets native views and the native batch calls; one without (the
-    embedded store, a SiMM that moved them) gets the public calls."""
+    local store, a SiMM that moved them) gets the public calls."""
     import torch
 
     from sglang_simm.client import KVClient, native_layer

@@ -66,7 +66,7 @@ def test_defaults_with_address_only():
     assert (cfg.clnt_threadpool_size, cfg.enable_profile, cfg.extra_backend_tag) == (10, False, None)
     assert (cfg.rdma_devices, cfg.numa_aware, cfg.numa_node) == (None, True, None)
     assert (cfg.request_timeout_ms, cfg.log_file, dict(cfg.client_flags)) == (1000, None, {})
-    assert (cfg.embedded_capacity_bytes, cfg.key_scheme, cfg.warmup) == (4 * GIB, "namespaced", True)
+    assert (cfg.local_store_capacity_bytes, cfg.key_scheme, cfg.warmup) == (4 * GIB, "namespaced", True)
     assert resolved.sources["manager_address"] == "extra_config"
     assert {s for f, s in resolved.sources.items() if f != "manager_address"} == {"default"}
 
@@ -128,7 +128,7 @@ ENV_CASES = [
     ("request_timeout_ms", "2500", 2500),
     ("log_file", "/tmp/x/simm.log", "/tmp/x/simm.log"),
     ("client_flags", '{"clnt_use_k8s": false}', {"clnt_use_k8s": "false"}),
-    ("embedded_capacity_bytes", "512MiB", 512 * 1024**2),
+    ("local_store_capacity_bytes", "512MiB", 512 * 1024**2),
     ("key_scheme", "LEGACY", "legacy"),
     ("warmup", "0", False),
     ("breaker_enabled", "off", False),
@@ -166,11 +166,11 @@ def test_one_client_flag_as_the_highest_source_sets_it(write_file):
 
 
 def test_a_client_flag_set_in_the_extra_config_keeps_the_others():
-    extra = {"manager_address": ADDR, "client_flags": json.dumps({"a": 1, "embedded_store_dir": "/old"})}
-    out = with_client_flag(extra, "embedded_store_dir", "/new")
-    assert out["client_flags"] == {"a": "1", "embedded_store_dir": "/new"} and out["manager_address"] == ADDR
-    assert dict(load_config(out, {}).config.client_flags) == {"a": "1", "embedded_store_dir": "/new"}
-    assert json.loads(extra["client_flags"])["embedded_store_dir"] == "/old"  # the caller's is left alone
+    extra = {"manager_address": ADDR, "client_flags": json.dumps({"a": 1, "local_store_dir": "/old"})}
+    out = with_client_flag(extra, "local_store_dir", "/new")
+    assert out["client_flags"] == {"a": "1", "local_store_dir": "/new"} and out["manager_address"] == ADDR
+    assert dict(load_config(out, {}).config.client_flags) == {"a": "1", "local_store_dir": "/new"}
+    assert json.loads(extra["client_flags"])["local_store_dir"] == "/old"  # the caller's is left alone
 
 
 def test_caller_dict_not_mutated():
@@ -223,7 +223,7 @@ def test_missing_address_says_all_three_ways():
     assert '"manager_address"' in message  # the extra_config key
     assert CONFIG_PATH_ENV in message
     assert MANAGER_ENV in message
-    assert '"local"' in message and "embedded" in message
+    assert '"local"' in message and "local store" in message
 
 
 BAD_VALUES = [
@@ -239,9 +239,9 @@ BAD_VALUES = [
     ("manager_address", "tcp://host:1", "URL scheme"),
     ("manager_address", "bad host:1", "malformed host"),
     ("manager_address", 30001, "not a string"),
-    ("manager_address", "local://", "malformed embedded store name"),
-    ("manager_address", "local://a/b", "malformed embedded store name"),
-    ("manager_address", "local://" + "x" * 65, "malformed embedded store name"),
+    ("manager_address", "local://", "malformed local store name"),
+    ("manager_address", "local://a/b", "malformed local store name"),
+    ("manager_address", "local://" + "x" * 65, "malformed local store name"),
     ("clnt_threadpool_size", 0, "out of range"),
     ("clnt_threadpool_size", 1025, "out of range"),
     ("clnt_threadpool_size", "ten", "not an integer"),
@@ -265,10 +265,10 @@ BAD_VALUES = [
     ("client_flags", [1], "not an object"),
     ("client_flags", {"bad-name": 1}, "malformed flag name"),
     ("client_flags", {"x": [1]}, "non-scalar value"),
-    ("embedded_capacity_bytes", 0, "not positive"),
-    ("embedded_capacity_bytes", "-1GiB", "not a byte size"),
-    ("embedded_capacity_bytes", "12XB", "not a byte size"),
-    ("embedded_capacity_bytes", 1.5, "not a byte size"),
+    ("local_store_capacity_bytes", 0, "not positive"),
+    ("local_store_capacity_bytes", "-1GiB", "not a byte size"),
+    ("local_store_capacity_bytes", "12XB", "not a byte size"),
+    ("local_store_capacity_bytes", 1.5, "not a byte size"),
     ("key_scheme", "flat", "'namespaced' or 'legacy'"),
     ("warmup", "2", "not a boolean"),
     ("breaker_enabled", "sometimes", "not a boolean"),
@@ -431,8 +431,8 @@ def test_bool_spellings(text, expected):
 )
 def test_byte_sizes(value, expected):
     assert parse_byte_size(value) == expected
-    cfg = load_config({"manager_address": "local", "embedded_capacity_bytes": value}, {}).config
-    assert cfg.embedded_capacity_bytes == expected
+    cfg = load_config({"manager_address": "local", "local_store_capacity_bytes": value}, {}).config
+    assert cfg.local_store_capacity_bytes == expected
 
 
 def test_byte_size_error_text():

@@ -43,7 +43,7 @@ def sglang_ready():
 
 
 def run(tmp_path, *argv, extra=None, store="local"):
-    """Run the demo on a fresh embedded store (``store``: "local", the host
+    """Run the demo on a fresh local store (``store``: "local", the local
     store the demo uses by default, or "inprocess", whose objects a test
     can reach); (exit code, JSON, console text)."""
     name = f"demo-test-{uuid.uuid4().hex[:8]}"
@@ -122,7 +122,7 @@ def test_demo_other_layouts(tmp_path, layout):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_corrupted_store_fails(tmp_path, monkeypatch, path):
-    """One byte of one stored object flipped inside the embedded server."""
+    """One byte of one stored object flipped inside the local store."""
     corrupted = []
     put_from = EmbeddedServer.put_from
 
@@ -191,10 +191,10 @@ def test_lost_page_fails(tmp_path, monkeypatch, path):
 
 
 def test_store_refusing_writes_fails(tmp_path):
-    """An embedded store too small for even one batch: the write-back fails."""
+    """A local store too small for even one batch: the write-back fails."""
     page_bytes = kv.resolve_geometry("tiny", None).page_bytes()
     code, data, text = run(tmp_path, "--model", "tiny", "--pages", "16",
-                           extra={"embedded_capacity_bytes": 8 * page_bytes})
+                           extra={"local_store_capacity_bytes": 8 * page_bytes})
     assert code == 1, text
     assert phases(data)["write-back"]["pages_moved"] < 16
     assert "write-back stored" in data["error"]
@@ -288,7 +288,7 @@ def test_demo_on_its_own_store_leaves_nothing_in_the_store_directory(tmp_path, h
 
 
 def test_demo_on_its_own_store_in_a_configured_directory_leaves_nothing_there(tmp_path, host_store_dir):
-    """A config naming ``embedded_store_dir`` (and no ``manager_address``):
+    """A config naming ``local_store_dir`` (and no ``manager_address``):
     the demo's own store lives in a private directory under that one, and
     goes with it."""
     chosen = os.path.join(host_store_dir, f"chosen-{os.getpid()}")
@@ -296,7 +296,7 @@ def test_demo_on_its_own_store_in_a_configured_directory_leaves_nothing_there(tm
     args = cli.build_parser().parse_args(["demo", "--model", "tiny", "--pages", "4", "--direct",
                                           "--json", str(tmp_path / "own.json")])
     console = Console(file=io.StringIO(), width=120, force_terminal=False)
-    extra = {"client_flags": {"embedded_store_dir": chosen}}
+    extra = {"client_flags": {"local_store_dir": chosen}}
     assert demo.run_demo(console, args, extra) == 0
     data = json.loads((tmp_path / "own.json").read_text())
     assert data["ok"] and data["manager_address"].startswith("local://demo-")

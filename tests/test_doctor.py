@@ -1,4 +1,4 @@
-"""``sglang-simm doctor`` against the embedded store and misconfigurations."""
+"""``sglang-simm doctor`` against the local store and misconfigurations."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def doctor(capsys, *args, sysfs=None):
 def test_embedded_store_passes_with_a_round_trip(capsys, store_name):
     code, out = doctor(capsys, "--manager", f"local://{store_name}")
     assert code == 0, out
-    assert "Round trip to host store" in out and "No problem found" in out
+    assert "Round trip to local store" in out and "No problem found" in out
     assert "manager_address" in out and "extra_config" in out  # the source of the field
     assert "--hicache-storage-backend simm" in out and '"interface_v1": 1' in out
 
@@ -85,6 +85,19 @@ def test_unknown_key_is_a_warning_and_stays_out_of_the_launch_lines(capsys, stor
     assert "did you mean 'key_scheme'?" in out
     assert "No problem found" not in out and "1 warning(s)" in out
     assert launch_line_count(out) == 2 and "key_shceme" not in out.split("Launch lines")[1].split("warning:")[0]
+
+
+def test_an_old_name_is_a_warning_naming_the_new_one_and_the_launch_lines_use_the_new(capsys, store_name):
+    extra = json.dumps({"manager_address": f"inprocess://{store_name}", "embedded_capacity_bytes": "64MiB",
+                        "client_flags": {"embedded_eviction": "lru"}})
+    code, out = doctor(capsys, "--extra-config", extra)
+    assert code == 0, out
+    assert "embedded_capacity_bytes is deprecated: use local_store_capacity_bytes" in out
+    assert "client flag embedded_eviction is deprecated: use local_store_eviction" in out
+    assert "unknown key" not in out and "2 warning(s)" in out
+    lines = out.split("Launch lines")[1].split("warning:")[0]
+    assert launch_line_count(out) == 2 and "embedded_" not in lines
+    assert "local_store_capacity_bytes" in lines and "local_store_eviction" in lines
 
 
 def test_unknown_key_in_the_config_file_is_a_warning(capsys, monkeypatch, tmp_path, store_name):
@@ -171,7 +184,7 @@ def test_local_store_with_another_bad_field_names_that_field(capsys):
     assert code == 1
     assert "clnt_threadpool_size=0 (from extra_config) is out of range" in out
     assert "set manager_address to 'local'" not in out and "simm.kv" not in out
-    assert "host store 'default'" in out
+    assert "local store 'default'" in out
 
 
 def test_without_sglang_the_hint_is_a_command_that_works_and_shows_whole(capsys, monkeypatch, store_name):

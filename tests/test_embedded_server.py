@@ -1,4 +1,4 @@
-"""The embedded server's buffer reuse (an implementation detail the contract
+"""The local store's buffer reuse (an implementation detail the contract
 suite cannot see): removed objects' buffers serve later puts of the same
 size, count against the capacity, and are never reused while read."""
 

@@ -3,7 +3,7 @@
 Pure hit-policy functions first, then SGLang's real hybrid host pools (a
 Mamba state pool, an SWA and a draft KV pool, a DSA indexer pool) on the
 CPU, bound to the backend the way SGLang 0.5.23's hybrid controller binds
-them, over the embedded store.
+them, over the local store.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SGLang's own in-tree HiCacheSiMM over the embedded store (``simm.kv``
+"""SGLang's own in-tree HiCacheSiMM over the local store (``simm.kv``
 aliased), and our ``legacy`` key scheme read against what it wrote."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ INTREE = "sglang.srt.mem_cache.storage.simm.hicache_simm"
 def intree_cls():
     pytest.importorskip("sglang.srt.plugins", reason="the in-tree SiMM backend ships with SGLang 0.5.11+")
     with alias_as_simm_kv() as kv:
-        # The store `attach` backends use (local://NAME): the host store. The
+        # The store `attach` backends use (local://NAME): the local store. The
         # in-tree code sets no scope, so it would get the default, a store
         # inside this process, and the two would never meet.
-        kv.set_flag("embedded_scope", "host")
+        kv.set_flag("local_store_scope", "host")
         sys.modules.pop(INTREE, None)  # bind its `from simm.kv import ...` to the alias
         module = importlib.import_module(INTREE)
         # Its NIC map is a list, not a dict, on a machine without

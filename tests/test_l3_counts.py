@@ -1,4 +1,4 @@
-"""L3 pages counted from the host store's counters (what the e2e tests and the
+"""L3 pages counted from the local store's counters (what the e2e tests and the
 server demo wait on and assert), never from log lines: pages a backend
 stored and read, exactly, with every warm-up round trip left out."""
 
@@ -156,7 +156,7 @@ class _Metrics(http.server.BaseHTTPRequestHandler):
 def test_without_a_host_store_pages_come_from_sglangs_metrics_or_a_clear_error(tmp_path):
     cluster = {"manager_address": "10.0.0.1:30001"}
     off = SGLangServer(ServerConfig(model_path="unused", extra_config=cluster), tmp_path, name="off")
-    with pytest.raises(ServerError, match="no host store and metrics are off: give it a host store or enable_metrics"):
+    with pytest.raises(ServerError, match="no local store and metrics are off: give it a local store or enable_metrics"):
         off.l3_pages_stored()
 
     _Metrics.body = (b'# TYPE sglang:backup_pgs histogram\nsglang:backup_pgs_sum{tp_rank="0"} 12.0\n'

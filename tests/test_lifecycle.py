@@ -313,7 +313,7 @@ def test_the_objects_the_backend_keeps_stay_bounded_however_many_pages_it_touche
 
 
 def _store_clients(store_name):
-    """Process ids with a connection to the host store, asked over a
+    """Process ids with a connection to the local store, asked over a
     connection of its own (which the store leaves out)."""
     from sglang_simm.embedded._host import HostServer
 

@@ -2,8 +2,8 @@
 
 SiMM's client sends the whole registered region's size as a get's bound, so
 an object longer than the page's object is written past the view, over the
-host pages next to it, before the backend sees the length. The embedded
-store reproduces that with ``embedded_get_bound=region``. The backend must
+host pages next to it, before the backend sees the length. The local
+store reproduces that with ``local_store_get_bound=region``. The backend must
 count it, log it with the key, and report as misses the page and every page
 of the same batch whose bytes the overrun may have reached.
 """
@@ -22,10 +22,10 @@ from sglang_simm import embedded
 @pytest.fixture
 def region_bound():
     """SiMM's own get bound (the registered region) for this test only."""
-    previous = embedded.get_flag("embedded_get_bound")
-    assert embedded.set_flag("embedded_get_bound", "region")
+    previous = embedded.get_flag("local_store_get_bound")
+    assert embedded.set_flag("local_store_get_bound", "region")
     yield
-    embedded.set_flag("embedded_get_bound", previous)
+    embedded.set_flag("local_store_get_bound", previous)
 
 
 def _first_key(store_name: str, page_key: str) -> str:

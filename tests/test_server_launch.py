@@ -113,7 +113,7 @@ def test_a_test_run_ended_by_sigterm_still_stops_its_store_processes():
 
 def test_a_demo_ended_by_sigterm_stops_the_store_it_started(host_store_dir):
     """`kill` of `sglang-simm-dev demo` mid-run exits through its cleanup: the
-    host store it started for itself is stopped, not left behind."""
+    local store it started for itself is stopped, not left behind."""
     from sglang_simm.embedded._paths import StorePaths, read_pid
 
     script = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""The value parsers the configuration and the embedded store share."""
+"""The value parsers the configuration and the local store share."""
 
 from __future__ import annotations
 

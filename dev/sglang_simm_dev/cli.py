@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sglang-simm-dev {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run HiCache's write-back and restore on the embedded store")
+    demo = sub.add_parser("demo", help="run HiCache's write-back and restore on the local store")
     add_config_args(demo)
     demo.add_argument("--model", default=None,
                       help="page geometry preset (see --list-models); not with --server, which takes --preset")
@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed repetitions per point (median; default 30, with --server 2)")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     bench.add_argument("--store", action="store_true",
-                       help="measure the host store (local) against memcpy, SGLang's file backend and the "
-                            "in-process store instead")
+                       help="measure the local store against memcpy, SGLang's file backend and the "
+                            "in-process local store instead")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="draw a PNG chart (needs matplotlib)")
     bench.add_argument("--server", action="store_true",

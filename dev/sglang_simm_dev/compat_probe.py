@@ -199,7 +199,7 @@ def probe() -> dict[str, Any]:
     result["pools"] = pools_case(result["routes"][-1])
     from sglang_simm.embedded import reset_servers
 
-    reset_servers()  # stops the host stores this probe started
+    reset_servers()  # stops the local stores this probe started
     return result
 
 

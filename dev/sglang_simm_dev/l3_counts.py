@@ -1,4 +1,4 @@
-"""Pages a server's backend stored in L3 and read back, from its host store's
+"""Pages a server's backend stored in L3 and read back, from its local store's
 own counters (``sglang-simm store status NAME`` shows the same ones).
 
 The store process counts objects: ``puts`` (objects published) and ``hits``
@@ -32,7 +32,7 @@ MLA_OBJECTS_PER_PAGE = 1
 
 @dataclass(frozen=True)
 class L3Objects:
-    """One reading of a host store's counters (objects, since it started)."""
+    """One reading of a local store's counters (objects, since it started)."""
 
     puts: int
     hits: int
@@ -78,9 +78,9 @@ def objects_per_page(model_path: str) -> int:
 
 
 def host_store_name(extra_config: Mapping[str, Any]) -> str | None:
-    """The host store a backend with this extra config uses (``local`` or
-    ``local://NAME``), or None (a cluster, an in-process store, or no
-    ``manager_address`` here): only a host store's counters can be read
+    """The local store a backend with this extra config uses (``local`` or
+    ``local://NAME``), or None (a cluster, an in-process local store, or no
+    ``manager_address`` here): only a local store's counters can be read
     from another process."""
     address = extra_config.get("manager_address")
     if not isinstance(address, str):
@@ -92,7 +92,7 @@ def host_store_name(extra_config: Mapping[str, Any]) -> str | None:
 
 
 class StoreCounter:
-    """Reads one host store's counters from this process; ``close()`` (or
+    """Reads one local store's counters from this process; ``close()`` (or
     ``with``) drops its connection. Reconnects on the next reading after
     the store went away, and raises ``StoreUnreachable`` while it is gone."""
 

@@ -19,7 +19,7 @@ logprobs. The table gives the time to first token, the KV bytes each tier
 moved, and whether outputs matched; ``--json`` writes it all.
 
 Run: ``sglang-simm-dev demo --server`` (or ``python -m sglang_simm_dev.server_demo``;
-add ``--json out.json``). L3 is a host store of the demo's own
+add ``--json out.json``). L3 is a local store of the demo's own
 (``local://server-demo-...``), stopped when the demo ends, unless
 ``--manager`` names another.
 """
@@ -73,7 +73,7 @@ def add_arguments(parser: Any, *, shared: bool = False) -> None:
     parser.add_argument("--seed", type=int, default=0, help="with --server: weights and prompts")
     if not shared:
         parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-        parser.add_argument("--manager", help="SiMM manager_address (default: a host store of the demo's own)")
+        parser.add_argument("--manager", help="SiMM manager_address (default: a local store of the demo's own)")
         parser.add_argument("--json", help="write the results here")
 
 
@@ -267,8 +267,8 @@ def run(args: argparse.Namespace) -> int:
     args.manager = f"local://{own_store}"
     # the demo's own store lives in, and goes with, a directory of this run's
     # (under the one a config names, and named to the server in its place)
-    with private_store_dir("sglang-simm-demo-", parent=client_flag({}, "embedded_store_dir")) as root:
-        args.extra_config = with_client_flag({}, "embedded_store_dir", root)
+    with private_store_dir("sglang-simm-demo-", parent=client_flag({}, "local_store_dir")) as root:
+        args.extra_config = with_client_flag({}, "local_store_dir", root)
         try:
             return _run(args)
         finally:

@@ -15,7 +15,7 @@ Helpers speak SGLang's HTTP API with the standard library only: ``/generate``
 with ``input_ids`` (greedy, with logprobs, optionally streamed for the time to
 first token), ``/flush_cache``, ``/metrics``; and the scheduler's resident
 memory is read from the process tree. L3 pages stored and read are counted
-by the backend's host store (``l3_counts``), never from the server's log.
+by the backend's local store (``l3_counts``), never from the server's log.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class ServerConfig:
     #: (a ``sitecustomize.py`` there runs after theirs, see
     #: ``cpu_standins.chain_sitecustomize``)
     pythonpath: Sequence[str] = ()
-    #: objects of one L3 page, for counting pages from the host store's
+    #: objects of one L3 page, for counting pages from the local store's
     #: counters; None: from the model's config.json (MLA 1, else 2)
     l3_objects_per_page: int | None = None
 
@@ -412,7 +412,7 @@ class SGLangServer:
     # -- L3 counts -------------------------------------------------------------
 
     def l3_counter(self) -> l3_counts.StoreCounter | None:
-        """The counters of the host store this server's backend uses (its
+        """The counters of the local store this server's backend uses (its
         ``manager_address``: ``local`` or ``local://NAME``), read from this
         process; None for any other store."""
         if self._l3 is None:
@@ -426,7 +426,7 @@ class SGLangServer:
         return self._l3
 
     def _l3_pages(self, which: str) -> int:
-        """``stored`` or ``read`` pages: from the host store's counters; for
+        """``stored`` or ``read`` pages: from the local store's counters; for
         another store (a cluster, whose counters no other process reads),
         from SGLang's own metrics of the backend (``sglang:backup_pgs`` and
         ``sglang:prefetch_pgs``, pages per batch, warm-ups never in them),
@@ -438,13 +438,13 @@ class SGLangServer:
             try:
                 objects = counter.objects()
             except StoreUnreachable as exc:
-                raise ServerError(f"{self.name}: cannot read its host store's counters: {exc}") from exc
+                raise ServerError(f"{self.name}: cannot read its local store's counters: {exc}") from exc
             return l3_counts.pages(objects.stored if which == "stored" else objects.read, counter.objects_per_page)
         if not self.config.enable_metrics:
             raise ServerError(
-                f"{self.name}: L3 pages are counted by the host store (manager_address 'local://NAME') or by "
+                f"{self.name}: L3 pages are counted by the local store (manager_address 'local://NAME') or by "
                 f"SGLang's metrics, and manager_address {self.config.extra_config.get('manager_address')!r} "
-                "is no host store and metrics are off: give it a host store or enable_metrics")
+                "is no local store and metrics are off: give it a local store or enable_metrics")
         name = "sglang:backup_pgs_sum" if which == "stored" else "sglang:prefetch_pgs_sum"
         return int(self.metrics().get(name, 0.0))
 
@@ -575,7 +575,7 @@ class SGLangServer:
     def scheduler_rss_bytes(self, kind: str = "RssAnon") -> int:
         """Resident memory of the scheduler processes together: ``RssAnon``
         (their private memory, where a leak of theirs shows; the default),
-        ``RssShmem`` (shared memory they touched, e.g. the host store's arena)
+        ``RssShmem`` (shared memory they touched, e.g. the local store's arena)
         or ``VmRSS`` (everything)."""
         pids = self.scheduler_pids()
         if not pids:

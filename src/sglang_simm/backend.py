@@ -583,7 +583,7 @@ class HiCacheSiMM(HiCacheStorage):
         """Remove this backend's namespace where the client can list keys.
 
         SiMM's client has no key listing, so on a cluster nothing can be
-        removed; the embedded store deletes by prefix.
+        removed; the local store deletes by prefix.
         """
         bound = self.pools.bound()
         if not bound:

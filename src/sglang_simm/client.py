@@ -1,7 +1,7 @@
 """The one adapter between the backend and a SiMM client.
 
 Both clients have the ``simm.kv`` surface: the real one (SiCL over RDMA) and
-the embedded store that ships with this package. ``connect`` picks one from
+the local store that ships with this package. ``connect`` picks one from
 the configuration, sets its flags, and hands back a ``KVClient`` whose batch
 methods are the store's own bound methods, so the adapter adds no work per
 call. The zero-copy paths use ``view``, ``mput_views``, ``mget_views`` and
@@ -38,7 +38,7 @@ INSTALL_HINT = (
     "The SiMM client is not on PyPI (the PyPI package named 'simm' is an "
     "unrelated project: pip uninstall simm). Build and install it from "
     "https://github.com/scitix/SiMM together with the vendor's SiCL package, "
-    "or set manager_address to 'local' to run on the embedded store."
+    "or set manager_address to 'local' to run on the local store."
 )
 
 #: The names a module must have to be SiMM's client.
@@ -89,8 +89,8 @@ def client_flags(config: SiMMConfig, *, log_file: str) -> dict[str, str]:
     flags: dict[str, str] = {}
     if config.is_embedded:
         flags["cm_primary_node_ip"] = config.embedded_name
-        flags["embedded_scope"] = config.embedded_scope
-        flags["embedded_capacity_bytes"] = str(config.embedded_capacity_bytes)
+        flags["local_store_scope"] = config.embedded_scope
+        flags["local_store_capacity_bytes"] = str(config.local_store_capacity_bytes)
     else:
         # The client's port flag is cm_rpc_inter_port; SGLang's in-tree backend
         # sets "cm_primary_node_port", which the client rejects, so its port
@@ -141,7 +141,7 @@ class KVClient:
             self.mget_views = store.mget
             codes = getattr(store, "mexists_codes", None)
             self.mexists_codes = codes if callable(codes) else _codes_of(store.mexists)
-        #: the host store handle this client shares with others of this process
+        #: the local store handle this client shares with others of this process
         self._handle = _share_handle(getattr(store, "server", None)) if embedded else None
 
     def register(self, tensor: Any) -> Any:
@@ -208,7 +208,7 @@ class KVClient:
     def close(self) -> None:
         """Close the store where it can be closed, and drop it either way:
         SiMM's ``Store`` has no ``close``; its connections and threads go
-        with the last reference. A host store's connection is this process's
+        with the last reference. A local store's connection is this process's
         one handle, shared by every client of that store here: the last
         client to close closes it, so a process whose backends are all
         closed holds no connection to the store (it can stop, or go idle).
@@ -239,7 +239,7 @@ def native_layer(kv: ModuleType, store: Any) -> tuple[Callable[..., Any], Any] |
     object, so calling the native layer with native views saves a
     classmethod, a wrapper and a loop step per object: half of a batch's
     work in Python (docs/backend-core.md). Only a client that has every
-    piece is taken this way; any other (the embedded store, a future SiMM
+    piece is taken this way; any other (the local store, a future SiMM
     that moves them) takes the public calls."""
     native = getattr(kv, "_kv", None)
     data_view = getattr(native, "DataView", None)
@@ -263,13 +263,13 @@ def _closed(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("the SiMM client is closed")
 
 
-#: Open clients per host store handle (``id`` of the handle -> count).
+#: Open clients per local store handle (``id`` of the handle -> count).
 _HANDLE_USERS: dict[int, int] = {}
 _HANDLE_LOCK = threading.Lock()
 
 
 def _share_handle(handle: Any) -> Any:
-    """Count a client in on a host store handle (an in-process store, which
+    """Count a client in on a local store handle (an in-process local store, which
     holds no connection, is not counted); the handle, or None."""
     if handle is None or not hasattr(handle, "disconnect"):
         return None
@@ -326,7 +326,7 @@ def connect(
     kv = kv_module if kv_module is not None else load_kv_module(config)
     embedded = config.is_embedded
     if embedded:
-        where = "host store" if config.embedded_scope == "host" else "in-process store"
+        where = "local store" if config.embedded_scope == "host" else "in-process local store"
         description = f"{where} {config.embedded_name!r}"
         log_file = ""
     else:
@@ -343,7 +343,7 @@ def connect(
             logger.warning("SiMM found no RDMA device to use: %s", choice.reason)
 
     for name, value in client_flags(config, log_file=log_file).items():
-        if name.startswith("embedded_") and not embedded:
+        if name.startswith(("local_store_", "embedded_")) and not embedded:
             continue
         if not kv.set_flag(name, value):
             logger.warning("the SiMM client rejected flag %s=%r", name, value)

@@ -14,6 +14,11 @@ logs and ``doctor``, and everything is validated once, after merging
 (``_validate``), so every error names the field, the value, what is accepted
 and where the value came from.
 
+Renamed fields (``RENAMED_FIELDS``) and the local store's renamed client
+flags (``RENAMED_FLAGS``) are still read under their old names, each with a
+warning naming the new one, until the next minor release; an old and a new
+name of one setting in one source is an error naming both.
+
 Importing this module is cheap: the standard library and this package's
 pure ``keys`` and ``values`` only.
 """
@@ -36,6 +41,7 @@ from typing import Any
 from sglang_simm.keys import KEY_SCHEMES, KeyScheme
 from sglang_simm.values import InvalidValue, parse_bool, parse_byte_size
 
+from sglang_simm.embedded._names import RENAMED_FLAGS, both_given, deprecated
 from sglang_simm.embedded._paths import NAME_RE as STORE_NAME_RE, NAME_RULE as STORE_NAME_RULE
 
 __all__ = [
@@ -43,6 +49,8 @@ __all__ = [
     "ENV_PREFIX",
     "LOG_DIR_ENV",
     "MANAGER_ENV",
+    "RENAMED_FIELDS",
+    "RENAMED_FLAGS",
     "SGLANG_EXTRA_CONFIG_KEYS",
     "SOURCES",
     "FlagMap",
@@ -50,10 +58,12 @@ __all__ = [
     "SiMMConfig",
     "UnknownKey",
     "default_log_file",
+    "find_deprecated_names",
     "find_unknown_keys",
     "load_config",
     "log_resolved",
     "parse_byte_size",
+    "with_current_names",
 ]
 
 logger = logging.getLogger("sglang_simm.config")
@@ -66,6 +76,12 @@ MANAGER_ENV = "SIMM_CLUSTER_MANAGER"
 ENV_PREFIX = "SGLANG_SIMM_"
 #: Env var with the directory for the default per-process client log.
 LOG_DIR_ENV = "SGLANG_SIMM_LOG_DIR"
+
+#: Fields renamed, old name -> new name. The old name is still read (from
+#: the extra config, the file and ``SGLANG_SIMM_<OLD>``) with a warning
+#: naming the new one, until the next minor release; both in one source is
+#: an error naming both.
+RENAMED_FIELDS: dict[str, str] = {"embedded_capacity_bytes": "local_store_capacity_bytes"}
 
 #: Keys SGLang itself reads from (or puts into) ``extra_config``. They share the
 #: dict with ours, so they are accepted silently, never warned about.
@@ -100,8 +116,9 @@ _FLAG_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DEVICE_RE = re.compile(r"[A-Za-z0-9._:-]+")
 _INT_RE = re.compile(r"[+-]?\d+")
 _EMBEDDED_DEFAULT_NAME = "default"
-#: Embedded store address forms -> where its server lives (the store's
-#: ``embedded_scope``): one store process per name per host, or this process.
+#: Local store address forms -> where its server lives (the store's
+#: ``embedded_scope``, client flag ``local_store_scope``): one store process
+#: per name per host, or this process.
 _EMBEDDED_FORMS = {"local": "host", "inprocess": "process"}
 GIB = 1024**3
 
@@ -144,10 +161,10 @@ class SiMMConfig:
     """
 
     manager_address: str
-    """``host:port``, ``[ipv6]:port``; ``local`` or ``local://NAME`` (the host
+    """``host:port``, ``[ipv6]:port``; ``local`` or ``local://NAME`` (the local
     store: one store process per name, shared by every process of this user
-    on this host); ``inprocess`` or ``inprocess://NAME`` (a store inside this
-    process only, for tests and single-process tools)."""
+    on this host); ``inprocess`` or ``inprocess://NAME`` (the in-process local
+    store: inside this process only, for tests and single-process tools)."""
 
     clnt_threadpool_size: int = 10
     """Threads of the SiMM client (flag ``clnt_thread_pool_size``), 1..1024."""
@@ -176,8 +193,10 @@ class SiMMConfig:
     client_flags: Mapping[str, str] = field(default_factory=FlagMap)
     """Raw SiMM client flags, passed to ``set_flag`` as given (values as text)."""
 
-    embedded_capacity_bytes: int = 4 * GIB
-    """Capacity of the embedded store (``local``); accepts ``"512MiB"`` etc."""
+    local_store_capacity_bytes: int = 4 * GIB
+    """Capacity of the local store (``local``, ``inprocess``) when this process
+    starts it; accepts ``"512MiB"`` etc. Formerly ``embedded_capacity_bytes``,
+    still read until the next minor release."""
 
     key_scheme: KeyScheme = "namespaced"
     """``namespaced``: keys carry model and layout; ``legacy``: the in-tree keys."""
@@ -242,8 +261,15 @@ class SiMMConfig:
     # -- manager address -------------------------------------------------
 
     @property
+    def embedded_capacity_bytes(self) -> int:
+        """Deprecated: :attr:`local_store_capacity_bytes` (read until the next minor release)."""
+        logger.warning("SiMM config: %s", deprecated("SiMMConfig.embedded_capacity_bytes",
+                                                     "SiMMConfig.local_store_capacity_bytes"))
+        return self.local_store_capacity_bytes
+
+    @property
     def is_embedded(self) -> bool:
-        """True for ``local``/``inprocess`` addresses: no cluster."""
+        """True for ``local``/``inprocess`` addresses (the local store): no cluster."""
         return _parse_address(self.manager_address)[0] != "cluster"
 
     @property
@@ -254,19 +280,19 @@ class SiMMConfig:
 
     @property
     def embedded_name(self) -> str | None:
-        """The embedded store's name (``default`` when none is given); None for a cluster."""
+        """The local store's name (``default`` when none is given); None for a cluster."""
         kind, name, _port = _parse_address(self.manager_address)
         return None if kind == "cluster" else name
 
     @property
     def host(self) -> str | None:
-        """The manager host (IPv6 without brackets); None when embedded."""
+        """The manager host (IPv6 without brackets); None on the local store."""
         kind, host, _port = _parse_address(self.manager_address)
         return host if kind == "cluster" else None
 
     @property
     def port(self) -> int | None:
-        """The manager port; None when embedded."""
+        """The manager port; None on the local store."""
         return _parse_address(self.manager_address)[2]
 
     @property
@@ -276,6 +302,24 @@ class SiMMConfig:
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SiMMConfig))
+assert set(RENAMED_FIELDS.values()) <= set(FIELD_NAMES) and not set(RENAMED_FIELDS) & set(FIELD_NAMES)
+
+_dataclass_init = SiMMConfig.__init__
+
+
+def _init_with_old_names(self: SiMMConfig, *args: Any, **kwargs: Any) -> None:
+    """``SiMMConfig(embedded_capacity_bytes=...)`` still builds, warned, until the next minor release."""
+    for old, new in RENAMED_FIELDS.items():
+        if old in kwargs:
+            if new in kwargs:
+                raise ValueError(f"SiMM config: {both_given(old, new)}")
+            logger.warning("SiMM config: %s", deprecated(old, new))
+            kwargs[new] = kwargs.pop(old)
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init_with_old_names.__wrapped__ = _dataclass_init  # type: ignore[attr-defined]
+SiMMConfig.__init__ = _init_with_old_names  # type: ignore[method-assign]
 _DEFAULTS: dict[str, Any] = {
     f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)  # type: ignore[misc]
     for f in dataclasses.fields(SiMMConfig)
@@ -342,13 +386,16 @@ class UnknownKey:
 
 
 def unknown_keys_of(data: Mapping[str, Any], where: str) -> list[UnknownKey]:
-    """The keys of ``data`` that no one reads: not a field, not SGLang's."""
+    """The keys of ``data`` that no one reads: not a field (nor a field's
+    old name, ``RENAMED_FIELDS``), not SGLang's. A near miss of an old name
+    suggests the new one."""
+    candidates = {**{name: name for name in FIELD_NAMES}, **RENAMED_FIELDS}
     out = []
     for key in data:
-        if key in FIELD_NAMES or key in SGLANG_EXTRA_CONFIG_KEYS:
+        if key in candidates or key in SGLANG_EXTRA_CONFIG_KEYS:
             continue
-        close = difflib.get_close_matches(str(key), FIELD_NAMES, n=1)
-        out.append(UnknownKey(str(key), where, close[0] if close else None))
+        close = difflib.get_close_matches(str(key), candidates, n=1)
+        out.append(UnknownKey(str(key), where, candidates[close[0]] if close else None))
     return out
 
 
@@ -357,6 +404,7 @@ def unknown_env_vars(environ: Mapping[str, str]) -> list[UnknownKey]:
     (``SGLANG_SIMM_REQUEST_TIMOUT_MS``): ignored, so said. Only near misses
     count: other ``SGLANG_SIMM_*`` variables belong to the store and the tools."""
     fields = {env_var_name(f)[len(ENV_PREFIX):]: env_var_name(f) for f in FIELD_NAMES}
+    fields.update({env_var_name(old)[len(ENV_PREFIX):]: env_var_name(new) for old, new in RENAMED_FIELDS.items()})
     out = []
     for var in environ:
         suffix = var[len(ENV_PREFIX):]
@@ -387,11 +435,78 @@ def find_unknown_keys(
     return found + unknown_env_vars(env)
 
 
+def find_deprecated_names(
+    extra_config: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """One line per old name (``RENAMED_FIELDS``, ``RENAMED_FLAGS``) that
+    the extra config, the JSON file or the environment still uses, naming
+    the new one, without logging (for ``doctor``); a source that cannot be
+    read is skipped (``load_config`` reports it)."""
+    env = os.environ if environ is None else environ
+    found: list[str] = []
+    named: list[tuple[Mapping[str, Any], str]] = []
+    if isinstance(extra_config, Mapping):
+        named.append((extra_config, "extra_config"))
+    try:
+        in_file = _read_json_file(env)
+    except ValueError:
+        in_file = None
+    if in_file is not None:
+        named.append(in_file)
+    for data, where in named:
+        found += [f"{deprecated(old, new)} (in {where})" for old, new in RENAMED_FIELDS.items() if old in data]
+        try:
+            flags = _raw_client_flags(data.get("client_flags"))
+        except InvalidValue:
+            continue
+        found += [f"client flag {deprecated(old, new)} (in {where})"
+                  for old, new in RENAMED_FLAGS.items() if old in flags]
+    found += [f"{deprecated(env_var_name(old), env_var_name(new))} (in the environment)"
+              for old, new in RENAMED_FIELDS.items() if (env.get(env_var_name(old)) or "").strip()]
+    try:
+        flags = _raw_client_flags(env.get(env_var_name("client_flags")) or None)
+    except InvalidValue:
+        flags = {}
+    found += [f"client flag {deprecated(old, new)} (in {env_var_name('client_flags')})"
+              for old, new in RENAMED_FLAGS.items() if old in flags]
+    return found
+
+
+def with_current_names(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``extra_config`` with every old field and client flag name
+    (``RENAMED_FIELDS``, ``RENAMED_FLAGS``) replaced by its new one, without
+    logging (for launch lines to copy). Where old and new are both given, it
+    is returned as it is (``load_config`` refuses it)."""
+    out = dict(extra_config)
+    for old, new in RENAMED_FIELDS.items():
+        if old in out and new not in out:
+            out[new] = out.pop(old)
+    flags = out.get("client_flags")
+    if isinstance(flags, str):
+        try:
+            flags = json.loads(flags)
+        except json.JSONDecodeError:
+            return out
+    if isinstance(flags, Mapping) and any(old in flags for old in RENAMED_FLAGS):
+        if not any(old in flags and new in flags for old, new in RENAMED_FLAGS.items()):
+            out["client_flags"] = {RENAMED_FLAGS.get(k, k): v for k, v in flags.items()}
+    return out
+
+
 def _fields_of(data: Mapping[str, Any], where: str, label: Callable[[str], str]) -> Sourced:
-    """Our fields out of ``data``; SGLang's keys skipped, others warned about."""
+    """Our fields out of ``data``; SGLang's keys skipped, others warned
+    about; an old field name read as its new one, warned about."""
     for unknown in unknown_keys_of(data, where):
         logger.warning("SiMM config: %s", unknown.message())
-    return {key: (value, label(key)) for key, value in data.items() if key in FIELD_NAMES}
+    out = {key: (value, label(key)) for key, value in data.items() if key in FIELD_NAMES}
+    for old, new in RENAMED_FIELDS.items():
+        if old not in data:
+            continue
+        if new in data:
+            raise ValueError(f"SiMM config: {where}: {both_given(old, new)}")
+        logger.warning("SiMM config: %s (in %s)", deprecated(old, new), where)
+        out[new] = (data[old], label(old))
+    return out
 
 
 def _from_extra_config(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
@@ -451,6 +566,15 @@ def _from_environ(extra_config: Mapping[str, Any] | None, environ: Mapping[str, 
         if value is None or not value.strip():
             continue  # unset, or set to "": treated as unset
         out[name] = (value, f"env:{var}")
+    for old, new in RENAMED_FIELDS.items():
+        old_var, new_var = env_var_name(old), env_var_name(new)
+        value = environ.get(old_var)
+        if value is None or not value.strip():
+            continue
+        if new in out:
+            raise ValueError(f"SiMM config: the environment: {both_given(old_var, new_var)}")
+        logger.warning("SiMM config: %s", deprecated(old_var, new_var))
+        out[new] = (value, f"env:{old_var}")
     return out
 
 
@@ -476,7 +600,7 @@ def _merge(partials: list[Sourced]) -> Sourced:
         for name, (value, source) in partial.items():
             if name == "client_flags":
                 try:
-                    flag_parts.append((parse_client_flags(value), source))
+                    flag_parts.append((parse_client_flags(value, where=source), source))
                 except InvalidValue as exc:
                     raise ValueError(_problem(name, value, source, exc)) from None
             elif name not in merged:
@@ -493,12 +617,14 @@ def client_flag(extra_config: Mapping[str, Any] | None, name: str,
                 environ: Mapping[str, str] | None = None) -> str | None:
     """The client flag ``name`` as the highest config source that sets it
     gives it (None: none does, or a source is broken, which ``load_config``
-    then reports), without resolving the rest of the config."""
+    then reports), without resolving the rest of the config. The local
+    store's flags are read under their old names too (``RENAMED_FLAGS``)."""
     env = os.environ if environ is None else environ
+    name = RENAMED_FLAGS.get(name, name)
     for _source, read in SOURCES:
         try:
             flags = read(extra_config or {}, env).get("client_flags")
-            value = parse_client_flags(flags[0]).get(name) if flags else None
+            value = parse_client_flags(flags[0], warn=False).get(name) if flags else None
         except Exception:
             return None
         if value:
@@ -508,9 +634,10 @@ def client_flag(extra_config: Mapping[str, Any] | None, name: str,
 
 def with_client_flag(extra_config: Mapping[str, Any], name: str, value: str) -> dict[str, Any]:
     """``extra_config`` with client flag ``name`` set to ``value``: the extra
-    config is the highest source, so it wins over every other."""
-    flags = parse_client_flags(extra_config.get("client_flags"))
-    return {**extra_config, "client_flags": {**flags, name: value}}
+    config is the highest source, so it wins over every other. An old name
+    of the local store's flags (``RENAMED_FLAGS``) is written as the new."""
+    flags = parse_client_flags(extra_config.get("client_flags"), warn=False)
+    return {**extra_config, "client_flags": {**flags, RENAMED_FLAGS.get(name, name): value}}
 
 
 def load_config(
@@ -614,8 +741,26 @@ def _parse_log_file(value: Any) -> str | None:
     return value.strip()
 
 
-def parse_client_flags(value: Any) -> dict[str, str]:
-    """A flag dict (or a JSON object string) -> ``{name: text}``."""
+def parse_client_flags(value: Any, *, where: str | None = None, warn: bool = True) -> dict[str, str]:
+    """A flag dict (or a JSON object string) -> ``{name: text}``, the local
+    store's old flag names (``RENAMED_FLAGS``) read as the new ones, each
+    warned about (``warn``) naming the new one; an old and a new name of one
+    flag together are refused."""
+    flags = _raw_client_flags(value)
+    for old, new in RENAMED_FLAGS.items():
+        if old not in flags:
+            continue
+        if new in flags:
+            raise InvalidValue(f"holds both {old} (deprecated) and {new}, one flag's old and new names",
+                               f"only {new}")
+        if warn:
+            logger.warning("SiMM config: client flag %s%s", deprecated(old, new), f" (in {where})" if where else "")
+        flags[new] = flags.pop(old)
+    return flags
+
+
+def _raw_client_flags(value: Any) -> dict[str, str]:
+    """A flag dict (or a JSON object string) -> ``{name: text}``, names as given."""
     accepted = 'a JSON object of SiMM client flags, e.g. {"clnt_syncreq_enable_retry": true}'
 
     def fail(problem: str) -> InvalidValue:
@@ -671,13 +816,13 @@ def _parse_key_scheme(value: Any) -> str:
 
 _ADDRESS_FORMS = (
     '"host:port" (e.g. "10.0.0.1:30001"), "[ipv6]:port" (e.g. "[fd00::1]:30001"), '
-    '"local" or "local://NAME" (the host store, shared by every process on this host), or '
-    f'"inprocess" / "inprocess://NAME" (a store inside one process); NAME: {STORE_NAME_RULE}'
+    '"local" or "local://NAME" (the local store, shared by every process on this host), or '
+    f'"inprocess" / "inprocess://NAME" (the in-process local store, inside one process); NAME: {STORE_NAME_RULE}'
 )
 
 
 def _parse_address(value: Any) -> tuple[str, str, int | None]:
-    """``("host" | "process", store name, None)`` for an embedded store, or
+    """``("host" | "process", store name, None)`` for the local store, or
     ``("cluster", host, port)``; raises InvalidValue."""
     if not isinstance(value, str):
         raise InvalidValue(f"is not a string ({type(value).__name__})", _ADDRESS_FORMS)
@@ -687,7 +832,7 @@ def _parse_address(value: Any) -> tuple[str, str, int | None]:
         if not sep:
             name = _EMBEDDED_DEFAULT_NAME
         if not STORE_NAME_RE.match(name):
-            raise InvalidValue(f"has a malformed embedded store name {name!r}", _ADDRESS_FORMS)
+            raise InvalidValue(f"has a malformed local store name {name!r}", _ADDRESS_FORMS)
         return (_EMBEDDED_FORMS[scheme], name, None)
     if "://" in text:
         raise InvalidValue("has a URL scheme; give the bare address", _ADDRESS_FORMS)
@@ -742,7 +887,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "request_timeout_ms": lambda v: _parse_int(v, 1, 3_600_000),
     "log_file": _parse_log_file,
     "client_flags": lambda v: FlagMap(parse_client_flags(v)),
-    "embedded_capacity_bytes": parse_byte_size,
+    "local_store_capacity_bytes": parse_byte_size,
     "key_scheme": _parse_key_scheme,
     "warmup": parse_bool,
     "breaker_enabled": parse_bool,
@@ -759,7 +904,7 @@ _MISSING_ADDRESS = (
     '--hicache-storage-backend-extra-config \'{"manager_address": "10.0.0.1:30001"}\'; '
     f'(2) a JSON file {{"manager_address": ...}} named by the env var {CONFIG_PATH_ENV}; '
     f"(3) the env var {MANAGER_ENV} (or {env_var_name('manager_address')}). "
-    'Use "local" (or "local://NAME") to run on the embedded host store (no cluster needed).'
+    'Use "local" (or "local://NAME") to run on the local store (no cluster needed).'
 )
 
 

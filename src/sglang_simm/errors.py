@@ -1,7 +1,7 @@
 """SiMM client return codes, and the exceptions this package raises.
 
 The codes and their names are the real SiMM client's (int16, negative); the
-embedded store returns exactly these, and the backend counts faults by them,
+local store returns exactly these, and the backend counts faults by them,
 so both sides must agree on one table.
 
 Exception tree::
@@ -110,7 +110,7 @@ def is_fault(code: int) -> bool:
     a working store, a local problem, a byte count or an unknown code.
 
     The one place faults are told from misses, for the real client and the
-    embedded store alike (it returns the real client's codes)."""
+    local store alike (it returns the real client's codes)."""
     return code in FAULT_CODES
 
 

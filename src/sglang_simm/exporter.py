@@ -32,13 +32,13 @@ import weakref
 from bisect import bisect_left
 from typing import Any, Mapping
 
-#: every series' name starts with this (the host store's are ``sglang_simm:store_*``)
+#: every series' name starts with this (the local store's are ``sglang_simm:store_*``)
 PREFIX = "sglang_simm:"
 
 #: labels of every series, as SGLang's scheduler metrics name them
 LABELS = ("model_name", "tp_rank", "pp_rank", "dp_rank")
 
-#: call latency buckets, seconds: a batch on the host store takes tens of
+#: call latency buckets, seconds: a batch on the local store takes tens of
 #: microseconds, on a cluster hundreds; a timeout takes the client's second(s)
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,

@@ -37,7 +37,7 @@ NAMESPACE_VERSION = 1
 
 #: The start of every key of a start-up round trip (``client.KVClient.warmup``;
 #: SGLang's in-tree backend's warm-up keys start with it too). Never a page's:
-#: page keys start with a namespace or a tag. The host store counts these
+#: page keys start with a namespace or a tag. The local store counts these
 #: objects apart, so pages counted from its counters leave warm-ups out.
 WARMUP_KEY_PREFIX = "sglang_simm_warmup_"
 _WARMUP_KEY_PREFIX_BYTES = WARMUP_KEY_PREFIX.encode()

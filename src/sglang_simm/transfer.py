@@ -144,7 +144,7 @@ class Answers:
     def _get_failed(self, keys: list[str], call: Call | None = None) -> None:
         """Sort GetObjectFailed answers into misses and faults. The
         synchronous client answers it for any server-side failure, an absent
-        key included (SiMM's only answer for a miss there, and the embedded
+        key included (SiMM's only answer for a miss there, and the local
         store's), so the objects are looked up: one that exists failed for
         another reason (a fault, counted under its code); one that does not
         was evicted since SGLang's exists query (a miss, not logged).

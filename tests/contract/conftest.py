@@ -1,12 +1,12 @@
 """One contract suite, run against both local stores and a real SiMM client.
 
 ``kv`` is the ``simm.kv`` module under test: ``sglang_simm.embedded`` with
-its server in this process (``inprocess``) or in the host store's process
+its server in this process (``inprocess``) or in the local store's process
 (``host``: one store process per test, in a private directory), both
 marked ``embedded``; or the real ``simm.kv`` (mark ``real``), which runs
 only when ``SGLANG_SIMM_TEST_MANAGER=host:port`` names a cluster manager and
 SiMM's client is importable. Tests are written once against the ``simm.kv``
-API; where they need the embedded server itself (capacity, faults, sharing
+API; where they need the local store itself (capacity, faults, sharing
 by name) they ask for the ``server`` or ``faults`` fixture, which skips on
 real.
 
@@ -28,18 +28,18 @@ RELEASE_ENV = "SGLANG_SIMM_TEST_SIMM_RELEASE"
 # Flags the embedded fixture changes or a test may change; restored after each test.
 _EMBEDDED_FLAGS = (
     "cm_primary_node_ip",
-    "embedded_scope",
-    "embedded_store_dir",
-    "embedded_eviction",
-    "embedded_simm_release",
-    "embedded_get_bound",
-    "embedded_capacity_bytes",
-    "embedded_error_rate",
-    "embedded_error_code",
-    "embedded_latency_us",
-    "embedded_down",
-    "embedded_corrupt_reads",
-    "embedded_seed",
+    "local_store_scope",
+    "local_store_dir",
+    "local_store_eviction",
+    "local_store_simm_release",
+    "local_store_get_bound",
+    "local_store_capacity_bytes",
+    "local_store_error_rate",
+    "local_store_error_code",
+    "local_store_latency_us",
+    "local_store_down",
+    "local_store_corrupt_reads",
+    "local_store_seed",
 )
 
 _real_kv = None
@@ -62,7 +62,7 @@ def _load_real_kv():
     except ImportError as exc:
         pytest.skip(f"{MANAGER_ENV} is set but SiMM's client (simm.kv) does not import: {exc}")
     if getattr(kv, "__simm_embedded__", False):
-        pytest.skip("simm.kv is aliased to the embedded store, not SiMM's client")
+        pytest.skip("simm.kv is aliased to the local store, not SiMM's client")
     missing = [name for name in ("Store", "BlockView", "register_mr") if not hasattr(kv, name)]
     if missing:
         pytest.skip(
@@ -98,8 +98,8 @@ def kv(request):
     for name in _EMBEDDED_FLAGS:
         assert embedded.set_flag(name, _FLAG_SPECS[name][1])
     if request.param == "host":
-        embedded.set_flag("embedded_scope", "host")
-        embedded.set_flag("embedded_store_dir", request.getfixturevalue("host_store_dir"))
+        embedded.set_flag("local_store_scope", "host")
+        embedded.set_flag("local_store_dir", request.getfixturevalue("host_store_dir"))
     # A fresh, uniquely named server per test.
     embedded.set_flag("cm_primary_node_ip", f"contract-{uuid.uuid4().hex[:12]}")
     try:
@@ -125,28 +125,28 @@ def store(kv):
 
 @pytest.fixture
 def server(kv):
-    """The embedded server behind ``store`` (embedded only)."""
+    """The local store behind ``store`` (local store only)."""
     if not getattr(kv, "__simm_embedded__", False):
-        pytest.skip("needs the embedded store's server")
+        pytest.skip("needs the local store's server")
     return kv.get_server(kv.get_flag("cm_primary_node_ip"))
 
 
 @pytest.fixture
 def faults(kv):
-    """The fault injector of the test's embedded server."""
+    """The fault injector of the test's local store."""
     if not getattr(kv, "__simm_embedded__", False):
-        pytest.skip("fault injection needs the embedded store")
+        pytest.skip("fault injection needs the local store")
     return kv.get_server(kv.get_flag("cm_primary_node_ip")).faults
 
 
 @pytest.fixture(params=["head", "v0.1.0.post1"])
 def release(request, kv):
     """The SiMM release whose client semantics a test pins down, where HEAD
-    and the tag differ. The embedded store follows either
-    (``embedded_simm_release``); a real cluster's client is what it was
+    and the tag differ. The local store follows either
+    (``local_store_simm_release``); a real cluster's client is what it was
     built from (``SGLANG_SIMM_TEST_SIMM_RELEASE``, "head" by default)."""
     if getattr(kv, "__simm_embedded__", False):
-        assert kv.set_flag("embedded_simm_release", request.param)
+        assert kv.set_flag("local_store_simm_release", request.param)
     elif os.environ.get(RELEASE_ENV, "head") != request.param:
         pytest.skip(f"the real client is {os.environ.get(RELEASE_ENV, 'head')} ({RELEASE_ENV})")
     return request.param
@@ -155,17 +155,17 @@ def release(request, kv):
 @pytest.fixture
 def embedded_only(kv):
     """For behaviour the real client leaves undefined (e.g. RDMA outside a
-    registered region): checked on the embedded store only."""
+    registered region): checked on the local store only."""
     if not getattr(kv, "__simm_embedded__", False):
-        pytest.skip("undefined on the real client; pinned down on the embedded store only")
+        pytest.skip("undefined on the real client; pinned down on the local store only")
 
 
 @pytest.fixture
 def inprocess_only(kv, embedded_only):
     """For behaviour only a server inside this process can have (two live
     servers of one name, one forgotten)."""
-    if kv.get_flag("embedded_scope") != "process":
-        pytest.skip("a host store has one live server per name")
+    if kv.get_flag("local_store_scope") != "process":
+        pytest.skip("a local store has one live server per name")
 
 
 @pytest.fixture

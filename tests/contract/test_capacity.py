@@ -1,9 +1,9 @@
-"""Capacity and eviction of the embedded server.
+"""Capacity and eviction of the local store.
 
 The real cluster evicts too, per size class and first in, first out (its
 data server never marks an object accessed). These pin down the embedded
 one: oldest put first by default, least recently used first with
-``embedded_eviction=lru`` (get and put count as use, exists never does); an
+``local_store_eviction=lru`` (get and put count as use, exists never does); an
 object larger than the capacity is refused; memory never exceeds the
 capacity.
 """
@@ -182,10 +182,10 @@ def test_overwrite_accounts_bytes(server, store, mem, key, rand):
 
 
 def test_capacity_flag_applies_when_a_server_is_created(kv, embedded_only):
-    assert kv.set_flag("embedded_capacity_bytes", str(123_456))
+    assert kv.set_flag("local_store_capacity_bytes", str(123_456))
     assert kv.set_flag("cm_primary_node_ip", "capacity-flag-test")
     assert kv.Store().server.capacity_bytes == 123_456
-    assert kv.set_flag("embedded_capacity_bytes", str(999_999))
+    assert kv.set_flag("local_store_capacity_bytes", str(999_999))
     assert kv.get_server("capacity-flag-test").capacity_bytes == 123_456  # existing one unchanged
     assert kv.get_server("capacity-flag-test-2").capacity_bytes == 999_999
 

@@ -1,4 +1,4 @@
-"""Fault injection on the embedded server: error rate, latency, outage.
+"""Fault injection on the local store: error rate, latency, outage.
 
 Injected failures stand for transport failures, which the real client
 returns unchanged on every path.
@@ -125,32 +125,32 @@ def test_down_fails_calls_and_store_creation(kv, store, mem, faults, stored):
 
 def test_fault_flags_apply_to_the_current_server(kv, store, mem, server, stored):
     keys, datas = stored
-    assert kv.set_flag("embedded_down", "true")
+    assert kv.set_flag("local_store_down", "true")
     assert server.faults.down is True
     with pytest.raises(RuntimeError):
         kv.Store()
     assert store.get(keys[0], mem.view(2048)[0]) == SEND_RPC_FAILED
-    assert kv.set_flag("embedded_down", "false")
+    assert kv.set_flag("local_store_down", "false")
 
-    assert kv.set_flag("embedded_error_code", "-1901")
-    assert kv.set_flag("embedded_error_rate", "1")
+    assert kv.set_flag("local_store_error_code", "-1901")
+    assert kv.set_flag("local_store_error_rate", "1")
     assert store.get(keys[0], mem.view(2048)[0]) == TARGET_UNAVAILABLE
-    assert kv.set_flag("embedded_error_rate", "0")
+    assert kv.set_flag("local_store_error_rate", "0")
     all_readable(store, mem, keys, datas)
 
-    assert kv.set_flag("embedded_latency_us", "1500")
+    assert kv.set_flag("local_store_latency_us", "1500")
     assert server.faults.latency_us == 1500.0
-    assert kv.set_flag("embedded_seed", "9")
+    assert kv.set_flag("local_store_seed", "9")
     assert server.faults.seed == 9
 
 
 def test_fault_flags_apply_to_a_server_created_later(kv):
-    assert kv.set_flag("embedded_down", "true")
+    assert kv.set_flag("local_store_down", "true")
     assert kv.set_flag("cm_primary_node_ip", "created-down")
     with pytest.raises(RuntimeError):
         kv.Store()
     assert kv.get_server("created-down").faults.down is True
-    assert kv.set_flag("embedded_down", "false")
+    assert kv.set_flag("local_store_down", "false")
     assert kv.get_server("created-down").faults.down is False
     kv.Store()
 
@@ -211,13 +211,13 @@ def test_corrupt_reads_leave_misses_and_writes_alone(store, mem, faults, key, ra
 
 def test_corrupt_reads_flag_reaches_the_server(kv, store, mem, server, stored):
     keys, datas = stored
-    assert kv.set_flag("embedded_corrupt_reads", "1")
+    assert kv.set_flag("local_store_corrupt_reads", "1")
     assert server.faults.corrupt_rate == 1.0
     view, out = mem.view(2048)
     assert store.get(keys[1], view) == 2048
     assert torch.equal(out, datas[1] ^ 0x80)
-    assert not kv.set_flag("embedded_corrupt_reads", "2")  # outside 0..1: refused
-    assert kv.set_flag("embedded_corrupt_reads", "0")
+    assert not kv.set_flag("local_store_corrupt_reads", "2")  # outside 0..1: refused
+    assert kv.set_flag("local_store_corrupt_reads", "0")
     all_readable(store, mem, keys, datas)
 
 

@@ -161,7 +161,7 @@ def test_registered_memory_outlives_the_callers_reference(kv, store, key, embedd
 
 
 def test_region_bound_writes_past_the_view_like_simm(kv, store, mem, key, rand, embedded_only):
-    """``embedded_get_bound=region``: SiMM's client bounds a get by the view's
+    """``local_store_get_bound=region``: SiMM's client bounds a get by the view's
     registered region, not by the view, so a longer object runs over the
     memory after the view and get answers the object's length."""
     data = rand(4096, seed=3)
@@ -172,7 +172,7 @@ def test_region_bound_writes_past_the_view_like_simm(kv, store, mem, key, rand, 
     assert store.get(k, view) == GET_OBJECT_FAILED  # the default bound: the view
     assert bool((tail == 0xEE).all())
 
-    assert kv.set_flag("embedded_get_bound", "region")
+    assert kv.set_flag("local_store_get_bound", "region")
     assert store.get(k, view) == 4096
     assert torch.equal(chunk, data[:1024]) and torch.equal(tail, data[1024:])  # overwritten
 
@@ -184,7 +184,7 @@ def test_region_bound_stops_at_the_regions_end(kv, store, key, rand, embedded_on
     src = store.allocate(4096)
     src.as_ref().copy_(rand(4096))
     assert store.put(k, src.view()) == OK
-    assert kv.set_flag("embedded_get_bound", "region")
+    assert kv.set_flag("local_store_get_bound", "region")
     view = kv.BlockView.from_buffer(region.data_ptr() + 1024, 512, mr)
     assert store.get(k, view) == GET_OBJECT_FAILED  # on SiMM, an RDMA access error
     assert bool((region == 0).all())

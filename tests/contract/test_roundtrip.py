@@ -176,9 +176,9 @@ def test_mput_on_an_existing_key(store, mem, key, rand, release):
 
 
 def test_mput_absent_skips_stored_keys_in_one_put(store, mem, key, rand):
-    """Embedded only: a backup's exists-then-put folded into one put."""
+    """Local store only: a backup's exists-then-put folded into one put."""
     if not hasattr(store, "mput_absent"):
-        pytest.skip("mput_absent is an embedded-only extra")
+        pytest.skip("mput_absent is a local-store-only extra")
     old, new = rand(2048, seed=1), rand(2048, seed=2)
     k_old, k_new = key("old"), key("new")
     assert store.put(k_old, mem.holding(old)[0]) == OK

@@ -6,7 +6,7 @@ asks for one launches all of them side by side (SGLang's start is mostly
 imports, so two cores start three servers in much less than three times one
 start), then waits for the one it needs. Each listens on 127.0.0.1 with a
 free port and is stopped by its pid (then its process group) at the end of
-the session, whatever happened; the host stores their schedulers start live
+the session, whatever happened; the local stores their schedulers start live
 in the session's store directory and are stopped by their pids too
 (tests/conftest.py). Servers run their own processes with the CPU
 stand-ins of ``sglang_simm_dev.cpu_standins`` (through ``sitecustomize``);
@@ -33,7 +33,7 @@ REQUEST_TIMEOUT_MS = 10_000
 
 def _server(name: str, route: str, store: dict | None = None, **fields) -> Callable[[str], ServerConfig]:
     """A server's config, given the model directory: the tests' page size
-    and device tokens, and a host store of its own (``local://e2e-NAME``,
+    and device tokens, and a local store of its own (``local://e2e-NAME``,
     so servers never see each other's pages, and the tests count a server's
     L3 pages from its store's counters); ``store`` adds extra-config fields."""
     extra = {"manager_address": f"local://e2e-{name}", "request_timeout_ms": REQUEST_TIMEOUT_MS, **(store or {})}
@@ -49,9 +49,9 @@ SERVERS: dict[str, Callable[[str], ServerConfig]] = {
     # the plugin entry point; page_first with the kernel io backend; metrics on
     "route-simm": _server("route-simm", "simm", mem_layout="page_first", io_backend="kernel", enable_metrics=True),
     # module path + interface_v1; page_first_direct with the direct io
-    # backend; metrics off (SGLang's default); a small host store, which the
+    # backend; metrics off (SGLang's default); a small local store, which the
     # soak fills to capacity
-    "route-dynamic": _server("route-dynamic", "dynamic", {"embedded_capacity_bytes": "32MiB"},
+    "route-dynamic": _server("route-dynamic", "dynamic", {"local_store_capacity_bytes": "32MiB"},
                              mem_layout="page_first_direct", io_backend="direct", enable_metrics=False),
     # one cause that keeps L3 from hitting: a prefetch threshold above every
     # prompt the tests send (doctor --server must name it); metrics on
@@ -62,7 +62,7 @@ SERVERS: dict[str, Callable[[str], ServerConfig]] = {
     # the control: every successful L3 read comes back with flipped bytes;
     # no warm-up round trip (it would see them and refuse to start)
     "corrupt-reads": _server("corrupt-reads", "simm",
-                             {"warmup": False, "client_flags": {"embedded_corrupt_reads": "1"}}),
+                             {"warmup": False, "client_flags": {"local_store_corrupt_reads": "1"}}),
 }
 
 #: (name, seconds to healthy, log) of every server started, for the summary

@@ -1,4 +1,4 @@
-"""Issue #29's scenario on a real CPU server: its host store up, hung
+"""Issue #29's scenario on a real CPU server: its local store up, hung
 (SIGSTOP), resumed, killed (kill -9), with new 1,024-token prompts and one
 L3-resident prompt restored after ``/flush_cache`` in every phase.
 
@@ -48,7 +48,7 @@ PREFETCH_POLICY = "wait_complete"
 
 
 def store_extra(name: str, *, breaker: bool = True) -> dict[str, Any]:
-    """The scenario server's extra config: a host store of its own, SiMM's
+    """The scenario server's extra config: a local store of its own, SiMM's
     1 s time limit, the breaker on or off (its other fields: defaults)."""
     return {"manager_address": f"local://{name}", "request_timeout_ms": REQUEST_TIMEOUT_MS,
             "breaker_enabled": breaker}
@@ -63,7 +63,7 @@ def server_config(model: str, name: str, *, breaker: bool = True, env: dict | No
 
 
 def store_pid(server) -> int:
-    """The pid of the server's host store process (from its pid file)."""
+    """The pid of the server's local store process (from its pid file)."""
     from sglang_simm.embedded._paths import STORE_DIR_ENV, StorePaths, read_pid, store_dir
     from sglang_simm_dev import l3_counts
 
@@ -71,7 +71,7 @@ def store_pid(server) -> int:
     root = server.config.env.get(STORE_DIR_ENV) or store_dir()
     pid = read_pid(StorePaths(root, name))
     if pid is None:
-        raise RuntimeError(f"no pid file for host store {name!r} in {root}")
+        raise RuntimeError(f"no pid file for local store {name!r} in {root}")
     return pid
 
 

@@ -5,7 +5,7 @@ One server per route, shared by the module's tests:
 * ``simm``: the plugin entry point, ``page_first`` host layout with the
   ``kernel`` io backend, ``--enable-metrics``;
 * ``dynamic``: module path and ``interface_v1``, ``page_first_direct`` with the
-  ``direct`` io backend, metrics off (SGLang's default), a small embedded
+  ``direct`` io backend, metrics off (SGLang's default), a small local
   store (so the soak runs at its capacity, evicting).
 
 ``buffer-only``: the plugin entry point in SGLang 0.5.23's
@@ -23,7 +23,7 @@ and give the same greedy tokens and the same logprobs, bit for bit.
 The control (last in this file, on the ``corrupt-reads`` server): the same
 restore with L3 returning corrupted pages must change the outputs, so the
 restore tests can fail. Its store sets the embedded client's
-``embedded_corrupt_reads`` fault through ``client_flags``: the top bit of
+``local_store_corrupt_reads`` fault through ``client_flags``: the top bit of
 every byte of every successful read is flipped after the copy, and the read
 still reports success. Its warm-up round trip is off, since it would see the
 bad bytes and refuse to start. It lives in this file so that a run spread
@@ -261,7 +261,7 @@ def test_doctor_server_names_a_threshold_above_the_prompts(servers, capsys):
 def test_soak_keeps_scheduler_memory_flat(server):
     """Metrics off (SGLang's default): nothing drains the backend's per-batch
     records, so growth there would show in the scheduler's private memory
-    (RssAnon; the host store's objects live in shared memory, RssShmem). The
+    (RssAnon; the local store's objects live in shared memory, RssShmem). The
     store is filled to its capacity first (it then evicts and reuses memory),
     and a first stretch of traffic settles the allocator before the baseline."""
     if server.config.enable_metrics:

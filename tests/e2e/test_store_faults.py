@@ -1,7 +1,7 @@
 """A failing L3 costs serving nothing and heals itself (issue #29), on real
 CPU servers: two launched side by side for this file.
 
-* ``faults``: its host store up, hung (SIGSTOP), resumed and killed
+* ``faults``: its local store up, hung (SIGSTOP), resumed and killed
   (kill -9) under requests (``store_scenario.run``): every output is the
   same as a fresh computation, the server logs no traceback, the breaker's
   transitions are in its log, and the L3-resident prompt is restored from

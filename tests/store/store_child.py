@@ -1,4 +1,4 @@
-"""A client process of a host store, driven by the multi-process tests.
+"""A client process of a local store, driven by the multi-process tests.
 
     python store_child.py MODE '{"root": ..., "name": ..., ...}'
 

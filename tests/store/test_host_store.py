@@ -1,4 +1,4 @@
-"""The host store across processes: sharing, faults, security.
+"""The local store across processes: sharing, faults, security.
 
 Every store process here lives in the session's private store directory
 (see tests/conftest.py) or in a directory of the test's own, and is stopped

@@ -1,4 +1,4 @@
-"""The host store's extent allocator, against a byte-map model."""
+"""The local store's extent allocator, against a byte-map model."""
 
 from __future__ import annotations
 

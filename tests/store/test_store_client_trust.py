@@ -1,4 +1,4 @@
-"""The client's side of the host store: time limits that hold on reconnect,
+"""The client's side of the local store: time limits that hold on reconnect,
 no store started on a mere timeout (issue 17, finding 6), and answers from
 the store checked before a byte is copied (finding 9)."""
 

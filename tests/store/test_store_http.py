@@ -1,4 +1,4 @@
-"""The host store's opt-in HTTP /metrics (embedded/_http.py): the
+"""The local store's opt-in HTTP /metrics (embedded/_http.py): the
 names of ``store status --prometheus``, from a real store process."""
 
 from __future__ import annotations

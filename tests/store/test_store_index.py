@@ -1,4 +1,4 @@
-"""The host store's index: leases, pins, eviction and memory, without processes."""
+"""The local store's index: leases, pins, eviction and memory, without processes."""
 
 from __future__ import annotations
 

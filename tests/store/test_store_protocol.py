@@ -1,4 +1,4 @@
-"""The host store's wire format."""
+"""The local store's wire format."""
 
 from __future__ import annotations
 

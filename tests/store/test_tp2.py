@@ -1,11 +1,11 @@
 """TP = 2 for real: two processes, each SGLang's own HybridCacheController in
-a gloo group of two, over the host store.
+a gloo group of two, over the local store.
 
 * MLA: SGLang backs pages up from rank 0 only and agrees on hits with a MIN
   all-reduce, so rank 1 must find rank 0's pages in the shared store;
 * MHA: each rank stores and restores its own heads;
-* control: the in-process store (one store per rank) gives MLA no hit on
-  any rank, the very failure the host store exists to fix.
+* control: the in-process local store (one store per rank) gives MLA no hit on
+  any rank, the very failure the local store exists to fix.
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ Four measurements over real SGLang host pools on the CPU:
    * the **null client** (``sglang_simm_dev.nullkv``), which answers every batch
      call at once without touching memory, so only the backends' own work is
      timed (keys, pointers, views, result handling);
-   * the **host store** (``local``, ``sglang_simm.embedded``), the whole data path.
+   * the **local store** (``local``, ``sglang_simm.embedded``), the whole data path.
 
    Keys follow serving (``overhead``): ``set`` and ``exists`` on new keys
    every call, ``get`` after a ``batch_exists`` of the same keys, and
    ``get-cold`` on new keys never looked up.
-2. **Bandwidth** of set and get, ours on the host store, for real-model
+2. **Bandwidth** of set and get, ours on the local store, for real-model
    page sizes, against a ``torch`` copy of the same bytes into tensors of
    the same sizes, measured in the same run (the physical limit here).
 3. **Scaling**: our per-page cost from 8 to 1024 pages per call.
@@ -243,7 +243,7 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda s: None) -> dict[st
     overhead_bytes = 4 * max_pages * OVERHEAD_GEOMETRY.page_bytes()
     capacity = max(256 << 20, 2 * (bw_bytes + overhead_bytes))
     with embedded_server(capacity) as server:
-        phase("per call, host store")
+        phase("per call, local store")
         rig = OverheadRig("embedded", max_pages, pool=pool)
         try:
             result["overhead"] += measure_overhead(rig, plan.sizes, plan.repeat, checks)
@@ -261,8 +261,8 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda s: None) -> dict[st
                 server.clear()
                 del bw
                 gc.collect()
-        result["embedded_stats"] = server.stats()
-        result["embedded_store"] = {"kind": "host store (local)", "name": getattr(server, "name", None)}
+        result["local_store_stats"] = server.stats()
+        result["local_store"] = {"kind": "local store (manager_address local)", "name": getattr(server, "name", None)}
     del pool, rig
     gc.collect()
 
@@ -284,7 +284,7 @@ def run_bench(console: Any, args: Any) -> int:
     """
     from sglang_simm.embedded._paths import private_store_dir
 
-    # the host stores it starts (and its servers' stores) live and go with it
+    # the local stores it starts (and its servers' stores) live and go with it
     with private_store_dir("sglang-simm-bench-"):
         if getattr(args, "store", False):
             return run_store_bench(console, args)
@@ -299,12 +299,12 @@ def run_bench(console: Any, args: Any) -> int:
 
 
 def run_store_bench(console: Any, args: Any) -> int:
-    """``bench --store``: the host store against memcpy, SGLang's ``file``
-    backend and the in-process store (``tools.bench.store``)."""
+    """``bench --store``: the local store against memcpy, SGLang's ``file``
+    backend and the in-process local store (``tools.bench.store``)."""
     from sglang_simm_dev.bench import store
 
     repeat = 5 if getattr(args, "quick", False) else max(int(getattr(args, "repeat", None) or 30), 5)
-    with console.status("bench --store: host store, file backend, memcpy"):
+    with console.status("bench --store: local store, file backend, memcpy"):
         result = store.measure(repeat=repeat)
     result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
     store.render(console, result)

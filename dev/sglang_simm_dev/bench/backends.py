@@ -1,7 +1,7 @@
 """The two backends under test, set up on one client: ours, and SGLang's in-tree ``HiCacheSiMM``.
 
 Both reach the client through the ``simm.kv`` surface, so each takes its
-real-client code path: the null client (``tools.nullkv``) or the host store
+real-client code path: the null client (``tools.nullkv``) or the local store
 (``local``: a store process, as every SGLang process of a host shares it),
 which this module starts under a name of this run's own and stops.
 """
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from sglang_simm_dev.pools import ModelGeometry, storage_config
 
 INTREE_MODULE = "sglang.srt.mem_cache.storage.simm.hicache_simm"
-#: The host store of this run: its own name, so two runs never share one.
+#: The local store of this run: its own name, so two runs never share one.
 EMBEDDED_NAME = f"bench-{os.getpid()}"
 
 
@@ -75,12 +75,12 @@ def _storage_config(geom: ModelGeometry, extra: dict[str, Any]) -> Any:
 
 
 def make_ours(pool: Any, geom: ModelGeometry, client: str, *, capacity: int | None = None) -> Any:
-    """Our backend on the null client or the embedded store ``bench``."""
+    """Our backend on the null client or the local store ``bench``."""
     from sglang_simm.backend import HiCacheSiMM
 
     extra: dict[str, Any] = {"manager_address": f"local://{EMBEDDED_NAME}"}
     if capacity:
-        extra["embedded_capacity_bytes"] = int(capacity)
+        extra["local_store_capacity_bytes"] = int(capacity)
     sc = _storage_config(geom, extra)
     with _quiet("sglang_simm.backend", "sglang_simm.embedded"):
         if client == "null":
@@ -94,7 +94,7 @@ def make_ours(pool: Any, geom: ModelGeometry, client: str, *, capacity: int | No
 
 def make_intree(pool: Any, geom: ModelGeometry, client: str) -> Any:
     """SGLang's in-tree backend with ``simm.kv`` = the null client or the
-    embedded store (its ``manager_address`` ``bench:0`` names server ``bench``)."""
+    local store (its ``manager_address`` ``bench:0`` names server ``bench``)."""
     if client == "null":
         from sglang_simm_dev import nullkv as kv_module
     else:
@@ -109,16 +109,16 @@ def make_intree(pool: Any, geom: ModelGeometry, client: str) -> Any:
 
 @contextmanager
 def embedded_server(capacity: int) -> Iterator[Any]:
-    """A fresh host store ``EMBEDDED_NAME`` (its store process started
+    """A fresh local store ``EMBEDDED_NAME`` (its store process started
     here); flags restored, and the store process stopped, after."""
     from sglang_simm import embedded
 
-    names = ("cm_primary_node_ip", "embedded_capacity_bytes", "embedded_scope")
+    names = ("cm_primary_node_ip", "local_store_capacity_bytes", "local_store_scope")
     saved = {n: embedded.get_flag(n) for n in names}
     embedded.reset_servers(EMBEDDED_NAME)
-    embedded.set_flag("embedded_scope", "host")
+    embedded.set_flag("local_store_scope", "host")
     embedded.set_flag("cm_primary_node_ip", EMBEDDED_NAME)
-    embedded.set_flag("embedded_capacity_bytes", str(int(capacity)))
+    embedded.set_flag("local_store_capacity_bytes", str(int(capacity)))
     server = embedded.get_server(EMBEDDED_NAME)
     try:
         yield server

@@ -1,4 +1,4 @@
-"""GIL releases, blocking waits and time of a backup and a restore on the host store.
+"""GIL releases, blocking waits and time of a backup and a restore on the local store.
 
 ``python -m sglang_simm_dev.bench.backup_gil [--pages 1,4,8,32,128] [--repeat 30]
 [--before REV] [--rounds 2] [--json PATH]``
@@ -9,7 +9,7 @@ scheduler thread. Each time our client lets the GIL go (a socket call, a
 up to ``sys.getswitchinterval()`` (5 ms) while the scheduler runs Python.
 So this bench counts, for one ``batch_set_v1`` (backup) and one
 ``batch_get_v1`` (restore) per size, on a real SGLang host pool and our
-backend over a host store in its own process:
+backend over a local store in its own process:
 
 * ``releases``: calls in our client that release the GIL (socket sends and
   receives, ``ctypes.memmove``); the copies and sends made holding it are

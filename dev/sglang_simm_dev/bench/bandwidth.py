@@ -1,4 +1,4 @@
-"""Measurement 2: set and get bandwidth of ours on the embedded store, against a same-run torch copy of the same bytes."""
+"""Measurement 2: set and get bandwidth of ours on the local store, against a same-run torch copy of the same bytes."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ BANDWIDTH_CASES: dict[str, ModelGeometry] = {
 
 
 class BandwidthRig:
-    """Our backend on the embedded store over a pool of real-size pages."""
+    """Our backend on the local store over a pool of real-size pages."""
 
     def __init__(self, label: str, geom: ModelGeometry, pages: int, *, capacity: int):
         self.label = label

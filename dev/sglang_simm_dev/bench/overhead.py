@@ -21,7 +21,7 @@ the pool's turn, as in serving. (A rig of fixed pages let our view cache
 answer every call from the second on; that hid the cost of making views.)
 
 On the null client a sample loops calls for about a millisecond and is
-timed in this thread's CPU time; on the host store (``local``, the store
+timed in this thread's CPU time; on the local store (``local``, the store
 every process of a host shares) a sample is one call, timed in wall time,
 after an untimed step that stores its pages. Ours and the in-tree backend
 alternate sample by sample.
@@ -104,7 +104,7 @@ class Timed:
 
 class OverheadRig:
     """One host pool, ours and the in-tree backend on one client (``null``
-    or ``embedded``, the host store).
+    or ``embedded``, the local store).
 
     Pages ``src`` (the source of sets) and ``dst`` (where gets land) are
     disjoint and shuffled like a real pool's. Each backend draws its page

@@ -36,7 +36,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.minorticks_off()
         ax.set_xlabel("pages per call")
         ax.set_ylabel("us per page")
-        ax.set_title("null client (CPU time)" if client == "null" else "host store (wall time)")
+        ax.set_title("null client (CPU time)" if client == "null" else "local store (wall time)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     if result["bandwidth"]:
@@ -49,7 +49,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.bar(x + w, [r["torch_gbps"] for r in rows], w, label="torch copy")
         ax.set_xticks(x, [r["case"] for r in rows])
         ax.set_ylabel("GB/s")
-        ax.set_title("bandwidth, host store")
+        ax.set_title("bandwidth, local store")
         ax.legend(fontsize=7)
     m = result["machine"]
     fig.suptitle(f"sglang-simm-dev bench: {m['cpu']}, {m['usable_cores']} cores", fontsize=9)

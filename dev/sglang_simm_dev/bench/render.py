@@ -43,7 +43,7 @@ def render(console: Any, result: dict[str, Any]) -> None:
         console.print("operations: " + "; ".join(f"[bold]{op}[/bold] {what}" for op, what in ops.items()))
     titles = {
         "null": "Own overhead per call, null client (only the backends' work; thread CPU time)",
-        "embedded": "Per call on the host store (backend + store; wall time)",
+        "embedded": "Per call on the local store (backend + store; wall time)",
     }
     for client in ("null", "embedded"):
         rows = [r for r in result["overhead"] if r["client"] == client]
@@ -83,7 +83,7 @@ def render(console: Any, result: dict[str, Any]) -> None:
                       f"{_fmt(r['ours_us'])} ({_fmt(r['ours_max_us'])})", f"{ratio:.2f}x")
         console.print(t)
     if result["bandwidth"]:
-        t = Table(title="Bandwidth, ours on the host store vs torch copy of the same bytes",
+        t = Table(title="Bandwidth, ours on the local store vs torch copy of the same bytes",
                   title_justify="left")
         for name in ("case", "object", "pages", "MiB\n/call", "set\nGB/s", "get\nGB/s", "torch\nGB/s",
                      "set /\ntorch", "get /\ntorch"):

@@ -1,8 +1,8 @@
 """The servers ``bench --server`` compares: one ``ServerConfig`` per backend,
 the same model, flags and pool sizes for each, and what each needs outside
-the server (a host store, a folder, a Mooncake master).
+the server (a local store, a folder, a Mooncake master).
 
-* ``ours``: this plugin on a host store of the bench's own (``local://NAME``);
+* ``ours``: this plugin on a local store of the bench's own (``local://NAME``);
 * ``file``: SGLang's ``file`` backend in a folder on /dev/shm (memory, like
   the others);
 * ``mooncake``: SGLang's Mooncake Store over TCP, its segment inside the
@@ -64,7 +64,7 @@ class Shape:
     #: the device (L1) pool in tokens; the host pool is ``hicache_ratio`` x
     device_tokens: int = 8192
     hicache_ratio: float = 2.0
-    #: the L3 capacity of ours (host store) and Mooncake (its segment), alike
+    #: the L3 capacity of ours (local store) and Mooncake (its segment), alike
     l3_bytes: int = 2 << 30
     python: str = ""
     startup_timeout_s: float = 900.0
@@ -202,7 +202,7 @@ class Environment:
     stores: list[str] = field(default_factory=list)
     #: why ``mooncake-standalone`` cannot run, when it cannot
     standalone_why: str = ""
-    #: the bench's own connection to each host store it started (by name)
+    #: the bench's own connection to each local store it started (by name)
     held: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -242,8 +242,8 @@ class Environment:
         return f"{self.tag}-ours"
 
     def hold_store(self, shape: Shape, *, idle_exit_s: float | None = None) -> None:
-        """Start ours' host store here and keep a connection to it until
-        ``close()``. A store a server started exits ``embedded_idle_exit_s``
+        """Start ours' local store here and keep a connection to it until
+        ``close()``. A store a server started exits ``local_store_idle_exit_s``
         (600 s) after its last client left, and its objects with it: between
         the stop of the first servers and the start of the restarted ones,
         which took 751 s side by side in run 1, it would have emptied the
@@ -269,7 +269,7 @@ class Environment:
                 self.stores.append(store)
             return shape.config(route="simm", extra_config={
                 "manager_address": f"local://{store}", "request_timeout_ms": REQUEST_TIMEOUT_MS,
-                "embedded_capacity_bytes": shape.l3_bytes})
+                "local_store_capacity_bytes": shape.l3_bytes})
         if backend == "file":
             return shape.config(route="file", extra_config={"file_storage_path": self.file_dir})
         if backend == "mooncake":

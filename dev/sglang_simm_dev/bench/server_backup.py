@@ -1,11 +1,11 @@
-"""Where a small backup's time goes on the host store, layer by layer.
+"""Where a small backup's time goes on the local store, layer by layer.
 
 ``python -m sglang_simm_dev.bench.server_backup [--pages 1,4,8] [--busy] [--json PATH]``
 
 A backup in a server is one ``batch_set_v1`` of new pages from SGLang's
 backup thread. Here the same call runs on a real SGLang host pool of the
 bench's model (``llama-demo``: 16 KiB of KV per token, 16-token pages) and
-our backend on a host store of its own (its store process started here, a
+our backend on a local store of its own (its store process started here, a
 separate process, as in a server). Each layer's entry point is wrapped with
 a timer for the run, so one call gives the time spent in every layer:
 
@@ -155,7 +155,7 @@ def _quantiles(values: list[float]) -> dict[str, float]:
 
 @contextmanager
 def _backend(pages_in_pool: int, name: str) -> Iterator[tuple[Any, Any]]:
-    """Our backend on a fresh host store ``name`` and a real host pool of the
+    """Our backend on a fresh local store ``name`` and a real host pool of the
     bench's model; the store process is stopped after."""
     import torch
 
@@ -176,7 +176,7 @@ def _backend(pages_in_pool: int, name: str) -> Iterator[tuple[Any, Any]]:
     pool = build_host_pool(geom, tokens=pages_in_pool * geom.page_size, ratio=1.0)
     fill_pool(pool)
     register()
-    extra = {"manager_address": f"local://{name}", "embedded_capacity_bytes": 2 << 30,
+    extra = {"manager_address": f"local://{name}", "local_store_capacity_bytes": 2 << 30,
              "request_timeout_ms": 10_000}
     backend = StorageBackendFactory.create_backend("simm", storage_config(extra_config=extra), pool)
     backend.register_mem_pool_host(pool)

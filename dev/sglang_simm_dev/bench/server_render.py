@@ -10,7 +10,7 @@ from sglang_simm_dev.bench.server_itl import ITL_GOAL_RATIO
 from sglang_simm_dev.bench.server_tap import SIZE_CLASSES, size_class
 
 #: how each backend is named in tables
-TITLES = {"ours": "ours (host store)", "file": "file (/dev/shm)", "mooncake": "Mooncake (TCP)",
+TITLES = {"ours": "ours (local store)", "file": "file (/dev/shm)", "mooncake": "Mooncake (TCP)",
           "mooncake-standalone": "Mooncake (standalone client)", "host": "host tier only", "none": "no HiCache"}
 
 LONG_LABELS = (("scratch", "from scratch"), ("after traffic", "host tier"), ("after flush", "L3 after flush"))

@@ -1,18 +1,18 @@
-"""``sglang-simm-dev bench --store``: the host store against what a single host has.
+"""``sglang-simm-dev bench --store``: the local store against what a single host has.
 
 Three measurements, each side by side in one run (candidates alternate
 within every repetition; medians), timed the way serving uses the store:
 backups write fresh page keys, a restore's lookup is new and its get follows
 an exists on the same keys.
 
-1. bandwidth: our backend's v1 set and get (real SGLang host pool, the host
+1. bandwidth: our backend's v1 set and get (real SGLang host pool, the local
    store in its own process, data copied by this process through shared
    memory) against a same-run memcpy of the same bytes;
 2. against SGLang's ``file`` backend on /dev/shm (one file per page, the
    single-host alternative), same pages, same host pool, each through the
    path SGLang's controller takes with it;
 3. per-batch control cost: the same calls with tiny pages, where copying
-   costs nothing, host store against the in-process store.
+   costs nothing, local store against the in-process local store.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _storage_config(extra: dict[str, Any], geom: Any) -> Any:
 def _simm_backend(manager: str, geom: Any, host: Any, capacity: int) -> Iterator[Any]:
     from sglang_simm.backend import HiCacheSiMM
 
-    cfg = _storage_config({"manager_address": manager, "embedded_capacity_bytes": capacity}, geom)
+    cfg = _storage_config({"manager_address": manager, "local_store_capacity_bytes": capacity}, geom)
     backend = HiCacheSiMM(cfg, host)
     try:
         yield backend
@@ -281,13 +281,13 @@ def render(console: Any, results: dict[str, Any]) -> None:
         t.add_column(col, justify="right" if col != "call" else "left")
     for op in ("set", "get"):
         ours, file = bw[f"ours {op}"]["gbps"], bw[f"file {op}"]["gbps"]
-        t.add_row(f"ours {op} (host store)", f"{ours:.2f}", f"{ours / memcpy:.0%}", f"{ours / file:.2f}x")
+        t.add_row(f"ours {op} (local store)", f"{ours:.2f}", f"{ours / memcpy:.0%}", f"{ours / file:.2f}x")
         t.add_row(f"file {op} (/dev/shm)", f"{file:.2f}", f"{file / memcpy:.0%}", "")
     t.add_row("memcpy (same bytes)", f"{memcpy:.2f}", "100%", "")
     console.print(t)
     by_pages = results.get("control_by_pages") or {str(results["control_pages"]): results["control"]}
     t = Table(title="Control cost per call, tiny pages (copies ~free)")
-    for col in ("pages", "call", "host store us", "in-process us", "host / in-process"):
+    for col in ("pages", "call", "local store us", "in-process us", "local / in-process"):
         t.add_column(col, justify="right" if col != "call" else "left")
     for n, c in by_pages.items():
         for op in ("exists", "set", "get"):

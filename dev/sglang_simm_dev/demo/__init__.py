@@ -38,8 +38,8 @@ def run_demo(console: Any, args: Any, extra: dict[str, Any]) -> int:
 
     # the demo's own store lives in, and goes with, a directory of this run's
     # (under the one a config names, and named to the store in its place)
-    with private_store_dir("sglang-simm-demo-", parent=client_flag(extra, "embedded_store_dir")) as root:
-        return _run(console, opts, with_client_flag(extra, "embedded_store_dir", root))
+    with private_store_dir("sglang-simm-demo-", parent=client_flag(extra, "local_store_dir")) as root:
+        return _run(console, opts, with_client_flag(extra, "local_store_dir", root))
 
 
 def _run(console: Any, opts: DemoOptions, extra: dict[str, Any]) -> int:

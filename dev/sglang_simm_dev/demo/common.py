@@ -346,7 +346,7 @@ class DemoOptions:
 
 
 def resolve_extra(extra: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """The extra config with ``manager_address`` defaulting to a host store of
+    """The extra config with ``manager_address`` defaulting to a local store of
     the demo's own (``local://demo-<pid>``, when no source sets it: never the
     ``local`` store a server on this host may be using), and the resolved
     SiMM config."""
@@ -360,7 +360,7 @@ def resolve_extra(extra: dict[str, Any]) -> tuple[dict[str, Any], Any]:
 
 def names_own_store(extra: dict[str, Any]) -> bool:
     """True when no config source names a ``manager_address``: the demo then
-    runs on a host store of its own (``resolve_extra``)."""
+    runs on a local store of its own (``resolve_extra``)."""
     from sglang_simm import config as cfg
 
     if "manager_address" in extra:
@@ -376,7 +376,7 @@ def names_own_store(extra: dict[str, Any]) -> bool:
 
 @contextlib.contextmanager
 def own_embedded_store(config: Any) -> Iterator[None]:
-    """Drop the embedded store named by ``config`` at the end, its memory
+    """Drop the local store named by ``config`` at the end, its memory
     with it, when the run is what created it."""
     from sglang_simm.embedded import reset_servers, server_names
 
@@ -385,7 +385,7 @@ def own_embedded_store(config: Any) -> Iterator[None]:
         from sglang_simm.embedded._paths import StorePaths, read_pid, store_dir
 
         # a store process already serving that name is someone else's
-        root = store_dir(config.client_flags.get("embedded_store_dir") or None)
+        root = store_dir(config.client_flags.get("local_store_dir") or None)
         created = not pid_alive(read_pid(StorePaths(root, config.embedded_name)))
     else:
         created = config.is_embedded and config.embedded_name not in set(server_names())

@@ -157,8 +157,8 @@ class HybridDemo:
         from sglang_simm_dev import pools
 
         config = self.resolved.config
-        if config.is_embedded and self.resolved.sources.get("embedded_capacity_bytes") == "default":
-            self.extra["embedded_capacity_bytes"] = (
+        if config.is_embedded and self.resolved.sources.get("local_store_capacity_bytes") == "default":
+            self.extra["local_store_capacity_bytes"] = (
                 2 * self.pages * self.page_bytes + (self.nodes + 2) * self.state_bytes + (16 << 20)
             )
         host_pages = 2 * self.pages + 2

@@ -183,17 +183,17 @@ class Demo:
     def _plan_memory(self) -> None:
         host_bytes = self.host_pages * self.page_bytes
         store_bytes = self.store_pages * self.page_bytes if self.config.is_embedded else 0
-        if self.config.is_embedded and self.resolved.sources.get("embedded_capacity_bytes") == "default":
+        if self.config.is_embedded and self.resolved.sources.get("local_store_capacity_bytes") == "default":
             # Room for every page the demo writes (plus the warm-up object),
-            # not the embedded store's general default.
-            self.extra["embedded_capacity_bytes"] = store_bytes + (16 << 20)
+            # not the local store's general default.
+            self.extra["local_store_capacity_bytes"] = store_bytes + (16 << 20)
         need = host_bytes + store_bytes + 2 * self.page_bytes + min(REFERENCE_BYTES, host_bytes)
         available = _available_memory()
         if available is not None and need > 0.9 * available:
             raise DemoSetupError(
                 f"{self.pages} pages of {human(self.page_bytes)} need about {human(need)} "
                 f"(host pool {human(host_bytes)}"
-                + (f", embedded store {human(store_bytes)}" if store_bytes else "")
+                + (f", local store {human(store_bytes)}" if store_bytes else "")
                 + f"), more than the {human(available)} available: use fewer --pages"
             )
 

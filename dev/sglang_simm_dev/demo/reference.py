@@ -2,13 +2,13 @@
 
 A write-back into a store that has not used its memory yet is bound by the
 kernel, not by the copy: every new 4 KiB page is allocated and zeroed
-(``posix_fallocate`` in the host store's process, a page fault for the
-in-process store) and then mapped into the writer (``MADV_POPULATE_WRITE``
+(``posix_fallocate`` in the local store's process, a page fault for the
+in-process local store) and then mapped into the writer (``MADV_POPULATE_WRITE``
 or the fault itself) before a byte is copied. Later writes into memory the
 store already uses run at copy speed. So the reference is the store's own
 copy routine (``memmove`` per object, spread over the cores), over bytes
 of the host pool, timed twice in this run: into new memory of the store's
-kind (shared memory for the host store, process memory for the in-process
+kind (shared memory for the local store, process memory for the in-process
 one), then again into the same memory, now in use.
 """
 

@@ -1,4 +1,4 @@
-"""SiMM's ``simm.kv`` Python surface over a store on this host.
+"""SiMM's ``simm.kv`` Python surface over the local store, on this host.
 
 The real client needs SiCL and RDMA NICs; this one talks to a store on the
 same machine, so code written for ``simm.kv`` runs unchanged::
@@ -7,10 +7,11 @@ same machine, so code written for ``simm.kv`` runs unchanged::
     kv.set_flag("cm_primary_node_ip", "my-store")   # the store's name
     store = kv.Store()
 
-Two stores stand behind it (flag ``embedded_scope``):
+Two forms of the local store stand behind it (flag ``local_store_scope``):
 
-* ``host``: the *host store*, one store process per name per user, shared
-  by every process of the host (all TP ranks, several servers, the tools).
+* ``host`` (``manager_address: "local"``): the *local store*, one store
+  process per name per user, shared by every process of the host (all TP
+  ranks, several servers, the tools).
   Objects live in a shared-memory arena that clients copy into and out of
   themselves; the store process keeps the index, hands out leases, and
   enforces limits on everything a client sends. It survives its clients,
@@ -21,8 +22,8 @@ Two stores stand behind it (flag ``embedded_scope``):
   ``_arena`` and ``_allocator`` (the shared memory), ``_protocol`` (the
   wire format), ``_limits`` (every limit and refusal), ``_metrics``
   (Prometheus text), ``_paths`` (where a store lives, who may open it).
-* ``process``: a server inside the calling process (``_server``), for tests
-  and single-process tools.
+* ``process`` (``"inprocess"``): the *in-process local store*, a server
+  inside the calling process (``_server``), for tests and single-process tools.
 
 ``_client`` is the ``simm.kv`` surface itself (flags, memory regions,
 views, ``Store``) and ``_faults`` the simulated network (error rate,
@@ -39,7 +40,7 @@ import types
 
 from typing import Any
 
-# Names resolve on first use: the host store's process imports this package
+# Names resolve on first use: the local store's process imports this package
 # (``python -m sglang_simm.embedded._daemon``) and must not pay for torch.
 _LAZY = {
     "Block": "_client",

@@ -1,4 +1,4 @@
-"""Where objects lie in the host store's shared arena: a free-extent allocator.
+"""Where objects lie in the local store's shared arena: a free-extent allocator.
 
 Pure bookkeeping over byte offsets (no memory is touched here), owned by the
 store process. Best fit, so the large untouched tail of the arena is used

@@ -1,4 +1,4 @@
-"""The host store's shared memory: one file on tmpfs, mapped by every client.
+"""The local store's shared memory: one file on tmpfs, mapped by every client.
 
 The store process creates it sparse, at its full size, and commits memory
 (``posix_fallocate``) only as objects need it, in steps, one step ahead,
@@ -337,7 +337,7 @@ class ArenaFile:
             self.committed = target
             self._backed = max(self._backed, target)
             return target
-        logger.error("host store: shared memory is full (%s)", self.commit_error)
+        logger.error("local store: shared memory is full (%s)", self.commit_error)
         return self.committed
 
     def _commit_ahead(self) -> None:
@@ -362,7 +362,7 @@ class ArenaFile:
                 os.posix_fallocate(self._fd, start, target - start)
             except OSError as exc:
                 self._ahead_ok = False
-                logger.debug("host store: no commit ahead (%s)", os.strerror(exc.errno))
+                logger.debug("local store: no commit ahead (%s)", os.strerror(exc.errno))
                 return
             self.committed = target
             self._backed = max(self._backed, target)

@@ -1,9 +1,9 @@
-"""The ``simm.kv`` surface of the embedded store.
+"""The ``simm.kv`` surface of the local store.
 
 Same names, signatures, return types and codes as SiMM's Python client
 (``python/simm/kv/__init__.py`` over the native ``_kv`` extension,
 ``src/client/clnt_kv.cc`` and ``clnt_messenger.cc``), as of SiMM's HEAD
-(3b0d7ae, 2026-04-20) by default; ``embedded_simm_release=v0.1.0.post1``
+(3b0d7ae, 2026-04-20) by default; ``local_store_simm_release=v0.1.0.post1``
 follows the only tag where it differs. Where the real client's code differs
 from its documentation, the code wins. Line numbers below are HEAD's:
 
@@ -23,11 +23,11 @@ from its documentation, the code wins. Line numbers below are HEAD's:
   ``python/simm/kv/__init__.py:182,234``). ``delete`` passes it at HEAD
   (-4003 for a missing key, ``clnt_messenger.cc:926-928``) and answers 0 on
   every path at the tag.
-* Transport failures (``embedded_down``, injected errors, a host store that
-  is gone) pass through unchanged on every path: SendRPCFailed (-2300) by
+* Transport failures (``local_store_down``, injected errors, a local store
+  that is gone) pass through unchanged on every path: SendRPCFailed (-2300) by
   default, as HEAD reports a lost or timed-out request; the client never
   produces Timeout (-1002).
-* Get's bound is the view (``embedded_get_bound=view``, the default, safe);
+* Get's bound is the view (``local_store_get_bound=view``, the default, safe);
   ``region`` reproduces the real client, which sends the registered region's
   size as the bound (``clnt_messenger.cc:799-801``), so an object longer
   than its view is written past it and get returns the object's length.
@@ -46,7 +46,7 @@ Not modelled: the real overwrite's window in which readers miss (delete,
 then put), and ``exists`` answering True while a put is still copying
 (``kv_rpc_service.cc:855-860``): here objects appear only when whole.
 
-Embedded-only extras, absent from the real client (probe with ``hasattr``):
+Local-store-only extras, absent from the real client (probe with ``hasattr``):
 ``get_flag``, ``Store.server``, ``Store.delete_prefix`` and
 ``Store.mput_absent`` (a batch put that skips keys already stored and
 answers which, in one request: a backup without the ``mexists`` before it).
@@ -77,6 +77,7 @@ from sglang_simm.embedded import _host, _server
 from sglang_simm.embedded._copy import human_bytes, wrap_memory
 from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._index import EVICTION_POLICIES
+from sglang_simm.embedded._names import RENAMED_FLAGS, deprecated
 from sglang_simm.embedded._server import EmbeddedServer
 from sglang_simm.errors import (
     DS_DATA_ALREADY_EXISTS,
@@ -100,14 +101,17 @@ logger = logging.getLogger("sglang_simm.embedded")
 # unknown name or a value that does not parse returns False and changes
 # nothing. The real client's flags (src/client/clnt_flags.cc and the client
 # part of src/common/flags/common_flags.cpp) are accepted and stored; only
-# ``cm_primary_node_ip`` means something here: the name of the embedded server
+# ``cm_primary_node_ip`` means something here: the name of the local store
 # a new ``Store()`` joins. The manager port flag is ``cm_rpc_inter_port``;
 # there is no ``cm_primary_node_port`` in the real client, so it is refused.
+# The local store's own flags are ``local_store_*``; their old ``embedded_*``
+# names (``_names.RENAMED_FLAGS``) are still read, warned, until the next
+# minor release.
 
-#: Where a Store's server lives (flag ``embedded_scope``).
+#: Where a Store's server lives (flag ``local_store_scope``).
 SCOPES = ("process", "host")
 #: SiMM's releases whose client semantics the store follows (flag
-#: ``embedded_simm_release``): HEAD (3b0d7ae, 2026-04-20) or the only tag.
+#: ``local_store_simm_release``): HEAD (3b0d7ae, 2026-04-20) or the only tag.
 HEAD = "head"
 TAG = "v0.1.0.post1"
 RELEASES = (HEAD, TAG)
@@ -202,36 +206,36 @@ _FLAG_SPECS: dict[str, tuple] = {
     "clnt_cm_addr_check_interval_inSecs": (_uint32, "10"),
     "clnt_deferred_reshard_wait_inSecs": (_uint32, "30"),
     "clnt_log_file": (_string, "/var/log/simm/simm_clnt.log"),
-    # embedded only: settings of the server named by cm_primary_node_ip
-    # "process": a server inside this process; "host": the host store, one
-    # store process per name shared by every process of this user
-    "embedded_scope": (_choice(*SCOPES), "process"),
-    "embedded_store_dir": (_string, ""),  # host scope; "" = $SGLANG_SIMM_STORE_DIR or /dev/shm/sglang-simm-<uid>
-    "embedded_capacity_bytes": (_capacity, ""),  # "" = 4 GiB capped at RAM/4
-    "embedded_eviction": (_choice(*EVICTION_POLICIES), "fifo"),
+    # the local store only: settings of the store named by cm_primary_node_ip
+    # "process": the in-process local store, inside this process; "host": the
+    # local store's process, one per name shared by every process of this user
+    "local_store_scope": (_choice(*SCOPES), "process"),
+    "local_store_dir": (_string, ""),  # host scope; "" = $SGLANG_SIMM_STORE_DIR or /dev/shm/sglang-simm-<uid>
+    "local_store_capacity_bytes": (_capacity, ""),  # "" = 4 GiB capped at RAM/4
+    "local_store_eviction": (_choice(*EVICTION_POLICIES), "fifo"),
     # host scope: a store this process starts exits after this many seconds
     # with no client, freeing its memory (0: never); a running store keeps its own
-    "embedded_idle_exit_s": (_latency, "600.0"),
+    "local_store_idle_exit_s": (_latency, "600.0"),
     # the SiMM release whose client semantics to follow (see the module docstring)
-    "embedded_simm_release": (_choice(*RELEASES), HEAD),
+    "local_store_simm_release": (_choice(*RELEASES), HEAD),
     # "region": a get may write up to the end of the view's registered
     # region, as SiMM's client does; "view" (safe): only into the view
-    "embedded_get_bound": (_choice("view", "region"), "view"),
-    "embedded_error_rate": (_rate, "0.0"),
-    "embedded_error_code": (_error_code, str(SEND_RPC_FAILED)),
-    "embedded_latency_us": (_latency, "0.0"),
-    "embedded_down": (_parse_bool, "false"),
-    "embedded_corrupt_reads": (_rate, "0.0"),  # share of successful reads flipped
-    "embedded_seed": (_seed, ""),  # "" = unseeded
+    "local_store_get_bound": (_choice("view", "region"), "view"),
+    "local_store_error_rate": (_rate, "0.0"),
+    "local_store_error_code": (_error_code, str(SEND_RPC_FAILED)),
+    "local_store_latency_us": (_latency, "0.0"),
+    "local_store_down": (_parse_bool, "false"),
+    "local_store_corrupt_reads": (_rate, "0.0"),  # share of successful reads flipped
+    "local_store_seed": (_seed, ""),  # "" = unseeded
 }
 
 _FAULT_FLAGS = {
-    "embedded_error_rate": "error_rate",
-    "embedded_error_code": "error_code",
-    "embedded_latency_us": "latency_us",
-    "embedded_down": "down",
-    "embedded_corrupt_reads": "corrupt_rate",
-    "embedded_seed": "seed",
+    "local_store_error_rate": "error_rate",
+    "local_store_error_code": "error_code",
+    "local_store_latency_us": "latency_us",
+    "local_store_down": "down",
+    "local_store_corrupt_reads": "corrupt_rate",
+    "local_store_seed": "seed",
 }
 
 _flags: dict[str, str] = {name: default for name, (_, default) in _FLAG_SPECS.items()}
@@ -244,17 +248,19 @@ DEFAULT_CAPACITY_BYTES = 4 << 30
 def set_flag(name: str, value: str) -> bool:
     """Set a process-global client flag; True if it was accepted.
 
-    Embedded fault flags (``embedded_error_rate``, ``embedded_error_code``,
-    ``embedded_latency_us``, ``embedded_down``, ``embedded_corrupt_reads``,
-    ``embedded_seed``) also apply
-    at once to the server named by ``cm_primary_node_ip`` if it exists; every
-    ``embedded_*`` flag applies to a server when it is created.
+    The local store's fault flags (``local_store_error_rate``,
+    ``local_store_error_code``, ``local_store_latency_us``,
+    ``local_store_down``, ``local_store_corrupt_reads``, ``local_store_seed``)
+    also apply at once to the store named by ``cm_primary_node_ip`` if it
+    exists; every ``local_store_*`` flag applies to a store when it is
+    created. An old ``embedded_*`` name sets its new flag, with a warning.
     """
     if not isinstance(name, str) or not isinstance(value, str):
         raise TypeError(
             f"set_flag(): incompatible function arguments: expected (str, str), "
             f"got ({type(name).__name__}, {type(value).__name__})"
         )
+    name = _current_name(name)
     spec = _FLAG_SPECS.get(name)
     if spec is None:
         logger.debug("set_flag(%r): no such flag", name)
@@ -275,17 +281,28 @@ def set_flag(name: str, value: str) -> bool:
 
 def get_flag(name: str) -> str | None:
     """A flag's current value as a string, or None for an unknown name.
-    (Embedded only: the real client has no getter.)"""
+    (The local store only: the real client has no getter.) An old
+    ``embedded_*`` name reads its new flag, with a warning."""
+    name = _current_name(name)
     with _flags_lock:
         return _flags.get(name)
 
 
+def _current_name(name: str) -> str:
+    """A flag's name, an old one (``RENAMED_FLAGS``) replaced by its new one, warned."""
+    new = RENAMED_FLAGS.get(name)
+    if new is None:
+        return name
+    logger.warning("SiMM local store: flag %s", deprecated(name, new))
+    return new
+
+
 def _fault_value(name: str, canonical: str) -> object:
-    if name == "embedded_down":
+    if name == "local_store_down":
         return canonical == "true"
-    if name in ("embedded_error_rate", "embedded_latency_us", "embedded_corrupt_reads"):
+    if name in ("local_store_error_rate", "local_store_latency_us", "local_store_corrupt_reads"):
         return float(canonical)
-    if name == "embedded_seed":
+    if name == "local_store_seed":
         return int(canonical) if canonical else None
     return int(canonical)
 
@@ -316,12 +333,12 @@ def default_capacity_bytes() -> int:
 
 
 def _capacity_flag(flags: dict[str, str]) -> int:
-    value = flags["embedded_capacity_bytes"]
+    value = flags["local_store_capacity_bytes"]
     return int(value) if value else default_capacity_bytes()
 
 
 def _store_dir_flag() -> str | None:
-    return get_flag("embedded_store_dir") or None
+    return get_flag("local_store_dir") or None
 
 
 def _configure_faults(server: EmbeddedServer | HostServer, flags: dict[str, str]) -> None:
@@ -331,7 +348,7 @@ def _configure_faults(server: EmbeddedServer | HostServer, flags: dict[str, str]
 def _make_server(name: str) -> EmbeddedServer:
     with _flags_lock:
         flags = dict(_flags)
-    server = EmbeddedServer(name, _capacity_flag(flags), flags["embedded_eviction"])
+    server = EmbeddedServer(name, _capacity_flag(flags), flags["local_store_eviction"])
     _configure_faults(server, flags)
     return server
 
@@ -339,14 +356,14 @@ def _make_server(name: str) -> EmbeddedServer:
 def _open_host_server(name: str) -> HostServer:
     with _flags_lock:
         flags = dict(_flags)
-    known = _host.existing(name, flags["embedded_store_dir"] or None)
+    known = _host.existing(name, flags["local_store_dir"] or None)
     server = _host.get_or_open(
         name,
-        root=flags["embedded_store_dir"] or None,
+        root=flags["local_store_dir"] or None,
         capacity=_capacity_flag(flags),
-        policy=flags["embedded_eviction"],
+        policy=flags["local_store_eviction"],
         timeout_s=max(int(flags["clnt_sync_req_timeout_ms"]), 1) / 1000,
-        idle_exit_s=float(flags["embedded_idle_exit_s"]),
+        idle_exit_s=float(flags["local_store_idle_exit_s"]),
     )
     if server is not known:
         _configure_faults(server, flags)
@@ -354,15 +371,15 @@ def _open_host_server(name: str) -> HostServer:
 
 
 def get_server(name: str) -> EmbeddedServer | HostServer:
-    """The embedded server called ``name`` in the current ``embedded_scope``:
-    in this process (created on first use with the current ``embedded_*``
-    flags), or this process's handle on the host store of that name (its
-    store process started on first use). A host store that cannot be
+    """The local store called ``name`` in the current ``local_store_scope``:
+    in this process (created on first use with the current ``local_store_*``
+    flags), or this process's handle on the local store process of that name
+    (started on first use). A local store process that cannot be
     reached raises ``StoreUnreachable`` (a ``ConnectionError``)."""
     if not isinstance(name, str):
         raise TypeError(f"server name must be a str, got {name!r}")
     name = name or DEFAULT_SERVER_NAME
-    if get_flag("embedded_scope") == "host":
+    if get_flag("local_store_scope") == "host":
         return _open_host_server(name)
     return _server.get_or_create(name, _make_server)
 
@@ -371,7 +388,7 @@ def reset_servers(*names: str) -> None:
     """Forget the named servers (every one when no name is given), so a new
     ``Store()`` of such a name gets a fresh, empty server. In-process
     servers are dropped from the registry (clients holding one keep using
-    it); host stores this process opened are stopped."""
+    it); local stores this process opened are stopped."""
     _server.reset_servers(*names)
     _host.forget(*names)
 
@@ -589,14 +606,14 @@ def _region_bound(view: BlockView) -> int:
 
 
 def _release() -> str:
-    return get_flag("embedded_simm_release")
+    return get_flag("local_store_simm_release")
 
 
 # -- the store ------------------------------------------------------------------------
 
 
 class Store:
-    """A client of the embedded server named by the ``cm_primary_node_ip``
+    """A client of the local store named by the ``cm_primary_node_ip``
     flag when it is made (created on first use). Stores of one name share
     their objects, like clients of one cluster."""
 
@@ -610,13 +627,13 @@ class Store:
         if server.faults.down:
             raise RuntimeError(
                 f"Init client messenger failed: {code_name(SEND_RPC_FAILED)} "
-                f"(embedded SiMM server {server.name!r} is down)"
+                f"(local store {server.name!r} is down)"
             )
         self._server = server
 
     @property
     def server(self) -> EmbeddedServer | HostServer:
-        """The embedded server behind this client (embedded only)."""
+        """The local store behind this client (local store only)."""
         return self._server
 
     def allocate(self, block_size: int) -> Block:
@@ -663,7 +680,7 @@ class Store:
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object whose key starts with ``prefix`` (non-empty);
-        returns how many. Embedded only: SiMM's client cannot list keys.
+        returns how many. Local store only: SiMM's client cannot list keys.
         Nothing is deleted (0) while the server is down."""
         prefix = _as_key(prefix)
         if not prefix:
@@ -685,7 +702,7 @@ class Store:
     def mput_absent(self, keys: list[str], blocks: list[BlockView]) -> list[int]:
         """Put the objects whose keys are not stored yet: per key 0 (stored
         now), ``DS_DATA_ALREADY_EXISTS`` (-4005: stored before, left alone)
-        or mput's failure codes. Embedded only: on the host store it folds
+        or mput's failure codes. Local store only: on the local store's process it folds
         ``mexists`` + ``mput`` into one put (reserve, copy, publish)."""
         return self._put(_as_keys(keys), _as_views(blocks), overwrite=False, passthrough=False)
 
@@ -797,7 +814,7 @@ class Store:
         live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
             return results
-        bound = _region_bound if get_flag("embedded_get_bound") == "region" else _view_bound
+        bound = _region_bound if get_flag("local_store_get_bound") == "region" else _view_bound
         try:
             codes = self._server.get_into([(keys[i], views[i]._ptr, bound(views[i])) for i in live])
         except StoreUnreachable as exc:
@@ -812,7 +829,7 @@ class Store:
         return results
 
     def _corrupt(self, reads: list[tuple[int, int]]) -> None:
-        """The ``embedded_corrupt_reads`` fault, after the copy: flip the top
+        """The ``local_store_corrupt_reads`` fault, after the copy: flip the top
         bit of every byte of the chosen reads' destinations. For IEEE floats
         of any width that flips a sign, an exponent or a mantissa bit of
         every value: all stay finite (barring values near the type's
@@ -840,7 +857,7 @@ class Store:
         return results
 
     def __repr__(self) -> str:
-        return f"<Store embedded server={self._server.name!r}>"
+        return f"<Store local_store={self._server.name!r}>"
 
 
 async def _in_executor(fn, *args):

@@ -2,7 +2,7 @@
 ones with it released.
 
 Shared by the in-process server (to and from its private buffers) and the
-host store's clients (to and from the shared arena).
+local store's clients (to and from the shared arena).
 """
 
 from __future__ import annotations

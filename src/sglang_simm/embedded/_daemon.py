@@ -1,4 +1,4 @@
-"""The host store's process: one per store name per user, serving every
+"""The local store's process: one per store name per user, serving every
 client process on the host over a Unix socket.
 
 It owns the index (``_index``, kept crash-consistently in ``_table``) and
@@ -444,7 +444,7 @@ class StoreDaemon:
             except OSError:
                 sock = None
             if sock is not None:
-                self._send_refusal(sock, TARGET_UNAVAILABLE, "the host store is out of file descriptors")
+                self._send_refusal(sock, TARGET_UNAVAILABLE, "the local store is out of file descriptors")
             try:
                 self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
@@ -474,7 +474,7 @@ class StoreDaemon:
             self._refuse("connections", "refused client pid %d: %d connections open (max_connections)",
                          pid, len(self.conns))
             self._send_refusal(sock, TARGET_UNAVAILABLE,
-                               f"the host store has {len(self.conns)} connections open, its limit "
+                               f"the local store has {len(self.conns)} connections open, its limit "
                                f"(max_connections {self.max_connections})")
             return
         try:
@@ -482,7 +482,7 @@ class StoreDaemon:
         except OSError as exc:  # no descriptor left to read /proc with: refused as accept() would be
             self._refuse("fds", "out of file descriptors admitting client pid %d (%s, %d connections open): "
                          "refusing and pausing accepts for %g s", pid, exc, len(self.conns), _ACCEPT_BACKOFF_S)
-            self._send_refusal(sock, TARGET_UNAVAILABLE, "the host store is out of file descriptors")
+            self._send_refusal(sock, TARGET_UNAVAILABLE, "the local store is out of file descriptors")
             self._pause_accepting()
             return
         if start is None:  # gone already: nothing it could hold outlives it

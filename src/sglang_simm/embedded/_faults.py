@@ -1,4 +1,4 @@
-"""Fault injection for the embedded store, kept apart from storage.
+"""Fault injection for the local store, kept apart from storage.
 
 A :class:`FaultInjector` belongs to one :class:`EmbeddedServer` and plays the
 part of the network between the clients and that server. The client asks it,

@@ -1,4 +1,4 @@
-"""A client process's side of a host store: one store process per name per
+"""A client process's side of a local store: one store process per name per
 user, shared by every process on the host (all TP ranks of a server,
 several servers, the tools).
 
@@ -105,7 +105,7 @@ ADMIN_TIMEOUT_S = 30.0
 #: Until a store says its own (HELLO), batches are split at this size.
 DEFAULT_MAX_BATCH = 16384
 #: An auto-started store exits after this long with no client (flag
-#: ``embedded_idle_exit_s``): long enough to outlive a server's restart.
+#: ``local_store_idle_exit_s``): long enough to outlive a server's restart.
 DEFAULT_IDLE_EXIT_S = 600.0
 
 
@@ -403,7 +403,7 @@ class _Connection:
 
 
 class HostServer:
-    """This process's handle on the host store ``name`` in ``root``.
+    """This process's handle on the local store ``name`` in ``root``.
 
     ``capacity`` and ``policy`` apply when this handle has to start the
     store process; a running store keeps its own.
@@ -493,7 +493,7 @@ class HostServer:
                    f" ({'still starting' if self._starting() else 'it is not running'})" if spawned_at else "")
         raise StoreUnreachable(
             BUILD_CONNECTION_FAILED,
-            f"host store {self.name!r} at {self.paths.socket} did not answer within {now - start:.0f} s "
+            f"local store {self.name!r} at {self.paths.socket} did not answer within {now - start:.0f} s "
             f"({last}){started}" + (f"; its log {self.paths.log} says: {tail}" if tail else
                                     f"; see its log {self.paths.log}" if spawned_at else ""),
         )
@@ -559,7 +559,7 @@ class HostServer:
         if self.spawn_allowed and asked != (info["capacity_bytes"], info["policy"]) and not self._warned:
             self._warned = True
             logger.warning(
-                "host store %r runs with capacity %s and %s eviction (started by %s); this process asked for "
+                "local store %r runs with capacity %s and %s eviction (started by %s); this process asked for "
                 "%s and %s: the store keeps its own (stop it to change them)",
                 self.name, human_bytes(info["capacity_bytes"]), info["policy"], info.get("started_by", "?"),
                 human_bytes(self.capacity_requested), self.policy_requested,
@@ -595,7 +595,7 @@ class HostServer:
                 launches.failures += 1
                 launches.not_before = now + min(LAUNCH_BACKOFF_FIRST_S * 2 ** (launches.failures - 1),
                                                 LAUNCH_BACKOFF_MAX_S)
-                self._log.warning("launch", "host store %r: the store process this process started exited "
+                self._log.warning("launch", "local store %r: the store process this process started exited "
                                   "without serving (%d time(s)); starting it again in %.0f s at the soonest; "
                                   "its log %s says: %s", self.name, launches.failures,
                                   launches.not_before - now, self.paths.log, _log_tail(self.paths.log))
@@ -620,7 +620,7 @@ class HostServer:
         # The store process must import this very package, wherever it came from.
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        logger.info("starting host store %r (%s, capacity %s, eviction %s)",
+        logger.info("starting local store %r (%s, capacity %s, eviction %s)",
                     self.name, self.paths.socket, human_bytes(self.capacity_requested), self.policy_requested)
         return subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -998,7 +998,7 @@ def _in_arena(conn: _Connection, offsets: Sequence[int], sizes: Sequence[int]) -
 
 
 def _bad_answer(what: str, why: str) -> StoreUnreachable:
-    logger.error("host store answered %s with %s: failing the call (a store bug; its log may say more)", what, why)
+    logger.error("local store answered %s with %s: failing the call (a store bug; its log may say more)", what, why)
     return StoreUnreachable(INTERNAL_ERROR, f"the store process answered {what} with {why}")
 
 
@@ -1038,7 +1038,7 @@ _HANDLES_LOCK = threading.Lock()
 
 def get_or_open(name: str, *, root: str | None, capacity: int, policy: str, timeout_s: float,
                 idle_exit_s: float = DEFAULT_IDLE_EXIT_S) -> HostServer:
-    """This process's handle on host store ``name``, connected (the store
+    """This process's handle on local store ``name``, connected (the store
     process started if needed) on first use."""
     key = (store_dir(root), name)
     with _HANDLES_LOCK:

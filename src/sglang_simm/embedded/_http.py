@@ -1,4 +1,4 @@
-"""The host store's ``/metrics`` over HTTP, opt-in: scraped like Mooncake's master.
+"""The local store's ``/metrics`` over HTTP, opt-in: scraped like Mooncake's master.
 
 Set ``SGLANG_SIMM_STORE_METRICS_PORT`` (and, to listen elsewhere than
 127.0.0.1, ``SGLANG_SIMM_STORE_METRICS_HOST``) in the environment a store

@@ -1,4 +1,4 @@
-"""The host store's object index: keys, extents, capacity, eviction, leases.
+"""The local store's object index: keys, extents, capacity, eviction, leases.
 
 Owned by the store process alone (``_daemon``), so it needs no lock; it is
 pure bookkeeping, testable without processes. Clients copy the bytes
@@ -15,7 +15,7 @@ themselves, between their own memory and the shared arena, inside
   while pinned disappears from the index at once but keeps its extent until
   the last pin goes, so a reader never copies bytes that are being reused.
 
-Capacity is in object bytes (what a put stores, as the in-process store and
+Capacity is in object bytes (what a put stores, as the in-process local store and
 SiMM count it); the arena is larger by some slack, for alignment and holes.
 Eviction takes the oldest unpinned object: FIFO by default, as SiMM's data
 server behaves (it has no access bit: ``src/data_server/kv_cache_evictor.cc``
@@ -95,7 +95,7 @@ def check_policy(policy: object) -> str:
     return policy  # type: ignore[return-value]
 
 
-#: The counters of both servers (host store and in-process).
+#: The counters of both servers (the local store's process and the in-process local store).
 STAT_NAMES = (
     "puts",  # objects published
     "gets",  # get entries that reached the store

@@ -1,4 +1,4 @@
-"""The host store's limits: every resource a client can make it spend.
+"""The local store's limits: every resource a client can make it spend.
 
 A store process serves every process of its user on the host, for weeks,
 and treats each socket as hostile until checked. Each limit here is a

@@ -1,4 +1,4 @@
-"""The host store's counters as Prometheus text (exposition format 0.0.4).
+"""The local store's counters as Prometheus text (exposition format 0.0.4).
 
 Named like SGLang's own metrics (``sglang:<name>``, here ``sglang_simm:``),
 one family per counter, each sample labelled with the store's name, so an

@@ -1,4 +1,4 @@
-"""Where a host store lives, and who may open it.
+"""Where a local store lives, and who may open it.
 
 One directory per user (``/dev/shm/sglang-simm-<uid>`` by default, or
 ``$SGLANG_SIMM_STORE_DIR``), mode 0700; in it, per store name: ``NAME.sock``
@@ -140,7 +140,7 @@ class StorePaths:
         length = len(os.fsencode(self.socket))
         if length > MAX_SOCKET_PATH:
             raise ValueError(
-                f"host store {self.name!r} in {self.root}: its socket path {self.socket} is {length} bytes, and a "
+                f"local store {self.name!r} in {self.root}: its socket path {self.socket} is {length} bytes, and a "
                 f"Unix socket path holds at most {MAX_SOCKET_PATH}; use a shorter store name, or a shorter "
                 f"directory ({STORE_DIR_ENV} or --dir)"
             )
@@ -273,7 +273,7 @@ def private_store_dir(prefix: str, parent: str | None = None) -> Iterator[str]:
     parent: ``$SGLANG_SIMM_STORE_DIR``'s when set, else /dev/shm) and
     exported as ``$SGLANG_SIMM_STORE_DIR`` meanwhile, so store processes and
     SGLang servers started in it use it too; ``parent``, when given (a
-    config's ``embedded_store_dir``), is where it is made instead, and the
+    config's ``local_store_dir``), is where it is made instead, and the
     caller points its config at it. At the end every store process
     with a pid file in it is stopped (SIGTERM, then SIGKILL) and the
     directory removed.

@@ -1,4 +1,4 @@
-"""The shared state of one embedded SiMM store: the "data server".
+"""The shared state of one in-process local store: the "data server".
 
 An :class:`EmbeddedServer` holds objects in host memory under one lock, with
 a byte capacity and FIFO (or LRU) eviction, the way one SiMM cluster holds them for all
@@ -179,7 +179,7 @@ class EmbeddedServer:
                 try:
                     buf = torch.empty(size, dtype=torch.uint8)
                 except (MemoryError, RuntimeError):  # torch raises RuntimeError on ENOMEM
-                    logger.warning("embedded server %r: cannot allocate %s", self.name, human_bytes(size))
+                    logger.warning("in-process local store %r: cannot allocate %s", self.name, human_bytes(size))
             if buf is not None:
                 copies.append((buf.data_ptr(), ptr, size))
             bufs.append(buf)
@@ -346,7 +346,7 @@ def get_or_create(name: str, make: Callable[[str], EmbeddedServer]) -> EmbeddedS
             server = make(name)
             _SERVERS[name] = server
             logger.info(
-                "embedded SiMM server %r created, capacity %s", name, human_bytes(server.capacity_bytes)
+                "in-process local store %r created, capacity %s", name, human_bytes(server.capacity_bytes)
             )
         return server
 

@@ -1,4 +1,4 @@
-"""The host store's index, kept crash-consistently beside the arena.
+"""The local store's index, kept crash-consistently beside the arena.
 
 ``NAME.index`` is a file on the same tmpfs as the arena, mapped by the
 store process alone: a header, then one fixed-size entry per object slot.

@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="sglang-simm",
-        description="SiMM as SGLang's HiCache L3 tier: check a setup (doctor), run host stores (store).",
+        description="SiMM as SGLang's HiCache L3 tier: check a setup (doctor), run local stores (store).",
     )
     parser.add_argument("--version", action="version", version=f"sglang-simm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -112,8 +112,8 @@ def address_only(extra: dict[str, Any]) -> Any:
 
 def _store_description(config: Any) -> str:
     if config.embedded_scope == "host":
-        return f"host store {config.embedded_name!r} (one store process shared by this host's processes, no cluster)"
-    return f"in-process store {config.embedded_name!r} (inside one process, no cluster)"
+        return f"local store {config.embedded_name!r} (one store process shared by this host's processes, no cluster)"
+    return f"in-process local store {config.embedded_name!r} (inside one process, no cluster)"
 
 
 def _quiet_config_log() -> Any:
@@ -144,7 +144,7 @@ def _text(value: Any) -> str:
 
 def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys") -> int:
     from sglang_simm import __version__
-    from sglang_simm.config import find_unknown_keys, load_config
+    from sglang_simm.config import find_deprecated_names, find_unknown_keys, load_config, with_current_names
     from sglang_simm.numa import list_rdma_devices, select_nics
 
     report = Report()
@@ -158,6 +158,9 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     # the launch lines carry what the backend reads, not the keys it ignores
     ignored = {u.key for u in unknown if u.source == "extra_config"}
     extra = {k: v for k, v in extra.items() if k not in ignored}
+    # and the new names of renamed fields and flags, each old one a warning
+    report.warnings += [f"configuration: {line}" for line in find_deprecated_names(extra)]
+    extra = with_current_names(extra)
     config_problems: list[str] = []
     try:
         with _quiet_config_log():
@@ -234,7 +237,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
             report.problems.append(
                 f"no usable RDMA device ({choice.reason}). SiMM's client moves data over RDMA: "
                 "load the RDMA drivers (check /sys/class/infiniband), name devices with "
-                "rdma_devices, or set manager_address to 'local' to run on the embedded store"
+                "rdma_devices, or set manager_address to 'local' to run on the local store"
             )
 
     # 4. SGLang
@@ -322,7 +325,7 @@ def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: R
     from sglang_simm.embedded._copy import human_bytes
     from sglang_simm.embedded._paths import StorePaths, private_store_dir, store_dir
 
-    name, parent = config.embedded_name, client_flag(extra, "embedded_store_dir")
+    name, parent = config.embedded_name, client_flag(extra, "local_store_dir")
     root = store_dir(parent)
     running = None
     if os.path.exists(StorePaths(root, name).socket):
@@ -333,7 +336,7 @@ def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: R
                                    f"its log: {StorePaths(root, name).log}")
             return
     if running is not None:
-        held, asked = running["capacity_bytes"], config.embedded_capacity_bytes
+        held, asked = running["capacity_bytes"], config.local_store_capacity_bytes
         console.print(f"local store {name!r} is running (pid {running['pid']}, capacity {human_bytes(held)}, "
                       f"{running['policy']} eviction, {running['objects']} objects)")
         if held != asked:
@@ -345,20 +348,20 @@ def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: R
         _round_trip(console, config, report)
         return
     console.print(f"no local store {name!r} is running in {root}: the first server starts it with capacity "
-                  f"{human_bytes(config.embedded_capacity_bytes)}; the round trip below runs on a store of "
+                  f"{human_bytes(config.local_store_capacity_bytes)}; the round trip below runs on a store of "
                   "doctor's own, stopped after it")
     from sglang_simm import embedded
 
     # the embedded client's flags are process-global, as SiMM's are: the
     # private directory's flag must not outlive this round trip
-    saved = embedded.get_flag("embedded_store_dir")
+    saved = embedded.get_flag("local_store_dir")
     try:
         with private_store_dir("sglang-simm-doctor-", parent=parent) as private:
             with _quiet_config_log():
-                own = load_config(with_client_flag(extra, "embedded_store_dir", private)).config
+                own = load_config(with_client_flag(extra, "local_store_dir", private)).config
             _round_trip(console, own, report)
     finally:
-        embedded.set_flag("embedded_store_dir", saved)
+        embedded.set_flag("local_store_dir", saved)
 
 
 def _round_trip(console: Any, config: Any, report: Report, *, size: int = 1 << 20, rounds: int = 5) -> None:

@@ -346,7 +346,7 @@ def store_of(extra: dict[str, Any]) -> tuple[str, str] | None:
     from sglang_simm.config import client_flag
     from sglang_simm.embedded._paths import store_dir
 
-    return store_dir(client_flag(extra, "embedded_store_dir")), config.embedded_name
+    return store_dir(client_flag(extra, "local_store_dir")), config.embedded_name
 
 
 #: a namespaced key's prefix: optional tag, then s<version>.<16 hex>/
@@ -381,7 +381,7 @@ def analyse_store(status: dict[str, Any], keys: list[str] | None) -> list[Findin
     if cap and used >= 0.9 * cap and evictions:
         out.append(Finding("warn", f"the local store {name!r} is full ({used / cap:.0%} of {cap >> 20} MiB) "
                            f"and has evicted {evictions} objects: older prefixes are gone before they are "
-                           "asked for again", "\"embedded_capacity_bytes\" in the extra config (then "
+                           "asked for again", "\"local_store_capacity_bytes\" in the extra config (then "
                            f"sglang-simm store stop {name}), or sglang-simm store start {name} --capacity ..."))
     if keys is not None:
         spaces = namespaces(keys)
@@ -403,13 +403,24 @@ NAMESPACE_FIELDS = ("model_path", "served_model_name", "tp_size", "pp_size", "pa
                     "hicache_mem_layout", "dtype")
 
 
+def _store_dir_flag(extra: dict[str, Any]) -> str:
+    """The client flag ``local_store_dir`` (or its old name) of a server's
+    extra config, "" when unset or unreadable; nothing logged."""
+    from sglang_simm.config import parse_client_flags
+
+    try:
+        return parse_client_flags(extra.get("client_flags"), warn=False).get("local_store_dir", "")
+    except ValueError:
+        return ""
+
+
 def compare_namespaces(views: list[tuple[str, dict[str, Any]]]) -> list[Finding]:
     """Servers on the same store whose pages are named apart."""
     out: list[Finding] = []
     by_store: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for url, info in views:
         extra = extra_config_of(info)
-        where = f"{extra.get('manager_address', '')}|{extra.get('embedded_store_dir', '')}"
+        where = f"{extra.get('manager_address', '')}|{_store_dir_flag(extra)}"
         by_store.setdefault(where, []).append((url, {**info, "extra_backend_tag": extra.get("extra_backend_tag"),
                                                      "key_scheme": extra.get("key_scheme", "namespaced")}))
     for where, group in by_store.items():

@@ -1,6 +1,6 @@
-"""``sglang-simm store``: start, inspect, clear and stop host stores.
+"""``sglang-simm store``: start, inspect, clear and stop local stores.
 
-A host store (``manager_address: "local"`` or ``"local://NAME"``) starts by
+A local store (``manager_address: "local"`` or ``"local://NAME"``) starts by
 itself with its first client; these commands are for the operator who
 wants to size it before servers start, look inside, or let it go. They
 never start a store by accident: only ``start`` does (and it takes a dead
@@ -33,7 +33,7 @@ _DEFAULT_NAME = "default"
 
 
 def add_arguments(sub: Any) -> None:
-    store = sub.add_parser("store", help="start, inspect, clear or stop the host store (manager_address: local)")
+    store = sub.add_parser("store", help="start, inspect, clear or stop the local store (manager_address: local)")
     actions = store.add_subparsers(dest="store_command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -282,9 +282,9 @@ def _print_table(console: Any, root: str, statuses: list[dict[str, Any]], hidden
     from rich.table import Table
 
     if not statuses:
-        console.print(f"no running host store in {root}" + (f" ({hidden} stopped: --all lists them)" if hidden else ""))
+        console.print(f"no running local store in {root}" + (f" ({hidden} stopped: --all lists them)" if hidden else ""))
         return
-    table = Table(title=f"host stores in {root}", title_justify="left")
+    table = Table(title=f"local stores in {root}", title_justify="left")
     for column in ("store", "state", "used", "objects", "hit rate", "clients"):
         table.add_column(column, justify="left" if column in ("store", "state") else "right", no_wrap=True)
     for st in statuses:
@@ -306,7 +306,7 @@ def _print_status(console: Any, root: str, statuses: list[dict[str, Any]]) -> No
     from rich.table import Table
 
     if not statuses:
-        console.print(f"no host store in {root}")
+        console.print(f"no local store in {root}")
         return
     for s in statuses:
         grid = Table.grid(padding=(0, 2))
