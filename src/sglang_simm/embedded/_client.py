@@ -78,7 +78,7 @@ from sglang_simm.embedded._copy import human_bytes, wrap_memory
 from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._index import EVICTION_POLICIES
 from sglang_simm.embedded._server import EmbeddedServer
-from sglang_simm.errors import (
+from sglang_simm.embedded.simm_rules import (
     DS_DATA_ALREADY_EXISTS,
     GET_OBJECT_FAILED,
     INVALID_ARGUMENT,
@@ -88,9 +88,9 @@ from sglang_simm.errors import (
     REGISTER_MR_FAILED,
     SEND_RPC_FAILED,
     code_name,
+    key_fits,
+    keys_fit,
 )
-from sglang_simm.keys import key_fits, keys_fit
-from sglang_simm.values import parse_bool
 
 logger = logging.getLogger("sglang_simm.embedded")
 
@@ -115,11 +115,15 @@ RELEASES = (HEAD, TAG)
 _INT_RE = re.compile(r"[+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)\Z")
 
 
+#: Boolean flag values, any case, surrounding blanks ignored: gflags'
+#: spellings (it takes t/f, y/n) and on/off.
+_TRUE_WORDS = frozenset({"true", "t", "yes", "y", "on", "1"})
+_FALSE_WORDS = frozenset({"false", "f", "no", "n", "off", "0"})
+
+
 def _parse_bool(value: str) -> str | None:
-    try:
-        return "true" if parse_bool(value) else "false"
-    except ValueError:
-        return None
+    text = value.strip().lower()
+    return "true" if text in _TRUE_WORDS else "false" if text in _FALSE_WORDS else None
 
 
 def _parse_int(value: str, lo: int, hi: int) -> str | None:

@@ -65,7 +65,7 @@ from sglang_simm.embedded._limits import REFUSALS, RateLimitedLog, StoreLimits
 from sglang_simm.embedded._paths import StoreAccessError, StorePaths, ensure_dir, held_bytes, open_private
 from sglang_simm.embedded._protocol import Op, ProtocolError, Reader, frame, pack_ints, pack_json
 from sglang_simm.embedded._table import IndexTable
-from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, TARGET_UNAVAILABLE
+from sglang_simm.embedded.simm_rules import INTERNAL_ERROR, INVALID_ARGUMENT, TARGET_UNAVAILABLE
 from sglang_simm.embedded._http import store_metrics_from_env
 
 logger = logging.getLogger("sglang_simm.embedded.daemon")

@@ -67,7 +67,7 @@ from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._limits import RateLimitedLog
 from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, lock_held, pid_alive, read_pid, store_dir
 from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
-from sglang_simm.errors import (
+from sglang_simm.embedded.simm_rules import (
     BUILD_CONNECTION_FAILED,
     DS_KEY_NOT_FOUND,
     INTERNAL_ERROR,

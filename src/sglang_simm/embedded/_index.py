@@ -65,7 +65,7 @@ from sglang_simm.embedded._allocator import ExtentAllocator, aligned
 from sglang_simm.embedded._arena import LEASE_WORDS
 from sglang_simm.embedded._limits import StoreLimits, key_ok
 from sglang_simm.embedded._table import SlotPool
-from sglang_simm.errors import (
+from sglang_simm.embedded.simm_rules import (
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
     DS_CACHE_POOL_ALLOC_FAILED,

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from sglang_simm.errors import MAX_KEY_BYTES, MAX_VALUE_BYTES
+from sglang_simm.embedded.simm_rules import MAX_KEY_BYTES, MAX_VALUE_BYTES
 
 #: What one object costs the store process in private memory (key bytes
 #: aside): its index entry, the ordered dict's node, the lease bookkeeping.

@@ -31,7 +31,7 @@ import torch
 from sglang_simm.embedded._copy import copy_many, human_bytes, wrap_memory  # noqa: F401 (wrap_memory re-exported)
 from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._index import STAT_NAMES, check_policy
-from sglang_simm.errors import (
+from sglang_simm.embedded.simm_rules import (
     DS_CACHE_POOL_ALLOC_FAILED,
     DS_DATA_ALREADY_EXISTS,
     DS_KEY_NOT_FOUND,
