@@ -41,7 +41,6 @@ NAMESPACE_VERSION = 1
 #: page keys start with a namespace or a tag. The host store counts these
 #: objects apart, so pages counted from its counters leave warm-ups out.
 WARMUP_KEY_PREFIX = "sglang_simm_warmup_"
-_WARMUP_KEY_PREFIX_BYTES = WARMUP_KEY_PREFIX.encode()
 
 
 @dataclass(frozen=True)
@@ -228,16 +227,3 @@ def max_page_key_bytes(prefix: str, suffixes: Sequence[str]) -> int:
     """The longest page hash that still gives keys within SiMM's limit."""
     longest = max(len(s.encode()) for s in suffixes)
     return MAX_KEY_BYTES - len(prefix.encode()) - longest
-
-
-def warmup_keys(keys: Sequence[str] | Sequence[bytes]) -> int:
-    """How many of ``keys`` (all ``str`` or all ``bytes``, as a store holds
-    them) are warm-up keys. A batch of pages has none: one scan of the joined
-    keys in C says so, where a test per key would cost the store's publish a
-    tenth of its time; only a batch that may hold one is counted key by key."""
-    if not keys:
-        return 0
-    prefix: str | bytes = _WARMUP_KEY_PREFIX_BYTES if isinstance(keys[0], bytes) else WARMUP_KEY_PREFIX
-    if prefix not in prefix[:0].join(keys):  # type: ignore[arg-type]
-        return 0
-    return sum(1 for key in keys if key.startswith(prefix))  # type: ignore[arg-type]

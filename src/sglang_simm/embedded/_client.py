@@ -78,6 +78,7 @@ from sglang_simm.embedded._copy import human_bytes, wrap_memory
 from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._index import EVICTION_POLICIES
 from sglang_simm.embedded._server import EmbeddedServer
+from sglang_simm.embedded._limits import check_warmup_prefix
 from sglang_simm.embedded.simm_rules import (
     DS_DATA_ALREADY_EXISTS,
     GET_OBJECT_FAILED,
@@ -181,6 +182,14 @@ def _seed(value: str) -> str | None:
     return "" if value == "" else _parse_int(value, -(2**63), 2**63 - 1)
 
 
+def _warmup_prefix(value: str) -> str | None:
+    try:
+        check_warmup_prefix(value, ())
+    except ValueError:
+        return "" if value == "" else None
+    return value
+
+
 # name -> (parser returning the canonical string or None, default)
 _FLAG_SPECS: dict[str, tuple] = {
     # the real client's
@@ -237,6 +246,12 @@ _FAULT_FLAGS = {
     "embedded_corrupt_reads": "corrupt_rate",
     "embedded_seed": "seed",
 }
+
+# Keys that start with this prefix are counted apart as warm-ups by the
+# store (``warmup_puts``, ``warmup_hits``): a client's start-up round trips,
+# which its pages counted from the store's counters leave out. Every Store()
+# made with it set tells its store; "" = none.
+_FLAG_SPECS["local_store_warmup_key_prefix"] = (_warmup_prefix, "")
 
 _flags: dict[str, str] = {name: default for name, (_, default) in _FLAG_SPECS.items()}
 _flags_lock = threading.Lock()
@@ -617,6 +632,9 @@ class Store:
                 f"(embedded SiMM server {server.name!r} is down)"
             )
         self._server = server
+        warmups = get_flag("local_store_warmup_key_prefix")
+        if warmups:
+            server.add_warmup_prefix(warmups)
 
     @property
     def server(self) -> EmbeddedServer | HostServer:
