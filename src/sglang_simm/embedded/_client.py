@@ -79,6 +79,7 @@ from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._index import EVICTION_POLICIES
 from sglang_simm.embedded._server import EmbeddedServer
 from sglang_simm.embedded._limits import check_warmup_prefix
+from sglang_simm.embedded.contract import StoreServer
 from sglang_simm.embedded.simm_rules import (
     DS_DATA_ALREADY_EXISTS,
     GET_OBJECT_FAILED,
@@ -343,7 +344,7 @@ def _store_dir_flag() -> str | None:
     return get_flag("embedded_store_dir") or None
 
 
-def _configure_faults(server: EmbeddedServer | HostServer, flags: dict[str, str]) -> None:
+def _configure_faults(server: StoreServer, flags: dict[str, str]) -> None:
     server.faults.configure(**{attr: _fault_value(flag, flags[flag]) for flag, attr in _FAULT_FLAGS.items()})
 
 
@@ -372,7 +373,7 @@ def _open_host_server(name: str) -> HostServer:
     return server
 
 
-def get_server(name: str) -> EmbeddedServer | HostServer:
+def get_server(name: str) -> StoreServer:
     """The embedded server called ``name`` in the current ``embedded_scope``:
     in this process (created on first use with the current ``embedded_*``
     flags), or this process's handle on the host store of that name (its
@@ -631,13 +632,13 @@ class Store:
                 f"Init client messenger failed: {code_name(SEND_RPC_FAILED)} "
                 f"(embedded SiMM server {server.name!r} is down)"
             )
-        self._server = server
+        self._server: StoreServer = server
         warmups = get_flag("local_store_warmup_key_prefix")
         if warmups:
             server.add_warmup_prefix(warmups)
 
     @property
-    def server(self) -> EmbeddedServer | HostServer:
+    def server(self) -> StoreServer:
         """The embedded server behind this client (embedded only)."""
         return self._server
 
