@@ -12,14 +12,20 @@ import pytest
 import torch
 
 from pages import fill_random, hashes, slots, tiny, tiny_mla
-from sglang_simm.embedded._index import StoreIndex
+from sglang_simm.embedded._index import StoreIndex, count_warmups
 from sglang_simm.embedded._server import EmbeddedServer
 from sglang_simm.errors import DS_KEY_NOT_FOUND, OK
-from sglang_simm.keys import WARMUP_KEY_PREFIX, warmup_keys
+from sglang_simm.keys import WARMUP_KEY_PREFIX
 from sglang_simm_dev import l3_counts
 from sglang_simm_dev.sglang_server import SGLangServer, ServerConfig, ServerError
 
 WARM = WARMUP_KEY_PREFIX + "0123abcd"
+
+
+def warmup_keys(keys):
+    """The store's count of warm-up keys, with the backend's prefix declared."""
+    prefix = WARMUP_KEY_PREFIX.encode() if keys and isinstance(keys[0], bytes) else WARMUP_KEY_PREFIX
+    return count_warmups(keys, (prefix,))
 
 
 def test_warm_up_keys_are_those_that_start_with_the_prefix():
@@ -33,6 +39,12 @@ def test_warm_up_keys_are_those_that_start_with_the_prefix():
     assert warmup_keys(["sglang_simm_warmup_key_42"]) == 1
 
 
+def test_the_store_counts_apart_only_the_prefixes_it_was_told():
+    assert count_warmups([WARM, "s1.ab/p0.k"], ()) == 0  # none declared: nothing is a warm-up
+    assert count_warmups(["a/1", "b/2", "a/3", "c"], ("a/", "b/")) == 3
+    assert count_warmups(["ab/1"], ("a", "ab")) == 1  # a key counts once, whichever prefixes it starts with
+
+
 def _commit(index: StoreIndex, keys: list[bytes], overwrite: bool = True) -> list[int]:
     lease, codes, _ = index.begin_put(1, keys, [100] * len(keys), overwrite)
     done = dict(index.commit_put(lease)) if lease else {}
@@ -41,6 +53,7 @@ def _commit(index: StoreIndex, keys: list[bytes], overwrite: bool = True) -> lis
 
 def test_the_host_stores_index_counts_warm_up_objects_apart():
     index = StoreIndex(capacity=10_000, arena_bytes=1 << 20)
+    index.add_warmup_prefix(WARMUP_KEY_PREFIX.encode())
     warm, pages = WARM.encode(), [b"s1.ab/p0.k", b"s1.ab/p0.v"]
     assert _commit(index, [warm, *pages]) == [OK] * 3
     assert _commit(index, [warm], overwrite=False) != [OK]  # refused: not published, not counted
@@ -58,6 +71,7 @@ def test_the_host_stores_index_counts_warm_up_objects_apart():
 
 def test_the_in_process_store_counts_them_the_same_way():
     server = EmbeddedServer("count-warmups", 1 << 20)
+    server.add_warmup_prefix(WARMUP_KEY_PREFIX)
     data = torch.zeros(100, dtype=torch.uint8)
     ptr = data.data_ptr()
     assert server.put_from([(WARM, ptr, 100), ("s1.ab/p0.k", ptr, 100), ("s1.ab/p0.v", ptr, 100)], True) == [OK] * 3

@@ -1,7 +1,9 @@
 """The package's floor plan: the wheel holds what an operator runs in
 production, the backend core never imports an operator command, the wheel
-never imports the instruments (``dev/``, package ``sglang_simm_dev``), and no
-module imports itself back through others.
+never imports the instruments (``dev/``, package ``sglang_simm_dev``), the
+store (``sglang_simm.embedded``) and the rest meet only at the store's
+public modules (the seam: the three tests after ``STORE``), and no module
+imports itself back through others.
 
 Every ``import`` counts, module-level or inside a function (a lazy import
 still ties two modules together), and so does ``importlib.import_module``
@@ -226,6 +228,82 @@ def _ours_in(name: str, modules: dict[str, Path]) -> str | None:
 def test_the_doors_into_the_tools_lead_to_the_command_line():
     for door in DOORS:
         assert {t for t in GRAPH[door] if _is_tool(t)} == {f"{TOOLS}.cli"}
+
+
+#: The local store: a package of its own that implements ``simm.kv``.
+STORE = f"{PACKAGE}.embedded"
+#: Its public modules: the ``simm.kv`` surface (the package), SiMM's rules,
+#: the operator surface and the server contract. Every other module of the
+#: store is private (``_``-prefixed).
+STORE_RULES, STORE_ADMIN, STORE_CONTRACT = f"{STORE}.simm_rules", f"{STORE}.admin", f"{STORE}.contract"
+#: What of the store each module of the backend core may import, and nothing
+#: else of it (``client``: the package, by ``importlib.import_module`` as it
+#: imports ``simm.kv``; ``errors`` and ``keys``: SiMM's codes, limits and key
+#: rule, which they re-export; ``config``: the store naming rule).
+CORE_REACHES_THE_STORE = {
+    f"{PACKAGE}.client": {STORE},
+    f"{PACKAGE}.errors": {STORE_RULES},
+    f"{PACKAGE}.keys": {STORE_RULES},
+    f"{PACKAGE}.config": {STORE_ADMIN},
+}
+#: What of the store the operator's commands may import.
+TOOLS_REACH_THE_STORE = {STORE, STORE_ADMIN}
+
+
+def _in_store(module: str) -> bool:
+    return module == STORE or module.startswith(STORE + ".")
+
+
+def _private_to_store(module: str) -> bool:
+    return _in_store(module) and any(part.startswith("_") for part in module[len(STORE) + 1:].split("."))
+
+
+def test_the_store_imports_nothing_of_the_backend():
+    """(a) No module of the store imports a module of this package outside
+    the store: it owns SiMM's codes, name and key rules and its settings."""
+    leaks = {module: sorted(t for t in targets if not _in_store(t))
+             for module, targets in GRAPH.items() if _in_store(module)}
+    assert {m: t for m, t in leaks.items() if t} == {}
+
+
+def test_nothing_outside_the_store_imports_a_private_module_of_it():
+    """(b) Outside the store, only its public modules are imported:
+    the package, ``simm_rules``, ``admin`` and ``contract``."""
+    leaks = {module: sorted(t for t in targets if _private_to_store(t))
+             for module, targets in GRAPH.items() if not _in_store(module)}
+    assert {m: t for m, t in leaks.items() if t} == {}
+    assert {m for m in MODULES if _in_store(m) and not _private_to_store(m)} == {
+        STORE, STORE_RULES, STORE_ADMIN, STORE_CONTRACT}
+
+
+def test_the_core_reaches_the_store_only_where_it_is_allowed_to():
+    """(c) The backend core (every module but the store and the tools)
+    reaches the store at exactly these places and nothing else of it
+    (``CORE_REACHES_THE_STORE``):
+
+    * ``sglang_simm.client`` -> ``sglang_simm.embedded``, by
+      ``importlib.import_module`` as it loads ``simm.kv``, never imported
+      outright;
+    * ``sglang_simm.errors``, ``sglang_simm.keys`` ->
+      ``sglang_simm.embedded.simm_rules`` (SiMM's codes, limits and key
+      rule, re-exported);
+    * ``sglang_simm.config`` -> ``sglang_simm.embedded.admin`` (the store
+      naming rule).
+
+    The operator's commands (``sglang_simm.tools.*``) import
+    ``sglang_simm.embedded`` and ``sglang_simm.embedded.admin`` only."""
+    core = {module: {t for t in targets if _in_store(t)}
+            for module, targets in GRAPH.items() if not _in_store(module) and not _is_tool(module)}
+    assert {m: sorted(t - CORE_REACHES_THE_STORE.get(m, set())) for m, t in core.items()
+            if t - CORE_REACHES_THE_STORE.get(m, set())} == {}
+    tree = ast.parse(MODULES[f"{PACKAGE}.client"].read_text(encoding="utf-8"))
+    outright = [node.lineno for node in ast.walk(tree)
+                if isinstance(node, ast.Import) and any(_in_store(a.name) for a in node.names)
+                or isinstance(node, ast.ImportFrom) and _in_store(node.module or "")]
+    assert outright == [], "client.py imports the store outright: load it by name (importlib.import_module)"
+    tools = {module: sorted(t for t in targets if _in_store(t) and t not in TOOLS_REACH_THE_STORE)
+             for module, targets in GRAPH.items() if _is_tool(module)}
+    assert {m: t for m, t in tools.items() if t} == {}
 
 
 def test_no_import_cycle():

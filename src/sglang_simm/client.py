@@ -88,6 +88,8 @@ def client_flags(config: SiMMConfig, *, log_file: str) -> dict[str, str]:
     explicit ``client_flags`` entry always wins."""
     flags: dict[str, str] = {}
     if config.is_embedded:
+        # the store counts our warm-up round trips apart (it knows no key prefix of its own)
+        flags["local_store_warmup_key_prefix"] = WARMUP_KEY_PREFIX
         flags["cm_primary_node_ip"] = config.embedded_name
         flags["local_store_scope"] = config.embedded_scope
         flags["local_store_capacity_bytes"] = str(config.local_store_capacity_bytes)

@@ -41,8 +41,8 @@ from typing import Any
 from sglang_simm.keys import KEY_SCHEMES, KeyScheme
 from sglang_simm.values import InvalidValue, parse_bool, parse_byte_size
 
-from sglang_simm.embedded._names import RENAMED_FLAGS, both_given, deprecated
-from sglang_simm.embedded._paths import NAME_RE as STORE_NAME_RE, NAME_RULE as STORE_NAME_RULE
+from sglang_simm.embedded.admin import NAME_RE as STORE_NAME_RE, NAME_RULE as STORE_NAME_RULE
+from sglang_simm.embedded.admin import RENAMED_FLAGS, both_given, deprecated
 
 __all__ = [
     "CONFIG_PATH_ENV",

@@ -16,60 +16,39 @@ Exception tree::
 
 from __future__ import annotations
 
-OK = 0
-INVALID_ARGUMENT = -1000
-TIMEOUT = -1002
-OUT_OF_MEMORY = -1003
-TARGET_NOT_FOUND = -1900
-TARGET_UNAVAILABLE = -1901
-INTERNAL_ERROR = -1999
-UNKNOWN_ERROR = -2000
-ROUTING_TABLE_FAILED = -2001
-SHARD_LOOKUP_FAILED = -2002
-PUT_OBJECT_FAILED = -2100
-GET_OBJECT_FAILED = -2101
-DELETE_OBJECT_FAILED = -2102
-LOOKUP_OBJECT_FAILED = -2103
-MEMPOOL_INIT_FAILED = -2200
-MEMPOOL_ALLOCATE_FAILED = -2201
-MEMPOOL_RELEASE_FAILED = -2202
-REGISTER_MR_FAILED = -2203
-DEREGISTER_MR_FAILED = -2204
-SEND_RPC_FAILED = -2300
-BUILD_CONNECTION_FAILED = -2301
-ADD_CHANNELS_FAILED = -2302
-DS_KEY_NOT_FOUND = -4003
-DS_DATA_ALREADY_EXISTS = -4005
-DS_CACHE_POOL_ALLOC_FAILED = -4006
-
-#: The client's name of every code above, for counters and logs.
-CODE_NAMES: dict[int, str] = {
-    OK: "OK",
-    INVALID_ARGUMENT: "InvalidArgument",
-    TIMEOUT: "Timeout",
-    OUT_OF_MEMORY: "OutOfMemory",
-    TARGET_NOT_FOUND: "TargetNotFound",
-    TARGET_UNAVAILABLE: "TargetUnavailable",
-    INTERNAL_ERROR: "InternalError",
-    UNKNOWN_ERROR: "UnknownError",
-    ROUTING_TABLE_FAILED: "RoutingTableFailed",
-    SHARD_LOOKUP_FAILED: "ShardLookupFailed",
-    PUT_OBJECT_FAILED: "PutObjectFailed",
-    GET_OBJECT_FAILED: "GetObjectFailed",
-    DELETE_OBJECT_FAILED: "DeleteObjectFailed",
-    LOOKUP_OBJECT_FAILED: "LookupObjectFailed",
-    MEMPOOL_INIT_FAILED: "MempoolInitFailed",
-    MEMPOOL_ALLOCATE_FAILED: "MempoolAllocateFailed",
-    MEMPOOL_RELEASE_FAILED: "MempoolReleaseFailed",
-    REGISTER_MR_FAILED: "RegisterMRFailed",
-    DEREGISTER_MR_FAILED: "DeregisterMRFailed",
-    SEND_RPC_FAILED: "SendRPCFailed",
-    BUILD_CONNECTION_FAILED: "BuildConnectionFailed",
-    ADD_CHANNELS_FAILED: "AddChannelsFailed",
-    DS_KEY_NOT_FOUND: "DataServerKeyNotFound",
-    DS_DATA_ALREADY_EXISTS: "DataServerDataAlreadyExists",
-    DS_CACHE_POOL_ALLOC_FAILED: "DataServerCachePoolAllocFailed",
-}
+# SiMM's codes, names and limits are the local store's to define (it returns
+# them); this package reads the one table, re-exported here for its modules.
+from sglang_simm.embedded.simm_rules import (  # noqa: F401 (re-exported)
+    ADD_CHANNELS_FAILED,
+    BUILD_CONNECTION_FAILED,
+    CODE_NAMES,
+    DELETE_OBJECT_FAILED,
+    DEREGISTER_MR_FAILED,
+    DS_CACHE_POOL_ALLOC_FAILED,
+    DS_DATA_ALREADY_EXISTS,
+    DS_KEY_NOT_FOUND,
+    GET_OBJECT_FAILED,
+    INTERNAL_ERROR,
+    INVALID_ARGUMENT,
+    LOOKUP_OBJECT_FAILED,
+    MAX_KEY_BYTES,
+    MAX_VALUE_BYTES,
+    MEMPOOL_ALLOCATE_FAILED,
+    MEMPOOL_INIT_FAILED,
+    MEMPOOL_RELEASE_FAILED,
+    OK,
+    OUT_OF_MEMORY,
+    PUT_OBJECT_FAILED,
+    REGISTER_MR_FAILED,
+    ROUTING_TABLE_FAILED,
+    SEND_RPC_FAILED,
+    SHARD_LOOKUP_FAILED,
+    TARGET_NOT_FOUND,
+    TARGET_UNAVAILABLE,
+    TIMEOUT,
+    UNKNOWN_ERROR,
+    code_name,
+)
 
 #: The codes that say the store could not be reached or did not answer in
 #: time: the transport (send, connect, channels), the routing (the cluster
@@ -112,16 +91,6 @@ def is_fault(code: int) -> bool:
     The one place faults are told from misses, for the real client and the
     local store alike (it returns the real client's codes)."""
     return code in FAULT_CODES
-
-
-#: The real client's limits (see the SiMM client contract).
-MAX_KEY_BYTES = 256
-MAX_VALUE_BYTES = 64 * 1024 * 1024 - 20 * 1024  # 67,088,384
-
-
-def code_name(code: int) -> str:
-    """``-1002`` -> ``"Timeout(-1002)"``; unknown codes keep their number."""
-    return f"{CODE_NAMES.get(int(code), 'Code')}({int(code)})"
 
 
 class SiMMError(Exception):

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal, Sequence
 
 from sglang_simm.errors import MAX_KEY_BYTES, UnsupportedPoolError
+from sglang_simm.embedded.simm_rules import key_fits, keys_fit  # noqa: F401 (SiMM's key rule, re-exported)
 
 KeyScheme = Literal["namespaced", "legacy"]
 KEY_SCHEMES: tuple[str, ...] = ("namespaced", "legacy")
@@ -40,7 +41,6 @@ NAMESPACE_VERSION = 1
 #: page keys start with a namespace or a tag. The local store counts these
 #: objects apart, so pages counted from its counters leave warm-ups out.
 WARMUP_KEY_PREFIX = "sglang_simm_warmup_"
-_WARMUP_KEY_PREFIX_BYTES = WARMUP_KEY_PREFIX.encode()
 
 
 @dataclass(frozen=True)
@@ -227,66 +227,3 @@ def max_page_key_bytes(prefix: str, suffixes: Sequence[str]) -> int:
     """The longest page hash that still gives keys within SiMM's limit."""
     longest = max(len(s.encode()) for s in suffixes)
     return MAX_KEY_BYTES - len(prefix.encode()) - longest
-
-
-def key_fits(key: object, budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False) -> bool:
-    """The one rule for a usable key: a ``str`` of at most ``budget`` bytes in
-    UTF-8 (SiMM counts key bytes; text with no UTF-8 form, such as a lone
-    surrogate, is no key). ``budget`` is SiMM's limit for an object key, or
-    ``max_page_key_bytes`` for a page key. SiMM itself takes an empty key
-    (``empty_ok``, the embedded client); the backend does not, as an empty
-    page hash names no page.
-
-    ``len`` counts characters, never more than the bytes: only non-ASCII
-    text needs encoding.
-    """
-    if not isinstance(key, str) or (not key and not empty_ok) or len(key) > budget:
-        return False
-    if key.isascii():
-        return True
-    try:
-        return len(key.encode("utf-8")) <= budget
-    except UnicodeEncodeError:
-        return False
-
-
-def keys_fit(keys: Sequence[object], budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False) -> bool:
-    """``key_fits`` for every key of a batch, with C-level checks for the
-    common case: every key an ASCII string of one length (SGLang's page
-    keys are hex digests).
-
-    That case is proved from one ``"\n".join``: it holds exactly n - 1
-    newlines, its length is n keys of the first key's width plus n - 1
-    separators, and every place a separator would stand between keys of
-    that width holds one; so no key holds a newline and every key has that
-    width. Anything else takes the per-key rule."""
-    try:
-        joined = "\n".join(keys)  # type: ignore[arg-type]  # TypeError: a key that is not a str
-    except TypeError:
-        return False
-    n = len(keys)
-    if not n:
-        return True
-    width = len(keys[0])  # type: ignore[arg-type]
-    if (
-        0 < width <= budget
-        and len(joined) == n * (width + 1) - 1
-        and joined.isascii()
-        and joined.count("\n") == n - 1
-        and (n == 1 or joined[width:: width + 1] == "\n" * (n - 1))
-    ):
-        return True
-    return all(key_fits(k, budget, empty_ok=empty_ok) for k in keys)
-
-
-def warmup_keys(keys: Sequence[str] | Sequence[bytes]) -> int:
-    """How many of ``keys`` (all ``str`` or all ``bytes``, as a store holds
-    them) are warm-up keys. A batch of pages has none: one scan of the joined
-    keys in C says so, where a test per key would cost the store's publish a
-    tenth of its time; only a batch that may hold one is counted key by key."""
-    if not keys:
-        return 0
-    prefix: str | bytes = _WARMUP_KEY_PREFIX_BYTES if isinstance(keys[0], bytes) else WARMUP_KEY_PREFIX
-    if prefix not in prefix[:0].join(keys):  # type: ignore[arg-type]
-        return 0
-    return sum(1 for key in keys if key.startswith(prefix))  # type: ignore[arg-type]

@@ -29,6 +29,14 @@ Two forms of the local store stand behind it (flag ``local_store_scope``):
 views, ``Store``) and ``_faults`` the simulated network (error rate,
 latency, outage), per client process. See ``docs/local-store.md``.
 
+The store imports nothing of the backend, which reaches it by name, as it
+reaches ``simm.kv``. Its public modules besides this one: ``simm_rules``
+(SiMM's return codes, limits and key rule, which the store enforces and the
+backend re-exports), ``admin`` (what the configuration and the operator's
+commands use: names, directories, status, limits, metrics) and
+``contract`` (``StoreServer``, what ``_client`` asks of either server);
+every other module is private to the store (``tests/test_layout.py``).
+
 Importing this package imports nothing heavy; ``_client`` and ``_server``
 import torch (the real ``simm.kv`` does too), the store process never does.
 """

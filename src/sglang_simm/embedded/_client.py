@@ -79,7 +79,9 @@ from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._index import EVICTION_POLICIES
 from sglang_simm.embedded._names import RENAMED_FLAGS, deprecated
 from sglang_simm.embedded._server import EmbeddedServer
-from sglang_simm.errors import (
+from sglang_simm.embedded._limits import check_warmup_prefix
+from sglang_simm.embedded.contract import StoreServer
+from sglang_simm.embedded.simm_rules import (
     DS_DATA_ALREADY_EXISTS,
     GET_OBJECT_FAILED,
     INVALID_ARGUMENT,
@@ -89,9 +91,9 @@ from sglang_simm.errors import (
     REGISTER_MR_FAILED,
     SEND_RPC_FAILED,
     code_name,
+    key_fits,
+    keys_fit,
 )
-from sglang_simm.keys import key_fits, keys_fit
-from sglang_simm.values import parse_bool
 
 logger = logging.getLogger("sglang_simm.embedded")
 
@@ -119,11 +121,15 @@ RELEASES = (HEAD, TAG)
 _INT_RE = re.compile(r"[+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)\Z")
 
 
+#: Boolean flag values, any case, surrounding blanks ignored: gflags'
+#: spellings (it takes t/f, y/n) and on/off.
+_TRUE_WORDS = frozenset({"true", "t", "yes", "y", "on", "1"})
+_FALSE_WORDS = frozenset({"false", "f", "no", "n", "off", "0"})
+
+
 def _parse_bool(value: str) -> str | None:
-    try:
-        return "true" if parse_bool(value) else "false"
-    except ValueError:
-        return None
+    text = value.strip().lower()
+    return "true" if text in _TRUE_WORDS else "false" if text in _FALSE_WORDS else None
 
 
 def _parse_int(value: str, lo: int, hi: int) -> str | None:
@@ -179,6 +185,14 @@ def _choice(*allowed: str):
 
 def _seed(value: str) -> str | None:
     return "" if value == "" else _parse_int(value, -(2**63), 2**63 - 1)
+
+
+def _warmup_prefix(value: str) -> str | None:
+    try:
+        check_warmup_prefix(value, ())
+    except ValueError:
+        return "" if value == "" else None
+    return value
 
 
 # name -> (parser returning the canonical string or None, default)
@@ -237,6 +251,12 @@ _FAULT_FLAGS = {
     "local_store_corrupt_reads": "corrupt_rate",
     "local_store_seed": "seed",
 }
+
+# Keys that start with this prefix are counted apart as warm-ups by the
+# store (``warmup_puts``, ``warmup_hits``): a client's start-up round trips,
+# which its pages counted from the store's counters leave out. Every Store()
+# made with it set tells its store; "" = none.
+_FLAG_SPECS["local_store_warmup_key_prefix"] = (_warmup_prefix, "")
 
 _flags: dict[str, str] = {name: default for name, (_, default) in _FLAG_SPECS.items()}
 _flags_lock = threading.Lock()
@@ -341,7 +361,7 @@ def _store_dir_flag() -> str | None:
     return get_flag("local_store_dir") or None
 
 
-def _configure_faults(server: EmbeddedServer | HostServer, flags: dict[str, str]) -> None:
+def _configure_faults(server: StoreServer, flags: dict[str, str]) -> None:
     server.faults.configure(**{attr: _fault_value(flag, flags[flag]) for flag, attr in _FAULT_FLAGS.items()})
 
 
@@ -370,7 +390,7 @@ def _open_host_server(name: str) -> HostServer:
     return server
 
 
-def get_server(name: str) -> EmbeddedServer | HostServer:
+def get_server(name: str) -> StoreServer:
     """The local store called ``name`` in the current ``local_store_scope``:
     in this process (created on first use with the current ``local_store_*``
     flags), or this process's handle on the local store process of that name
@@ -629,10 +649,13 @@ class Store:
                 f"Init client messenger failed: {code_name(SEND_RPC_FAILED)} "
                 f"(local store {server.name!r} is down)"
             )
-        self._server = server
+        self._server: StoreServer = server
+        warmups = get_flag("local_store_warmup_key_prefix")
+        if warmups:
+            server.add_warmup_prefix(warmups)
 
     @property
-    def server(self) -> EmbeddedServer | HostServer:
+    def server(self) -> StoreServer:
         """The local store behind this client (local store only)."""
         return self._server
 

@@ -65,7 +65,7 @@ from sglang_simm.embedded._limits import REFUSALS, RateLimitedLog, StoreLimits
 from sglang_simm.embedded._paths import StoreAccessError, StorePaths, ensure_dir, held_bytes, open_private
 from sglang_simm.embedded._protocol import Op, ProtocolError, Reader, frame, pack_ints, pack_json
 from sglang_simm.embedded._table import IndexTable
-from sglang_simm.errors import INTERNAL_ERROR, INVALID_ARGUMENT, TARGET_UNAVAILABLE
+from sglang_simm.embedded.simm_rules import INTERNAL_ERROR, INVALID_ARGUMENT, TARGET_UNAVAILABLE
 from sglang_simm.embedded._http import store_metrics_from_env
 
 logger = logging.getLogger("sglang_simm.embedded.daemon")
@@ -727,6 +727,11 @@ class StoreDaemon:
                               f"stop it with 'sglang-simm store stop {self.paths.name}'")
             conn.started = True
             self.idle_since = None
+            prefixes = hello.get("warmup_prefixes") or []
+            for prefix in prefixes if isinstance(prefixes, list) else [prefixes]:
+                refusal = self._add_warmup_prefix(prefix)
+                if refusal:
+                    self.log.warning("warmup_prefix", "client pid %d: %s", conn.pid, refusal)
             return frame(op, pack_json({**self.describe(), "conn": conn.id}))
         if op == Op.ADMIN:
             cmd = _json(r)
@@ -785,6 +790,17 @@ class StoreDaemon:
             out[f"refused_{reason}"] = max(self.refused[reason], out.get(f"refused_{reason}", 0))
         return out
 
+    def _add_warmup_prefix(self, prefix: object) -> str | None:
+        """Count keys that start with a client's ``prefix`` apart (its
+        warm-ups, ``StoreIndex.add_warmup_prefix``); why not, or None."""
+        if not isinstance(prefix, str):
+            return f"a warm-up key prefix must be a string, got {type(prefix).__name__}"
+        try:
+            self.index.add_warmup_prefix(prefix.encode("utf-8", "surrogatepass"))
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def _admin(self, cmd: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         what = cmd.get("cmd")
         index = self.index
@@ -818,6 +834,11 @@ class StoreDaemon:
             self.settings.policy = index.policy
             self.settings.save(self.paths.settings)
             return {"policy": index.policy}
+        if what == "warmup_prefix":
+            refusal = self._add_warmup_prefix(cmd.get("prefix"))
+            if refusal:
+                return {"error": refusal, "type": "ValueError"}
+            return {"warmup_prefixes": len(index.warmup_prefixes)}
         if what == "stop":
             self.stop_reason = "stopped"
             self.running = False

@@ -25,7 +25,7 @@ import random
 import threading
 import time
 
-from sglang_simm.errors import SEND_RPC_FAILED, code_name
+from sglang_simm.embedded.simm_rules import SEND_RPC_FAILED, code_name
 
 
 class FaultInjector:

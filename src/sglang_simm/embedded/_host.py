@@ -64,10 +64,10 @@ from sglang_simm.embedded import _protocol as wire
 from sglang_simm.embedded._arena import LEASE_WORDS, POPULATE_CHUNK, ArenaMap
 from sglang_simm.embedded._copy import copy_many, held_libc, human_bytes
 from sglang_simm.embedded._faults import FaultInjector
-from sglang_simm.embedded._limits import RateLimitedLog
+from sglang_simm.embedded._limits import RateLimitedLog, check_warmup_prefix
 from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, lock_held, pid_alive, read_pid, store_dir
 from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
-from sglang_simm.errors import (
+from sglang_simm.embedded.simm_rules import (
     BUILD_CONNECTION_FAILED,
     DS_KEY_NOT_FOUND,
     INTERNAL_ERROR,
@@ -441,6 +441,8 @@ class HostServer:
         #: a store this handle starts starts even beyond what the host can back
         self.force = force
         self.max_batch = DEFAULT_MAX_BATCH
+        #: key prefixes the store counts apart as warm-ups (``add_warmup_prefix``)
+        self.warmup_prefixes: tuple[str, ...] = ()
         #: The network between this process and the store (see ``_faults``).
         self.faults = FaultInjector()
         self._conn: _Connection | None = None
@@ -521,7 +523,10 @@ class HostServer:
             raise StoreUnreachable(BUILD_CONNECTION_FAILED, f"the store process does not accept ({exc})") from exc
         except OSError as exc:
             raise StoreUnreachable(BUILD_CONNECTION_FAILED, f"{type(exc).__name__}: {exc}") from exc
-        hello = pack_json({"version": wire.PROTOCOL_VERSION, "pid": os.getpid()})
+        hello = {"version": wire.PROTOCOL_VERSION, "pid": os.getpid()}
+        if self.warmup_prefixes:  # declared in every handshake: a store process that restarts hears them again
+            hello["warmup_prefixes"] = list(self.warmup_prefixes)
+        hello = pack_json(hello)
         try:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -857,6 +862,23 @@ class HostServer:
         part = encode_keys([prefix])
         _, r = self._request(Op.DELETE_PREFIX, part, timeout_s=ADMIN_TIMEOUT_S)
         return r.ints()[0]
+
+    def add_warmup_prefix(self, prefix: str) -> None:
+        """Have the store count keys that start with ``prefix`` apart as
+        well (``warmup_puts``, ``warmup_hits``): told now, and in every
+        handshake after, so a store process that restarts hears it again.
+        ValueError for a prefix that is no key; a store that cannot take it
+        (unreachable, too many prefixes) is logged, not raised."""
+        check_warmup_prefix(prefix, self.warmup_prefixes)
+        if prefix in self.warmup_prefixes:
+            return
+        self.warmup_prefixes += (prefix,)
+        try:
+            self.admin("warmup_prefix", prefix=prefix)
+        except StoreUnreachable:
+            pass  # the next connection's handshake declares it
+        except (TypeError, ValueError) as exc:
+            logger.warning("host store %r does not count warm-up keys %r apart: %s", self.name, prefix, exc)
 
     # -- operator surface ------------------------------------------------------------
 

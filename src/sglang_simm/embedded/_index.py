@@ -63,9 +63,9 @@ from typing import Any
 
 from sglang_simm.embedded._allocator import ExtentAllocator, aligned
 from sglang_simm.embedded._arena import LEASE_WORDS
-from sglang_simm.embedded._limits import StoreLimits, key_ok
+from sglang_simm.embedded._limits import StoreLimits, check_warmup_prefix, key_ok
 from sglang_simm.embedded._table import SlotPool
-from sglang_simm.errors import (
+from sglang_simm.embedded.simm_rules import (
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
     DS_CACHE_POOL_ALLOC_FAILED,
@@ -77,7 +77,6 @@ from sglang_simm.errors import (
     SEND_RPC_FAILED,
     TARGET_UNAVAILABLE,
 )
-from sglang_simm.keys import warmup_keys
 
 EVICTION_POLICIES = ("fifo", "lru")
 #: While a connection holds put room, more is granted to it only within
@@ -117,12 +116,28 @@ STAT_NAMES = (
     "fenced",  # leases of closed connections ended by their process's fence
     "reaped",  # leases of closed connections ended because their process was gone
     "held_at_takeover",  # grants of a dead store process whose owners lived: kept out of use
-    # Of the puts and hits, those of warm-up keys (``keys.WARMUP_KEY_PREFIX``):
-    # a backend's start-up round trip, so that pages counted from these
+    # Of the puts and hits, those of warm-up keys (``count_warmups``: keys
+    # that start with a prefix a client declared, ``add_warmup_prefix``):
+    # a client's start-up round trip, so that pages counted from these
     # counters (puts minus these, over objects per page) leave it out.
     "warmup_puts",
     "warmup_hits",
 )
+
+
+def count_warmups(keys: Sequence[str] | Sequence[bytes], prefixes: tuple) -> int:
+    """How many of ``keys`` (all ``str`` or all ``bytes``, as ``prefixes``)
+    are warm-up keys: keys that start with one of ``prefixes``, the warm-up
+    key prefixes clients declared (none: nothing is counted apart). A batch
+    of pages has none: one scan of the joined keys in C says so, where a
+    test per key would cost a publish a tenth of its time; only a batch
+    that may hold one is counted key by key."""
+    if not keys or not prefixes:
+        return 0
+    joined = prefixes[0][:0].join(keys)  # type: ignore[arg-type]
+    if not any(prefix in joined for prefix in prefixes):
+        return 0
+    return sum(1 for key in keys if key.startswith(prefixes))  # type: ignore[arg-type]
 
 
 class LeaseError(KeyError):
@@ -250,8 +265,18 @@ class StoreIndex:
         self._table = table if table is not None else _NoTable()
         self._slots = SlotPool(self.max_objects)
         self.stats = dict.fromkeys(STAT_NAMES, 0)
+        #: the warm-up key prefixes clients declared (``add_warmup_prefix``)
+        self.warmup_prefixes: tuple[bytes, ...] = ()
         #: bytes the capacity was lowered to when the host ran out of memory
         self.memory_limited: int | None = None
+
+    def add_warmup_prefix(self, prefix: bytes) -> None:
+        """Count keys that start with ``prefix`` apart from now on, as well
+        (``warmup_puts``, ``warmup_hits``); ValueError past the bounds
+        (``check_warmup_prefix``). A prefix held already changes nothing."""
+        check_warmup_prefix(prefix, self.warmup_prefixes)
+        if prefix not in self.warmup_prefixes:
+            self.warmup_prefixes += (prefix,)
 
     def _check_capacity(self, value: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -556,13 +581,14 @@ class StoreIndex:
             for _, key, obj in items:
                 objects[key] = obj
             published, published_bytes = len(items), reserved
-            warmups = warmup_keys(keys)
+            warmups = count_warmups(keys, self.warmup_prefixes)
         else:
             out = self._publish_one_by_one(items, overwrite)
             won = [obj for (_, _, obj), (_, code) in zip(items, out) if code == OK]
             # (a key named twice: the later entry replaced the earlier, counted in and out as two puts)
             published, published_bytes = len(won), sum([obj.size for obj in won])
-            warmups = warmup_keys([key for (_, key, _), (_, code) in zip(items, out) if code == OK])
+            warmups = count_warmups([key for (_, key, _), (_, code) in zip(items, out) if code == OK],
+                                    self.warmup_prefixes)
             items = [(i, key, obj) for i, key, obj in items if objects.get(key) is obj]
             keys = [key for _, key, _ in items]
         self._table.commit([obj.slot for _, _, obj in items], keys,
@@ -636,8 +662,9 @@ class StoreIndex:
                 objects.move_to_end(key)
         if full and any(r == TARGET_UNAVAILABLE for r in results):
             stats["refused_leases"] += 1
-        if pinned and warmup_keys(keys):
-            stats["warmup_hits"] += warmup_keys([key for key, r in zip(keys, results) if r >= 0])
+        if pinned and count_warmups(keys, self.warmup_prefixes):
+            stats["warmup_hits"] += count_warmups([key for key, r in zip(keys, results) if r >= 0],
+                                                  self.warmup_prefixes)
         if not pinned:
             return 0, results, offsets
         return self._lease(_Lease(owner, is_put=False, pinned=pinned)), results, offsets

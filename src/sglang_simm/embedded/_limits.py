@@ -27,9 +27,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
 from typing import Any
 
-from sglang_simm.errors import MAX_KEY_BYTES, MAX_VALUE_BYTES
+from sglang_simm.embedded.simm_rules import MAX_KEY_BYTES, MAX_VALUE_BYTES
 
 #: What one object costs the store process in private memory (key bytes
 #: aside): its index entry, the ordered dict's node, the lease bookkeeping.
@@ -115,6 +116,23 @@ def key_ok(key: bytes) -> bool:
 
 def size_ok(size: int) -> bool:
     return 0 <= size <= MAX_VALUE_BYTES
+
+
+#: Warm-up key prefixes a store keeps at most (clients declare them; each
+#: at most SiMM's key length).
+MAX_WARMUP_PREFIXES = 16
+
+
+def check_warmup_prefix(prefix: object, held: Sequence[object]) -> None:
+    """Raise ValueError unless ``prefix`` (``str`` or ``bytes``) may be added
+    to the ``held`` ones: a key (not empty, no NUL, at most SiMM's key
+    length), and room for one more unless it is held already."""
+    raw = prefix.encode("utf-8", "surrogatepass") if isinstance(prefix, str) else prefix
+    if not isinstance(raw, bytes) or not 0 < len(raw) <= MAX_KEY_BYTES or b"\0" in raw:
+        raise ValueError(f"a warm-up key prefix must be a key of 1 to {MAX_KEY_BYTES} bytes without NUL, "
+                         f"got {prefix!r}")
+    if prefix not in held and len(held) >= MAX_WARMUP_PREFIXES:
+        raise ValueError(f"at most {MAX_WARMUP_PREFIXES} warm-up key prefixes, and {len(held)} are held")
 
 
 class RateLimitedLog:

@@ -30,8 +30,9 @@ import torch
 
 from sglang_simm.embedded._copy import copy_many, human_bytes, wrap_memory  # noqa: F401 (wrap_memory re-exported)
 from sglang_simm.embedded._faults import FaultInjector
-from sglang_simm.embedded._index import STAT_NAMES, check_policy
-from sglang_simm.errors import (
+from sglang_simm.embedded._index import STAT_NAMES, check_policy, count_warmups
+from sglang_simm.embedded._limits import check_warmup_prefix
+from sglang_simm.embedded.simm_rules import (
     DS_CACHE_POOL_ALLOC_FAILED,
     DS_DATA_ALREADY_EXISTS,
     DS_KEY_NOT_FOUND,
@@ -39,7 +40,6 @@ from sglang_simm.errors import (
     OK,
     OUT_OF_MEMORY,
 )
-from sglang_simm.keys import warmup_keys
 
 logger = logging.getLogger("sglang_simm.embedded")
 
@@ -71,6 +71,7 @@ class EmbeddedServer:
         # Buffers that readers are copying from, by id: never recycled.
         self._reading: Counter[int] = Counter()
         self._stats = dict.fromkeys(STAT_NAMES, 0)
+        self._warmup_prefixes: tuple[str, ...] = ()
         #: The network between clients and this server (see ``_faults``).
         self.faults = FaultInjector()
 
@@ -98,6 +99,15 @@ class EmbeddedServer:
             self._free_bytes = 0
             while self._objects and self._used + self._reserved > capacity:
                 self._evict_one_locked()
+
+    def add_warmup_prefix(self, prefix: str) -> None:
+        """Count keys that start with ``prefix`` apart from now on, as well
+        (``warmup_puts``, ``warmup_hits``); ValueError for an empty or
+        too long prefix, or one too many."""
+        with self._lock:
+            check_warmup_prefix(prefix, self._warmup_prefixes)
+            if prefix not in self._warmup_prefixes:
+                self._warmup_prefixes += (prefix,)
 
     def _evict_one_locked(self) -> None:
         _, (buf, size) = self._objects.popitem(last=False)
@@ -209,7 +219,7 @@ class EmbeddedServer:
                 stats["puts"] += 1
                 stats["bytes_in"] += size
                 published.append(key)
-            stats["warmup_puts"] += warmup_keys(published)
+            stats["warmup_puts"] += count_warmups(published, self._warmup_prefixes)
         return results
 
     def get_into(self, items: Sequence[tuple[str, int, int]]) -> list[int]:
@@ -241,7 +251,7 @@ class EmbeddedServer:
                 found.append((i, buf, size, ptr))
                 self._reading[id(buf)] += 1
             if found:
-                stats["warmup_hits"] += warmup_keys([items[i][0] for i, _, _, _ in found])
+                stats["warmup_hits"] += count_warmups([items[i][0] for i, _, _, _ in found], self._warmup_prefixes)
         try:
             copy_many([(ptr, buf.data_ptr(), size) for _, buf, size, ptr in found])
             for i, _, size, _ in found:

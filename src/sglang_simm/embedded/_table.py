@@ -41,7 +41,7 @@ import numpy as np
 
 from sglang_simm.embedded._arena import _punch_hole, prefault
 from sglang_simm.embedded._paths import open_private
-from sglang_simm.errors import MAX_VALUE_BYTES
+from sglang_simm.embedded.simm_rules import MAX_VALUE_BYTES
 
 FREE = 0
 COMMITTED = 0x434F4D54  # "COMT"

@@ -321,9 +321,14 @@ def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: R
     that doctor never leaves a store of its own choosing behind for the
     next server to find."""
     from sglang_simm.config import client_flag, load_config, with_client_flag
-    from sglang_simm.embedded._host import StoreUnreachable, running_status
-    from sglang_simm.embedded._copy import human_bytes
-    from sglang_simm.embedded._paths import StorePaths, private_store_dir, store_dir
+    from sglang_simm.embedded.admin import (
+        StorePaths,
+        StoreUnreachable,
+        human_bytes,
+        private_store_dir,
+        running_status,
+        store_dir,
+    )
 
     name, parent = config.embedded_name, client_flag(extra, "local_store_dir")
     root = store_dir(parent)

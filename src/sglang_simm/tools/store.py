@@ -17,17 +17,22 @@ import sys
 import time
 from typing import Any
 
-from sglang_simm.embedded._host import (
+from sglang_simm.embedded.admin import (
+    EVICTION_POLICIES,
     HostServer,
+    StorePaths,
     StoreUnreachable,
+    check_name,
+    held_bytes,
     lock_held,
     open_running,
     pid_alive,
+    read_pid,
     running_status,
+    store_dir,
+    store_names,
     wait_gone,
 )
-from sglang_simm.embedded._index import EVICTION_POLICIES
-from sglang_simm.embedded._paths import StorePaths, check_name, held_bytes, read_pid, store_dir, store_names
 
 _DEFAULT_NAME = "default"
 
@@ -71,7 +76,7 @@ def add_arguments(sub: Any) -> None:
 
 
 def _human(n: int) -> str:
-    from sglang_simm.embedded._copy import human_bytes
+    from sglang_simm.embedded.admin import human_bytes
 
     return human_bytes(int(n))
 
@@ -101,7 +106,7 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
             shown = [st for st in statuses if st["running"] or st.get("dead") or st.get("pid")]
             hidden, statuses = len(statuses) - len(shown), shown
         if args.prometheus:
-            from sglang_simm.embedded._metrics import render
+            from sglang_simm.embedded.admin import render_metrics as render
 
             print(render(statuses), end="")
         elif args.json:
@@ -117,14 +122,14 @@ def run_store(console: Any, args: argparse.Namespace) -> int:
                   if v is not None}
         if args.idle_exit < 0:
             raise ValueError(f"--idle-exit must be >= 0 seconds (0: never), got {args.idle_exit:g}")
-        from sglang_simm.embedded._limits import StoreLimits
+        from sglang_simm.embedded.admin import StoreLimits
 
         StoreLimits.from_dict(limits)  # a bad value fails here, naming the option's field
         paths = StorePaths(root, check_name(args.name))
         running = os.path.exists(paths.socket) and lock_held(paths)
         if not running:
             # before anything is started or any memory taken: what this host can back
-            from sglang_simm.embedded._arena import Backing
+            from sglang_simm.embedded.admin import Backing
 
             os.makedirs(root, mode=0o700, exist_ok=True)
             backing = Backing.of(root)
@@ -248,8 +253,7 @@ def _free_dead(console: Any, paths: StorePaths) -> int:
     the name's lock so that no store starts meanwhile."""
     import fcntl
 
-    from sglang_simm.embedded._arena import arena_held
-    from sglang_simm.embedded._daemon import remove_files
+    from sglang_simm.embedded.admin import arena_held, remove_files
 
     if any(arena_held(a) for a in paths.arenas()):  # its lock file removed, a store process still serves
         console.print(f"store {paths.name!r}: a live store process holds its arena; stop that process")

@@ -1,0 +1,115 @@
+"""The server contract: what the ``simm.kv`` layer (``_client``) asks of the
+store behind a ``Store()``, whichever form it takes.
+
+Two classes implement it: ``EmbeddedServer`` (``_server``, the store inside
+this process) and ``HostServer`` (``_host``, this process's handle on the
+store process of the host). ``_client`` holds either as a ``StoreServer``
+and turns these answers into SiMM client results, path by path, as the
+real client does; ``tests/store/test_server_contract.py`` checks that both
+classes have every member below with the same signature.
+
+Typing only: importing this module imports nothing else of the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sglang_simm.embedded._faults import FaultInjector
+
+
+@runtime_checkable
+class StoreServer(Protocol):
+    """One store, shared by name by every ``Store()`` that joins it.
+
+    Codes are SiMM's data server's (``simm_rules``): the layer above maps
+    them per path. Every batch call answers one entry per item, in the
+    items' order; entries of one batch succeed or fail on their own.
+
+    * ``put_from(items, overwrite)``: store ``(key, ptr, size)`` entries,
+      copying ``size`` bytes from ``ptr``. Per entry: OK;
+      ``DS_DATA_ALREADY_EXISTS`` when the key is stored and ``overwrite`` is
+      false (also when another put of the key published first);
+      ``DS_CACHE_POOL_ALLOC_FAILED`` when the object cannot fit in the
+      capacity; ``OUT_OF_MEMORY`` when the host cannot back it; the host
+      store also refuses an entry past SiMM's limits or its own
+      (``INVALID_ARGUMENT``, ``TARGET_UNAVAILABLE``). A key named twice in a
+      batch: with ``overwrite`` the later entry wins, without it the earlier.
+    * ``get_into(items)``: copy objects into ``(key, ptr, capacity)``
+      buffers. Per entry: the object's size; ``DS_KEY_NOT_FOUND``;
+      ``INVALID_ARGUMENT`` when the buffer is smaller than the object
+      (nothing is written); the host store also ``TARGET_UNAVAILABLE`` past
+      its lease limits. With LRU eviction a hit makes the object young.
+    * ``lookup(keys)``: per key OK or ``DS_KEY_NOT_FOUND``; eviction order is
+      left alone.
+    * ``delete(key)``: OK or ``DS_KEY_NOT_FOUND``. ``delete_prefix(prefix)``:
+      how many objects whose key starts with ``prefix`` were deleted.
+    * ``clear()``: drop every object (counters are kept). ``keys()``: every
+      key, the next to be evicted first.
+    * ``stats()``: the counters of ``_index.STAT_NAMES`` since the store
+      began, plus ``objects``, ``used_bytes``, ``capacity_bytes`` and
+      ``injected_errors`` (this process's fault injector); the host store
+      adds its own (clients, leases, refusals, ...).
+    * ``capacity_bytes`` (object bytes the store holds at most) and
+      ``used_bytes`` (bytes of published objects); ``set_capacity(n)``
+      (evicting until the stored bytes fit; TypeError or ValueError for a
+      bad ``n``) and ``set_policy(policy)`` ("fifo": oldest put first, as
+      SiMM's data server; "lru": least recently used; ValueError else).
+    * ``add_warmup_prefix(prefix)``: count keys that start with ``prefix``
+      apart from now on, as well (``warmup_puts``, ``warmup_hits``), so
+      that pages counted from the counters leave a client's start-up round
+      trips out. The store knows no prefix of its own.
+    * ``name``: the store's name; ``faults``: the simulated network between
+      this process and the store (``_faults.FaultInjector``), which the
+      layer above consults before each call.
+
+    Consistency: an object is visible only once whole (a put copies first,
+    then publishes), and a reader copies a whole old value or a whole new
+    one, never a torn or foreign one; a put that fails does not replace
+    the key's value. A call's memory (``ptr``) must stay valid for the call
+    only: the store keeps no reference to it after returning.
+
+    Faults: the in-process store never raises on the data path. The host
+    store raises ``StoreUnreachable`` (a ``ConnectionError`` whose ``code``
+    is a SiMM transport code) for a batch that could not reach the store
+    process within its time limit; the layer above answers every entry of
+    that batch with the code. Operator calls (``stats``, ``keys``,
+    ``set_capacity``, ...) may raise it too.
+
+    ``isinstance(obj, StoreServer)`` checks the members' presence only (and
+    on Python < 3.12 reads the properties: on a host store handle that is a
+    request); the signatures are checked by the tests.
+    """
+
+    name: str
+    faults: FaultInjector
+
+    def put_from(self, items: Sequence[tuple[str, int, int]], overwrite: bool) -> list[int]: ...
+
+    def get_into(self, items: Sequence[tuple[str, int, int]]) -> list[int]: ...
+
+    def lookup(self, keys: Sequence[str]) -> list[int]: ...
+
+    def delete(self, key: str) -> int: ...
+
+    def delete_prefix(self, prefix: str) -> int: ...
+
+    def clear(self) -> None: ...
+
+    def keys(self) -> list[str]: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def set_capacity(self, capacity_bytes: int) -> None: ...
+
+    def set_policy(self, policy: str) -> None: ...
+
+    def add_warmup_prefix(self, prefix: str) -> None: ...
