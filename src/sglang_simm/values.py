@@ -1,4 +1,4 @@
-"""Small value parsers shared by the configuration and the local store: booleans, byte sizes.
+"""Small value parsers of the configuration: booleans, byte sizes.
 
 Standard library only, so ``import sglang_simm.config`` stays cheap. Each
 parser returns the value or raises ``InvalidValue``, which says what is wrong

@@ -241,6 +241,11 @@ _FLAG_SPECS: dict[str, tuple] = {
     "local_store_down": (_parse_bool, "false"),
     "local_store_corrupt_reads": (_rate, "0.0"),  # share of successful reads flipped
     "local_store_seed": (_seed, ""),  # "" = unseeded
+    # keys that start with this prefix are counted apart as warm-ups by the
+    # store (warmup_puts, warmup_hits): a client's start-up round trips, which
+    # pages counted from the store's counters leave out; every Store() made
+    # with it set tells its store; "" = none
+    "local_store_warmup_key_prefix": (_warmup_prefix, ""),
 }
 
 _FAULT_FLAGS = {
@@ -251,12 +256,6 @@ _FAULT_FLAGS = {
     "local_store_corrupt_reads": "corrupt_rate",
     "local_store_seed": "seed",
 }
-
-# Keys that start with this prefix are counted apart as warm-ups by the
-# store (``warmup_puts``, ``warmup_hits``): a client's start-up round trips,
-# which its pages counted from the store's counters leave out. Every Store()
-# made with it set tells its store; "" = none.
-_FLAG_SPECS["local_store_warmup_key_prefix"] = (_warmup_prefix, "")
 
 _flags: dict[str, str] = {name: default for name, (_, default) in _FLAG_SPECS.items()}
 _flags_lock = threading.Lock()
