@@ -347,6 +347,25 @@ def test_side_pool_pages_round_trip_byte_for_byte(hybrid_attach):
     assert metrics.prefetch_pgs == [7] and metrics.backup_pgs == [7]
 
 
+def assert_state_round_trips(backend, pool, key, *, seed):
+    """A Mamba state written from slot 2 reads back whole into slot 5 of a
+    scrambled pool, and the slots beside it (4, 6) keep their bytes."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    randomize(pool, seed)
+    want = page(pool, 2)
+    assert backend.batch_set_v2([transfer(PoolName.MAMBA, keys=key, host_indices=torch.tensor([2]))]) == {
+        PoolName.MAMBA: [True]
+    }
+    randomize(pool, seed + 1)
+    beside = [page(pool, 4), page(pool, 6)]
+    assert backend.batch_get_v2([transfer(PoolName.MAMBA, keys=key, host_indices=torch.tensor([5]))]) == {
+        PoolName.MAMBA: [True]
+    }
+    assert torch.equal(page(pool, 5), want)
+    assert all(torch.equal(page(pool, p), was) for p, was in zip((4, 6), beside))
+
+
 def test_a_conv_only_mamba_pool_has_no_temporal_object(hybrid_attach):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
@@ -355,17 +374,7 @@ def test_a_conv_only_mamba_pool_has_no_temporal_object(hybrid_attach):
     backend.register_mem_host_pool_v2(pool, PoolName.MAMBA)
     b = backend.pools.side["mamba"]
     assert b.suffixes == (".mamba.conv0",) and len(b.mrs) == 1
-    randomize(pool, 3)
-    want = page(pool, 2)
-    key = hashes(1, "conv")
-    assert backend.batch_set_v2([transfer(PoolName.MAMBA, keys=key, host_indices=torch.tensor([2]))]) == {
-        PoolName.MAMBA: [True]
-    }
-    randomize(pool, 4)
-    assert backend.batch_get_v2([transfer(PoolName.MAMBA, keys=key, host_indices=torch.tensor([5]))]) == {
-        PoolName.MAMBA: [True]
-    }
-    assert torch.equal(page(pool, 5), want)
+    assert_state_round_trips(backend, pool, hashes(1, "conv"), seed=3)
 
 
 def test_a_mamba_pools_per_slot_side_states_travel_with_its_states(hybrid_attach):
@@ -382,19 +391,7 @@ def test_a_mamba_pools_per_slot_side_states_travel_with_its_states(hybrid_attach
     b = backend.pools.side["mamba"]
     assert b.suffixes[-2:] == (".mamba.state0", ".mamba.state1") and len(b.mrs) == 5
     assert b.page_bytes == pool.get_size_per_token()
-    randomize(pool, 5)
-    want = page(pool, 2)
-    key = hashes(1, "side")
-    assert backend.batch_set_v2([transfer(PoolName.MAMBA, keys=key, host_indices=torch.tensor([2]))]) == {
-        PoolName.MAMBA: [True]
-    }
-    randomize(pool, 6)
-    beside = [page(pool, 4), page(pool, 6)]
-    assert backend.batch_get_v2([transfer(PoolName.MAMBA, keys=key, host_indices=torch.tensor([5]))]) == {
-        PoolName.MAMBA: [True]
-    }
-    assert torch.equal(page(pool, 5), want)
-    assert all(torch.equal(page(pool, p), was) for p, was in zip((4, 6), beside))
+    assert_state_round_trips(backend, pool, hashes(1, "side"), seed=5)
 
 
 def test_a_v2_write_is_one_mput_of_every_pool_and_no_lookup(hybrid_attach):
