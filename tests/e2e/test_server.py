@@ -6,11 +6,10 @@ One server per route, shared by the module's tests:
   ``kernel`` io backend, ``--enable-metrics``;
 * ``dynamic``: module path and ``interface_v1``, ``page_first_direct`` with the
   ``direct`` io backend, metrics off (SGLang's default), a small local
-  store (so the soak runs at its capacity, evicting).
+  store (so the soak runs at its capacity, evicting), SGLang 0.5.23's
+  ``buffer_only`` host mode (the host pool only stages transfers);
 
-``buffer-only``: the plugin entry point in SGLang 0.5.23's
-``--hicache-host-memory-mode buffer_only`` (the host pool only stages
-transfers), and ``l3-threshold``: the plugin entry point with a prefetch threshold above
+and ``l3-threshold``: the plugin entry point with a prefetch threshold above
 every prompt the tests send, one cause that keeps L3 from hitting, for
 ``doctor --server`` to name (the other two are its healthy and metrics-off
 cases; the backend's own /metrics series are checked on both routes).
@@ -99,10 +98,11 @@ def test_restore_after_flush_hits_every_full_page(server):
 
 
 def test_buffer_only_host_mode_restores_from_l3(servers):
-    """SGLang 0.5.23's ``--hicache-host-memory-mode buffer_only``: no host
-    tier holds pages, so a flushed prompt comes back from L3 alone, with the
-    outputs of its first computation."""
-    server = servers.get("buffer-only")
+    """SGLang 0.5.23's ``--hicache-host-memory-mode buffer_only`` (the
+    dynamic route's server): no host tier holds pages, so a flushed prompt
+    comes back from L3 alone, with the outputs of its first computation."""
+    server = servers.get("route-dynamic")
+    assert "buffer_only" in server.log_text(), why(server, "the server is not in buffer_only mode")
     ids = prompt(7, LONG)
     stored = server.l3_pages_stored()
     fresh = server.generate(ids)
