@@ -69,19 +69,29 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+def _lazy_attributes(namespace: dict[str, Any], table: dict[str, str]) -> tuple[Any, Any]:
+    """A module's ``__getattr__`` and ``__dir__`` (PEP 562) for the names of
+    ``table`` (name -> module of this package that defines it): each is
+    imported on first use and kept in ``namespace``, the module's globals.
+    This package and ``admin`` use it, so their imports stay cheap."""
 
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> Any:
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(namespace["__all__"]))
+
+    return __getattr__, __dir__
 
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy_attributes(globals(), _LAZY)
 
 
 __all__ = [

@@ -11,9 +11,9 @@ handle, the arena, the index, the store process) resolve on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from sglang_simm.embedded import _lazy_attributes
 from sglang_simm.embedded._limits import StoreLimits  # ``store start``'s limits, checked before anything starts
 from sglang_simm.embedded._metrics import render as render_metrics  # ``store status --prometheus``
 from sglang_simm.embedded._names import (
@@ -59,17 +59,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"sglang_simm.embedded.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy_attributes(globals(), _LAZY)
 
 
 __all__ = [
