@@ -226,17 +226,17 @@ def bind_kv_pool(client: KVClient, pool: Any, storage_config: Any, config: SiMMC
 def bind_side_pool(client: KVClient, pool: Any, name: str, storage_config: Any, config: SiMMConfig) -> PoolBinding:
     """Bind a hybrid side pool (Mamba, SWA, draft, indexers, DeepSeek V4's
     pools) called ``name``: left out (PoolLeftOutError) where only some
-    ranks would write it (``hybrid.writer_only_refusal``), else bound as
+    ranks would write it (``hybrid.writer_only_reason``), else bound as
     the KV pool is."""
     sc = storage_config
     model_is_mla = bool(getattr(sc, "is_mla_model", False))
     layout = hybrid.describe_side_pool(pool, name, model_is_mla=model_is_mla)
-    refusal = hybrid.writer_only_refusal(
+    left_out = hybrid.writer_only_reason(
         layout, name, type(pool).__name__, model_is_mla=model_is_mla,
         tp_size=int(getattr(sc, "tp_size", 1) or 1), dcp_size=int(getattr(sc, "dcp_size", 1) or 1),
     )
-    if refusal:
-        raise PoolLeftOutError(refusal)
+    if left_out:
+        raise PoolLeftOutError(left_out)
     identity = replace(
         page_identity(sc, pool, name, config.extra_backend_tag), is_mla=layout.replicated, tp_lcm_size=None
     )

@@ -398,7 +398,7 @@ def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolL
     return SidePoolLayout("object", regions, names, replicated=bool(model_is_mla))
 
 
-def writer_only_refusal(
+def writer_only_reason(
     layout: SidePoolLayout, name: str, kind_name: str, *, model_is_mla: bool, tp_size: int, dcp_size: int = 1
 ) -> str | None:
     """Why a side pool is left out of this deployment's L3, or None.
