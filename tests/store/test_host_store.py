@@ -20,7 +20,7 @@ import pytest
 
 from sglang_simm.embedded import _host
 from sglang_simm.embedded._host import HostServer, StoreUnreachable, pid_alive
-from sglang_simm.embedded._paths import StoreAccessError, StorePaths, check_name
+from sglang_simm.embedded._paths import StoreAccessError, StorePaths, check_name, read_pid
 from sglang_simm.errors import BUILD_CONNECTION_FAILED, OK, OUT_OF_MEMORY, SEND_RPC_FAILED
 
 pytestmark = pytest.mark.host
@@ -250,6 +250,28 @@ def test_store_process_killed_calls_fail_with_transport_codes_then_recover_its_o
     assert put(store, "after", data) == OK
     assert get(store, "after", 4096) == (4096, b"\x09" * 4096)
     assert store.reconnects >= 1
+
+
+def test_a_store_this_process_started_and_that_died_is_started_again_by_the_next_call_at_once(store, caplog):
+    """The launch that started a store that served is no failed launch: the
+    first call that finds that store gone starts the next one, with no
+    launch back-off and no "exited without serving" warning (a breaker's
+    probes, seconds apart, would each have found no store)."""
+    old_pid = store.pid
+    os.kill(old_pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(old_pid), what="the store process to die")
+    codes = []
+    with caplog.at_level("WARNING", logger="sglang_simm.embedded"):
+        while BUILD_CONNECTION_FAILED not in codes and len(codes) < 3:  # the first finds the connection lost
+            with pytest.raises(StoreUnreachable) as exc:
+                store.lookup(["x"])
+            codes.append(exc.value.code)
+    assert codes[-1] == BUILD_CONNECTION_FAILED, codes  # found no store process: started one
+    assert not [r for r in caplog.records if "without serving" in r.getMessage()]
+    paths = StorePaths(store.root, store.name)
+    # no further call: the last one above started it
+    wait_for(lambda: read_pid(paths) not in (None, old_pid) and pid_alive(read_pid(paths)),
+             timeout=30, what="a new store process started by that one call")
 
 
 def test_a_stalled_store_times_out_and_the_client_reconnects(store, host_store_dir):

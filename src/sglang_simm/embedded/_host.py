@@ -558,7 +558,11 @@ class HostServer:
             old.break_off()
             self.reconnects += 1
         launches = _launches(self.paths)
-        launches.failures, launches.not_before = 0, 0.0  # a store serves: a later launch is no retry
+        with _LAUNCHES_LOCK:
+            # A store serves: the launch that started it (if any) succeeded, so
+            # a later one, after this store is gone, is a first launch, not a
+            # retry of a failed one (no back-off, no "exited without serving").
+            launches.proc, launches.failures, launches.not_before = None, 0, 0.0
         self._fence_lost(conn)
         asked = (self.capacity_requested, self.policy_requested)
         if self.spawn_allowed and asked != (info["capacity_bytes"], info["policy"]) and not self._warned:
