@@ -4,9 +4,11 @@ test_backend.py builds them) on the in-process local store, whose fault flags
 
 Faults open the breaker, misses never do; while it is open every
 data-path method answers misses at once without touching the client (no
-pool counted in, no client block allocated, no backup written); after the
-backoff one probe goes through, and a store that answers closes it; no
-host-pool slot is left counted in. The state machine itself is tested on
+pool counted in, no client block allocated, no backup written); after each
+backoff the breaker's own thread probes (no request waits on it), and a
+store that answers closes it; no host-pool slot is left counted in. Without
+its prober (``data_path_probes``: the fallback when a probe never reports)
+the first data-path call after the backoff is the probe. The state machine itself is tested on
 its own with a fake clock (test_breaker.py); a store process killed or
 stopped, in tests/store/test_store_breaker.py.
 """
@@ -14,6 +16,7 @@ stopped, in tests/store/test_store_breaker.py.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -49,6 +52,8 @@ class Touches:
 
     def __init__(self, client):
         self.calls: list[str] = []
+        #: the thread of each call, in order
+        self.threads: list[str] = []
         for name in self.NAMES:
             real = getattr(client, name)
             setattr(client, name, self._wrap(name, real))
@@ -56,6 +61,7 @@ class Touches:
     def _wrap(self, name, real):
         def counted(*args, **kwargs):
             self.calls.append(name)
+            self.threads.append(threading.current_thread().name)
             return real(*args, **kwargs)
 
         return counted
@@ -73,6 +79,23 @@ def wait_probe_due(backend):
     """Sleep until the breaker's next probe is due."""
     due = backend.stats()["breaker"]["next_probe_in_s"]
     time.sleep((due or 0.0) + 0.01)
+
+
+def data_path_probes(backend):
+    """No prober: the first data-path call after the backoff probes (the
+    breaker's fallback when its own probe never reports)."""
+    backend.breaker.set_prober(None)
+
+
+def until(predicate, what: str, timeout: float = 30.0):
+    """Poll ``predicate`` (the prober works on its own thread)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+PROBER = "SiMM L3 breaker probe"
 
 
 def in_flight(backend) -> int:
@@ -109,10 +132,11 @@ def test_faults_open_it_calls_while_open_touch_nothing_and_a_probe_closes_it(loc
     assert backend.stats()["breaker"]["refused"] == 6
 
     faults.configure(down=False)
-    wait_probe_due(backend)
-    assert backend.batch_exists(keys) == 4  # the probe: the store answered
+    until(lambda: backend.breaker.state == CLOSED, "the breaker's probe to close it")
+    assert set(touches.threads) == {PROBER}  # the probe was the breaker's own call, no request's
     snap = backend.stats()["breaker"]
-    assert snap["state"] == CLOSED and snap["closed_total"] == 1 and snap["probes"] == 1
+    assert snap["closed_total"] == 1 and snap["probes"] >= 1
+    assert backend.batch_exists(keys) == 4
     assert backend.batch_get_v1(keys, slots(host, 8, 4)) == [True] * 4
     assert all(torch.equal(page(host, 8 + i), want[i]) for i in range(4))
     assert in_flight(backend) == 0
@@ -166,21 +190,57 @@ def test_a_hung_store_opens_it_by_time(local):
 def test_a_probe_that_faults_opens_it_again_with_a_longer_wait(local):
     backend, host, faults = local()
     keys = hashes(2)
-    open_it(backend, faults, keys)
-    wait_probe_due(backend)
     touches = Touches(backend.client)
-    assert backend.batch_get_v1(keys, slots(host, 0, 2)) == [False, False]  # the probe, still down
-    assert touches.calls == ["mget_views"]
+    open_it(backend, faults, keys)
+    until(lambda: backend.stats()["breaker"]["probe_faults"] >= 1, "a probe to fault")
     snap = backend.stats()["breaker"]
-    assert snap["state"] == OPEN and snap["probe_faults"] == 1
-    assert snap["next_probe_in_s"] > 0.05  # the second wait is twice the first (no jitter)
+    assert snap["state"] == OPEN and snap["closed_total"] == 0
+    # the second wait is twice the first (no jitter), unless a later probe is under way
+    assert snap["next_probe_in_s"] > 0.05 or snap["probe_faults"] > 1
+    probes = touches.threads[backend.breaker.threshold:]
+    assert probes and set(probes) == {PROBER}  # after the opening, only the prober asked the store
+    # requests while open never wait for a probe: they are refused at once
+    assert backend.batch_get_v1(keys, slots(host, 0, 2)) == [False, False]
+    assert set(touches.threads[backend.breaker.threshold:]) == {PROBER}
     assert in_flight(backend) == 0
+
+
+def test_no_request_ever_probes_a_hung_store(local):
+    """The store hangs (each call waits 0.3 s): after the opening, requests
+    answer misses without touching the client for as long as the hang
+    lasts, while the prober's calls wait on the store."""
+    backend, host, faults = local(request_timeout_ms=300)
+    keys = hashes(2)
+    touches = Touches(backend.client)
+    faults.configure(latency_us=300_000)
+    for _ in range(backend.breaker.threshold):
+        assert backend.batch_exists(keys) == 0  # slow calls: timeouts
+    assert backend.breaker.state != CLOSED
+    opened_at = len(touches.threads)
+    until(lambda: backend.stats()["breaker"]["probe_faults"] >= 2, "two probes to time out")
+    for _ in range(20):
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_get_v1(keys, slots(host, 0, 2)) == [False, False]
+    assert set(touches.threads[opened_at:]) == {PROBER}, touches.threads
+    faults.configure(latency_us=0)
+    until(lambda: backend.breaker.state == CLOSED, "a probe to close it once the store answers")
+    assert in_flight(backend) == 0
+
+
+def test_closing_the_backend_ends_its_prober(local):
+    backend, host, faults = local()
+    keys = hashes(2)
+    open_it(backend, faults, keys)
+    until(lambda: any(t.name == PROBER for t in threading.enumerate()), "the prober to start")
+    backend.close()
+    until(lambda: not any(t.name == PROBER for t in threading.enumerate()), "the prober to end")
 
 
 def test_a_probe_that_ends_without_an_answer_frees_the_slot(local):
     """A probe refused before its client call (indices that do not fit the
     pool) says nothing about the store: the next call probes."""
     backend, host, faults = local()
+    data_path_probes(backend)
     keys = hashes(2)
     open_it(backend, faults, keys)
     faults.configure(down=False)
@@ -232,6 +292,7 @@ def test_hybrid_v2_calls_are_gated_once_for_every_pool(local):
     from test_hybrid import kv_side_pool
 
     backend, kv, faults = local()
+    data_path_probes(backend)
     swa = kv_side_pool(tiny(layer_num=1, name="swa-layers"))
     backend.register_mem_host_pool_v2(kv, PoolName.KV)
     backend.register_mem_host_pool_v2(swa, PoolName.SWA)
@@ -323,6 +384,7 @@ def test_concurrent_threads_while_open_get_misses_and_exactly_one_probe(local):
     import threading
 
     backend, host, faults = local()
+    data_path_probes(backend)
     keys = hashes(2)
     assert all(backend.batch_set_v1(keys, slots(host, 0, 2)))
     open_it(backend, faults, keys)

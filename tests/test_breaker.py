@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 
 import pytest
 
@@ -387,6 +388,95 @@ def test_disabled_never_opens():
     assert b.state == CLOSED and b.snapshot()["enabled"] is False
 
 
+# -- the prober: probes off the request path (real clock, short waits) ------
+
+
+def until(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def quick(**kw) -> Breaker:
+    return Breaker(threshold=2, backoff_s=0.02, backoff_max_s=0.05, jitter=0.0, **kw)
+
+
+def test_with_a_prober_no_call_probes_and_the_probers_answer_closes_it():
+    b = quick()
+    answers = iter([FAULT, FAULT, MISS])  # a miss is healthy: the store answered
+    calls = []
+
+    def probe():
+        calls.append(threading.current_thread().name)
+        return next(answers)
+
+    b.set_prober(probe)
+    open_breaker(b)
+    refused_calls = 0
+    while b.state != CLOSED:  # the backoffs pass, yet no call is let through
+        assert not b.allow()
+        refused_calls += 1
+        time.sleep(0.001)
+        assert refused_calls < 30_000, b.snapshot()
+    assert len(calls) == 3 and set(calls) == {"SiMM L3 breaker probe"}
+    snap = b.snapshot()
+    assert snap["probes"] == 3 and snap["probe_faults"] == 2 and snap["closed_total"] == 1
+    assert b.allow()  # closed: calls go through again
+    until(lambda: b._prober is None, "the prober to end once closed")
+
+
+def test_a_prober_that_answers_nothing_waits_a_backoff_before_the_next():
+    b = quick()
+    calls = []
+
+    def probe():
+        calls.append(1)
+        raise TypeError("not the store's")  # no verdict
+
+    b.set_prober(probe)
+    open_breaker(b)
+    until(lambda: len(calls) >= 3, "three probes")
+    time.sleep(0.2)
+    b.close()
+    # at most one probe per 20-50 ms wait: a handful in 0.2 s, never a spin
+    assert len(calls) < 40, len(calls)
+    assert b.state == OPEN and b.snapshot()["probe_faults"] == 0
+
+
+def test_a_prober_set_while_open_starts_and_close_ends_it():
+    b = quick()
+    open_breaker(b)
+    b.set_prober(lambda: FAULT)
+    until(lambda: b.snapshot()["probe_faults"] >= 1, "the prober to probe")
+    thread = b._prober
+    b.close()
+    thread.join(5)
+    assert not thread.is_alive() and b._prober is None
+    assert b.snapshot()["prober"] is False
+
+
+def test_a_stuck_prober_lets_a_call_probe_after_the_probe_timeout():
+    clock = Clock()
+    b = make(clock, probe_timeout_s=5.0)
+    release = threading.Event()
+    b.set_prober(lambda: release.wait(30) and MISS)
+    open_breaker(b)
+    clock.advance(10.0)  # the backoff is over: the prober takes the probe and hangs in it
+    with b._lock:
+        b._wake.notify_all()
+    until(lambda: b.state == HALF_OPEN, "the prober's probe")
+    assert not b.allow()  # a probe is in flight
+    clock.advance(5.0)
+    permit = b.allow()  # it never reported: a call probes instead
+    assert permit and permit.probe
+    permit.record(MISS)
+    assert b.state == CLOSED
+    release.set()
+    until(lambda: b._prober is None, "the prober to end")
+    assert b.snapshot()["late"] == 1  # its answer came from an earlier epoch
+
+
 def test_argument_checks():
     for kw in ({"threshold": 0}, {"backoff_s": 0}, {"backoff_s": 2.0, "backoff_max_s": 1.0},
                {"jitter": 1.0}, {"jitter": -0.1}, {"probe_timeout_s": 0}):
@@ -552,7 +642,7 @@ def test_snapshot_fields():
     clock = Clock()
     b = make(clock)
     assert b.snapshot() == {
-        "enabled": True, "state": "closed", "consecutive_faults": 0, "threshold": 3,
+        "enabled": True, "state": "closed", "prober": False, "consecutive_faults": 0, "threshold": 3,
         "opened_total": 0, "closed_total": 0, "probes": 0, "probe_faults": 0, "refused": 0,
         "faults": 0, "late": 0, "last_cause": None, "next_probe_in_s": None, "open_for_s": None,
     }

@@ -45,6 +45,7 @@ from sglang_simm.config import SiMMConfig, load_config, log_resolved
 from sglang_simm.errors import PoolLeftOutError
 from sglang_simm.exporter import exporter_for
 from sglang_simm.inflight import Call, Pools, release
+from sglang_simm.keys import PROBE_KEY
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
 from sglang_simm.transfer import ALREADY_EXISTS, Answers, leading, object_keys, object_views
 
@@ -140,6 +141,8 @@ class HiCacheSiMM(HiCacheStorage):
             )
         self.client: KVClient = client if client is not None else connect(config)
         self.answers = Answers(self.client, self.counters, self.log, profile=bool(config.enable_profile))
+        # while open, the breaker probes by itself, so no request waits on a probe
+        self.breaker.set_prober(self._probe)
         try:
             if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
                 self.register_mem_pool_host(mem_pool_host)
@@ -147,6 +150,7 @@ class HiCacheSiMM(HiCacheStorage):
             # A failed attach releases what it opened; an injected client
             # stays its owner's.
             self.pools.close()
+            self.breaker.close()
             if client is None:
                 self.client.close()
             raise
@@ -601,11 +605,18 @@ class HiCacheSiMM(HiCacheStorage):
             removed = self.client.delete_prefix(prefix)
             logger.info("SiMM clear(): removed %d objects under %r", removed, prefix)
 
+    def _probe(self) -> list[int]:
+        """The breaker's probe: one lookup of a key no page has (a healthy
+        store answers "not found"). On the local store a call that finds no
+        store process starts one, so a probe also heals a killed store."""
+        return self.client.mexists_codes([PROBE_KEY])
+
     def close(self, wait_s: float | None = None) -> None:
         """No new call starts; calls in flight finish (for up to ``wait_s``,
         default ``CLOSE_WAIT_S``, here; after that in the background); then
         every pool's memory is deregistered; then the client closes.
         Idempotent (errors: the class's contract)."""
+        self.breaker.close()
         bindings = self.pools.close()
         if bindings is None:  # closed already
             return

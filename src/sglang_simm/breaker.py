@@ -31,8 +31,13 @@ Invariant, kept under one lock (the closed path only reads):
   other call answers a miss. Its answer closes the breaker (no fault) or
   opens it again with the next backoff (a fault). A probe that ends without
   an answer (bad input, an exception that is not the store's) frees the slot
-  for the next call; one that never reports is replaced after
+  for the next probe; one that never reports is replaced after
   ``probe_timeout_s``, so the breaker can never stay open for good.
+* Who probes: with a prober (``set_prober``, as the backend sets one), the
+  breaker's own thread, off every request's path: no data-path call is let
+  through while the breaker is not closed (but after a probe that never
+  reports, below). Without one, the first data-path call after the backoff
+  is the probe, and that call waits on the store for its request.
 * The backoff before probe k (k = 0 right after opening) is
   ``min(cap, base * 2**k) * (1 - jitter * u)``, ``u`` uniform in [0, 1):
   never longer than the cap (so L3 is back within the cap plus one call
@@ -54,6 +59,12 @@ after one)::
         t0 = perf_counter()
         codes = client.mget_views(keys, views)
         permit.record(codes, seconds=perf_counter() - t0, op="batch_get_v1")
+
+The prober exists because a probe on a request's path makes that request
+wait out the store's time limit whenever the store is still hung: on a CPU
+server with a hung local store (tests/e2e/store_scenario.py, 1,024-token
+prompts of about 0.1 s) each probe added a second to one request, for as
+long as the hang lasted (docs/resilience.md).
 
 Each transition is logged once (cause, next probe time) and counted;
 ``snapshot()`` is for ``backend.stats()``. Where SGLang's controller hands
@@ -283,6 +294,11 @@ class Breaker:
         self._random = random
         self._log = log or logger
         self._lock = threading.Lock()
+        #: wakes the prober: a transition, a new prober, or the breaker closing for good
+        self._wake = threading.Condition(self._lock)
+        #: the probe call when the breaker probes by itself (``set_prober``)
+        self._probe_fn: Callable[[], Iterable[int]] | None = None
+        self._prober: threading.Thread | None = None
         self._state = CLOSED
         self._epoch = 0
         #: the permit every call gets while closed (None otherwise): the one
@@ -340,25 +356,76 @@ class Breaker:
             if self._state == CLOSED:  # closed since the read above
                 return self._closed_permit or REFUSED
             now = self._clock()
-            if self._state == OPEN and now < self._next_probe_at:
+            stale = self._state == HALF_OPEN and now - self._probe_started >= self.probe_timeout_s
+            if (self._state == OPEN and (self._probe_fn is not None or now < self._next_probe_at)
+                    or self._state == HALF_OPEN and not stale):
                 self.refused += 1
                 return REFUSED
-            if self._state == HALF_OPEN:
-                if now - self._probe_started < self.probe_timeout_s:
-                    self.refused += 1
-                    return REFUSED
+            if stale:
                 log = (logging.WARNING, "%s breaker: probe #%d gave no answer in %.0f s; another call probes",
                        self.name, self.probes, now - self._probe_started)
-            self._state = HALF_OPEN
-            self._epoch += 1
-            self._probe_started = now
-            self.probes += 1
-            permit = Permit(self, self._epoch, probe=True)
+            permit = self._half_open(now)
             if log is None:
                 log = (logging.INFO, "%s breaker half-open: probe #%d goes to the store (open for %.1f s)",
                        self.name, self.probes, now - self._opened_at)
         self._log.log(*log)
         return permit
+
+    def _half_open(self, now: float) -> Permit:
+        """To HALF_OPEN (lock held): the probe's permit."""
+        self._state = HALF_OPEN
+        self._epoch += 1
+        self._probe_started = now
+        self.probes += 1
+        return Permit(self, self._epoch, probe=True)
+
+    # ------------------------------------------------------------ the prober
+
+    def set_prober(self, probe: Callable[[], Iterable[int]] | None) -> None:
+        """Probe off the request path from now on: while the breaker is not
+        closed, its own thread calls ``probe()`` (one cheap client call that
+        answers its codes; a miss is healthy) each time a backoff ends, and
+        no data-path call is let through. None: data-path calls probe again.
+        The thread runs only while the breaker is open (a daemon: it never
+        holds a process back)."""
+        with self._lock:
+            self._probe_fn = probe if self.enabled else None
+            self._start_prober()
+            self._wake.notify_all()
+
+    def close(self) -> None:
+        """No more probes (the backend is closing): the prober ends."""
+        self.set_prober(None)
+
+    def _start_prober(self) -> None:
+        """Start the prober if the breaker is not closed and none runs (lock held)."""
+        if self._probe_fn is not None and self._state != CLOSED and self._prober is None:
+            self._prober = threading.Thread(target=self._probe_loop, name=f"{self.name} breaker probe", daemon=True)
+            self._prober.start()
+
+    def _probe_loop(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    fn = self._probe_fn
+                    if fn is None or self._state == CLOSED:
+                        self._prober = None  # under the lock: an opening after this starts a new one
+                        return
+                    wait = self._next_probe_at - self._clock() if self._state == OPEN else self.probe_timeout_s
+                    if self._state == OPEN and wait <= 0:
+                        break
+                    self._wake.wait(min(max(wait, 0.001), self.backoff_max_s))
+                now = self._clock()
+                permit = self._half_open(now)
+                number, opened_for = self.probes, now - self._opened_at
+            self._log.info("%s breaker half-open: probe #%d goes to the store (open for %.1f s)",
+                           self.name, number, opened_for)
+            start = time.perf_counter()
+            try:
+                with permit:
+                    permit.record(fn(), seconds=time.perf_counter() - start, op="probe")
+            except Exception as exc:  # recorded above when it is the store's; the thread goes on
+                self._log.debug("%s breaker: probe raised %s: %s", self.name, type(exc).__name__, exc)
 
     def _record(self, permit: Permit, cause: str | None, op: str) -> None:
         reports = self.reports
@@ -411,9 +478,11 @@ class Breaker:
                 return
             self._state = OPEN
             self._epoch += 1
-            self._next_probe_at = self._clock()
-        self._log.debug("%s breaker: probe #%d ended without an answer; the next call probes",
-                        self.name, self.probes)
+            # the prober waits a backoff again (it would only spin on a probe
+            # that cannot answer); without it the next call probes
+            self._next_probe_at = self._clock() + (self.backoff(self._attempt) if self._probe_fn else 0.0)
+            self._wake.notify_all()
+        self._log.debug("%s breaker: probe #%d ended without an answer", self.name, self.probes)
 
     def _open(self, now: float) -> float:
         """To OPEN (lock held); the delay until the next probe."""
@@ -422,6 +491,8 @@ class Breaker:
         self._epoch += 1
         self._closed_permit = None
         self._next_probe_at = now + delay
+        self._start_prober()
+        self._wake.notify_all()
         return delay
 
     def _close(self) -> None:
@@ -432,6 +503,7 @@ class Breaker:
         self._attempt = 0
         self.closed_total += 1
         self._closed_permit = Permit(self, self._epoch, probe=False)
+        self._wake.notify_all()
 
     def backoff(self, attempt: int) -> float:
         """Seconds before probe ``attempt`` (0 after opening): doubling from
@@ -449,6 +521,7 @@ class Breaker:
             return {
                 "enabled": self.enabled,
                 "state": state,
+                "prober": self._probe_fn is not None,
                 "consecutive_faults": self._consecutive,
                 "threshold": self.threshold,
                 "opened_total": self.opened_total,

@@ -41,6 +41,9 @@ NAMESPACE_VERSION = 1
 #: page keys start with a namespace or a tag. The local store counts these
 #: objects apart, so pages counted from its counters leave warm-ups out.
 WARMUP_KEY_PREFIX = "sglang_simm_warmup_"
+#: What the breaker's probe looks up (``backend``): never stored, so a
+#: healthy store answers "not found", which is no fault.
+PROBE_KEY = f"{WARMUP_KEY_PREFIX}breaker_probe"
 
 
 @dataclass(frozen=True)
