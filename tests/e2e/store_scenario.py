@@ -54,12 +54,13 @@ def store_extra(name: str, *, breaker: bool = True) -> dict[str, Any]:
             "breaker_enabled": breaker}
 
 
-def server_config(model: str, name: str, *, breaker: bool = True, env: dict | None = None, **fields):
+def server_config(model: str, name: str, *, breaker: bool = True, env: dict | None = None,
+                  prefetch_policy: str = PREFETCH_POLICY, **fields):
     from sglang_simm_dev.sglang_server import ServerConfig
 
     return ServerConfig(model_path=model, route="simm", extra_config=store_extra(name, breaker=breaker),
                         page_size=PAGE, max_total_tokens=DEVICE_TOKENS, sleep_on_idle=True,
-                        prefetch_policy=PREFETCH_POLICY, env=dict(env or {}), **fields)
+                        prefetch_policy=prefetch_policy, env=dict(env or {}), **fields)
 
 
 def store_pid(server) -> int:
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--breaker", choices=("on", "off"), default="on")
+    parser.add_argument("--policy", default=PREFETCH_POLICY, help="SGLang's prefetch policy")
+    parser.add_argument("--new", type=int, default=5, help="new prompts per phase")
     parser.add_argument("--out", help="write the figures here as JSON")
     args = parser.parse_args(argv)
 
@@ -200,13 +203,14 @@ def main(argv: list[str] | None = None) -> int:
             private_store_dir("sglang-simm-scenario-") as root:
         os.environ[STORE_DIR_ENV] = root
         model = write_model(os.path.join(tmp, "llama-tiny"), "llama-tiny", seed=0)
-        config = server_config(model, f"scenario-{args.breaker}", breaker=args.breaker == "on")
+        config = server_config(model, f"scenario-{args.breaker}", breaker=args.breaker == "on",
+                               prefetch_policy=args.policy)
         with SGLangServer(config, os.path.join(tmp, "server"), name=f"breaker-{args.breaker}") as server:
-            seen = run(server)
+            seen = run(server, new_per_phase=args.new)
             refs = references(server, seen)
             same = all(g.output_ids == refs[s].output_ids and g.logprobs == refs[s].logprobs
                        for _, s, g in seen.generations)
-            figures = {"breaker": args.breaker, "outputs_identical": same, **seen.figures(),
+            figures = {"breaker": args.breaker, "policy": args.policy, "outputs_identical": same, **seen.figures(),
                        "traceback_in_log": "Traceback" in server.log_text()}
             log_lines = [line for line in server.log_text().splitlines() if "sglang_simm" in line or "breaker" in line]
             figures["breaker_log"] = [line[-200:] for line in log_lines if "breaker" in line][:20]
