@@ -40,3 +40,12 @@ def slots(host, first_page: int, n: int) -> torch.Tensor:
 
 def raw(host) -> torch.Tensor:
     return host.kv_buffer.view(-1).view(torch.uint8).clone()
+
+
+def region_count() -> int:
+    """Host memory regions the local store's client has bound, all backends
+    of this process together (its registration table: a test of ours may
+    look inside the store)."""
+    from sglang_simm.embedded import _client
+
+    return len(_client._regions)

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from pages import hashes, page, slots
+from pages import hashes, page, region_count, slots
 from sglang_simm import hybrid, keys as keyspace
 from sglang_simm.errors import UnsupportedPoolError
 from sglang_simm.geometry import derive_region_geometry
-from sglang_simm_dev.hybrid_pools import region_count, transfer
+from sglang_simm_dev.hybrid_pools import transfer
 from sglang_simm_dev.pools import MAMBA_CAPACITY, mamba_pool
 
 

@@ -2,7 +2,7 @@
 production, the backend core never imports an operator command, the wheel
 never imports the instruments (``dev/``, package ``sglang_simm_dev``), the
 store (``sglang_simm.embedded``) and the rest meet only at the store's
-public modules (the seam: the three tests after ``STORE``), and no module
+public modules (the seam: the four tests after ``STORE``), and no module
 imports itself back through others.
 
 Every ``import`` counts, module-level or inside a function (a lazy import
@@ -304,6 +304,31 @@ def test_the_core_reaches_the_store_only_where_it_is_allowed_to():
     tools = {module: sorted(t for t in targets if _in_store(t) and t not in TOOLS_REACH_THE_STORE)
              for module, targets in GRAPH.items() if _is_tool(module)}
     assert {m: t for m, t in tools.items() if t} == {}
+
+
+#: The instruments that measure the store's insides, and what of it each
+#: may import beside its public modules: the wire protocol's own layers
+#: (``server_backup``: a request, the copy, the COMMIT, each timed), the
+#: GIL releases of the store's connection and copies (``backup_gil``), and
+#: the store's copy routine as the demo's memcpy reference (``demo.reference``).
+INSTRUMENTS_OF_THE_STORES_INSIDES = {
+    f"{DEV_PACKAGE}.bench.server_backup": {f"{STORE}._arena", f"{STORE}._host", f"{STORE}._protocol"},
+    f"{DEV_PACKAGE}.bench.backup_gil": {f"{STORE}._copy", f"{STORE}._host"},
+    f"{DEV_PACKAGE}.demo.reference": {f"{STORE}._copy"},
+}
+
+
+def test_the_instruments_reach_the_store_through_its_public_modules():
+    """(d) The instruments (``dev/``) use the store as the backend and the
+    operator do, through its public modules, but where they measure its
+    insides (``INSTRUMENTS_OF_THE_STORES_INSIDES``)."""
+    dev = _modules(DEV_ROOT, DEV_PACKAGE)
+    reach = {module: {t for t in _imports_within(path, MODULES) if _private_to_store(t)}
+             for module, path in dev.items()}
+    leaks = {m: sorted(t - INSTRUMENTS_OF_THE_STORES_INSIDES.get(m, set())) for m, t in reach.items()}
+    assert {m: t for m, t in leaks.items() if t} == {}
+    assert {m: sorted(t) for m, t in reach.items() if t} == {
+        m: sorted(t) for m, t in INSTRUMENTS_OF_THE_STORES_INSIDES.items()}  # every exception still needed
 
 
 def test_no_import_cycle():

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pages import region_count
 from sglang_simm_dev import hybrid_pools as pools
 
 LAYOUTS = ("page_first", "page_first_direct")
@@ -191,14 +192,14 @@ def test_mxfp8_kv_is_refused_at_attach_saying_why_and_what_to_do(attach):
     pool = needs(pools.mxfp8_host_pool)
     with pytest.raises(NotImplementedError):
         pool.get_page_buffer_meta(pools.slots(pool, 1))
-    before = pools.region_count()
+    before = region_count()
     with pytest.raises(UnsupportedPoolError) as info:
         attach(SimpleNamespace(name="tiny-mxfp8", is_mla=False, page_size=pool.page_size), pool=pool)
     message = str(info.value)
     assert "MHATokenToKVPoolMXFP8Host" in message  # which pool
     assert "scale" in message.lower()  # why: its scales are not in its pages
     assert "--kv-cache-dtype" in message  # what to do
-    assert pools.region_count() == before
+    assert region_count() == before
 
 
 # --------------------------------------------------------- MLA + MHA draft

@@ -256,14 +256,6 @@ def hashes(n: int, salt: str = "") -> list[str]:
     return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
 
 
-def region_count() -> int:
-    """Host memory regions the embedded client has bound, all backends of
-    this process together."""
-    from sglang_simm.embedded import _client
-
-    return len(_client._regions)
-
-
 @dataclass
 class Plan:
     """Where each pool's pages of one round trip live: written from

@@ -106,7 +106,7 @@ class StoreCounter:
         self._handle: Any = None
 
     def objects(self) -> L3Objects:
-        from sglang_simm.embedded._host import HostServer
+        from sglang_simm.embedded.admin import HostServer
 
         if self._handle is None:
             handle = HostServer(self.name, root=self.root, capacity=1, spawn=False, timeout_s=self.timeout_s,

@@ -260,8 +260,8 @@ def run(args: argparse.Namespace) -> int:
     if args.manager:
         return _run(args)
     from sglang_simm.config import client_flag, with_client_flag
-    from sglang_simm.embedded._host import HostServer, StoreUnreachable
-    from sglang_simm.embedded._paths import private_store_dir
+    from sglang_simm.embedded.admin import HostServer, StoreUnreachable
+    from sglang_simm.embedded.admin import private_store_dir
 
     own_store = f"server-demo-{os.getpid()}"
     args.manager = f"local://{own_store}"

@@ -282,7 +282,7 @@ def run_bench(console: Any, args: Any) -> int:
 
     Goals are reported, not enforced (a noisy machine should not fail a run).
     """
-    from sglang_simm.embedded._paths import private_store_dir
+    from sglang_simm.embedded.admin import private_store_dir
 
     # the local stores it starts (and its servers' stores) live and go with it
     with private_store_dir("sglang-simm-bench-"):

@@ -44,7 +44,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-from sglang_simm.embedded._paths import private_store_dir
+from sglang_simm.embedded.admin import private_store_dir
 
 DEFAULT_SIZES = (1, 4, 8, 32, 128)
 OPS = ("backup", "restore")

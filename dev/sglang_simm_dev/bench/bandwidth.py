@@ -43,13 +43,14 @@ class BandwidthRig:
         self.keys = page_keys(pages, f"bw-{label}")
         self.src = host_indices(self.src_pages, geom.page_size)
         self.dst = host_indices(self.dst_pages, geom.page_size)
-        # the same bytes as torch tensors: every object of the source pages
-        from sglang_simm.embedded._server import wrap_memory
-
+        # the same bytes as torch tensors: every object of the source pages,
+        # sliced out of the host pool's buffer
         starts = np.asarray(self.src_pages, dtype=np.int64) * geom.page_size
         ptrs = b.geometry.pointers(starts).tolist()
         sizes = b.sizes_list * pages
-        self.torch_src = [wrap_memory(p, s) for p, s in zip(ptrs, sizes)]
+        whole = self.pool.kv_buffer.view(-1).view(torch.uint8)
+        base = whole.data_ptr()
+        self.torch_src = [whole[p - base:p - base + s] for p, s in zip(ptrs, sizes)]
         self.torch_dst = [torch.empty(s, dtype=torch.uint8) for s in sizes]
         for t in self.torch_dst:  # touch the pages once
             t.fill_(0)

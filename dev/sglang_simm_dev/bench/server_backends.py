@@ -249,7 +249,7 @@ class Environment:
         which took 751 s side by side in run 1, it would have emptied the
         L3 the restart is meant to find again. The bench's connection keeps
         it a client; if the bench dies, the idle exit still frees it."""
-        from sglang_simm.embedded._host import DEFAULT_IDLE_EXIT_S, HostServer
+        from sglang_simm.embedded.admin import DEFAULT_IDLE_EXIT_S, HostServer
 
         store = self.ours_store
         if store in self.held:
@@ -301,7 +301,7 @@ class Environment:
         if self.master is not None:
             self.master.stop()
             self.master = None
-        from sglang_simm.embedded._host import HostServer, StoreUnreachable
+        from sglang_simm.embedded.admin import HostServer, StoreUnreachable
 
         for store in self.stores:
             try:

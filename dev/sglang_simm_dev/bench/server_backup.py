@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from sglang_simm.embedded._paths import private_store_dir
+from sglang_simm.embedded.admin import private_store_dir
 
 #: the layers, outermost first, each with what it covers
 LAYERS = {

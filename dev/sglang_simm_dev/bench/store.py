@@ -300,7 +300,7 @@ def render(console: Any, results: dict[str, Any]) -> None:
 
 
 def _host_store(name: str, capacity: int, **kw: Any) -> Any:
-    from sglang_simm.embedded._host import HostServer
+    from sglang_simm.embedded.admin import HostServer
 
     server = HostServer(name, capacity=capacity, timeout_s=kw.pop("timeout_s", 10.0), **kw)
     server.open()
@@ -342,7 +342,7 @@ def measure_fold(repeat: int = 30, object_bytes: int = 4096) -> dict[str, Any]:
 
 _HAMMER = """
 import ctypes, sys, time
-from sglang_simm.embedded._host import HostServer
+from sglang_simm.embedded.admin import HostServer
 name, n, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 c = HostServer(name, capacity=1, spawn=False, timeout_s=30)
 c.open()
@@ -415,7 +415,7 @@ def measure_stalled(calls: int = 5, timeout_ms: int = 1000) -> dict[str, Any]:
     the next ones on their reconnect's handshake."""
     import signal
 
-    from sglang_simm.embedded._host import StoreUnreachable
+    from sglang_simm.embedded.admin import StoreUnreachable
 
     name = f"bench-stall-{uuid.uuid4().hex[:8]}"
     server = _host_store(name, 16 << 20, idle_exit_s=30.0, timeout_s=timeout_ms / 1000)
@@ -440,7 +440,7 @@ def measure_stalled(calls: int = 5, timeout_ms: int = 1000) -> dict[str, Any]:
 
 _CRASH_WRITER = """
 import ctypes, sys
-from sglang_simm.embedded._host import HostServer
+from sglang_simm.embedded.admin import HostServer
 name, size = sys.argv[1], int(sys.argv[2])
 c = HostServer(name, capacity=1, spawn=False, timeout_s=30)
 c.open()
@@ -463,7 +463,7 @@ def measure_crash(capacity: int = 1 << 30, object_bytes: int = 1 << 20) -> dict[
     import subprocess
     import sys
 
-    from sglang_simm.embedded._host import HostServer, pid_alive
+    from sglang_simm.embedded.admin import HostServer, pid_alive
 
     name = f"bench-crash-{uuid.uuid4().hex[:8]}"
     server = _host_store(name, capacity, idle_exit_s=0.0)

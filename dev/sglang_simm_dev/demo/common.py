@@ -381,8 +381,8 @@ def own_embedded_store(config: Any) -> Iterator[None]:
     from sglang_simm.embedded import reset_servers, server_names
 
     if config.embedded_scope == "host":
-        from sglang_simm.embedded._host import pid_alive
-        from sglang_simm.embedded._paths import StorePaths, read_pid, store_dir
+        from sglang_simm.embedded.admin import pid_alive
+        from sglang_simm.embedded.admin import StorePaths, read_pid, store_dir
 
         # a store process already serving that name is someone else's
         root = store_dir(config.client_flags.get("local_store_dir") or None)

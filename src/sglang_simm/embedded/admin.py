@@ -24,6 +24,7 @@ from sglang_simm.embedded._names import (
 from sglang_simm.embedded._paths import (
     NAME_RE,  # the store naming rule (the configuration checks ``local://NAME`` with it)
     NAME_RULE,  # that rule in words, for the messages that refuse a name
+    STORE_DIR_ENV,  # the environment variable naming where stores live
     StorePaths,  # a store's files in a directory: socket, lock, log, settings, arenas
     check_name,  # a name, or ValueError stating the rule
     held_bytes,  # the memory a store's files hold, its process alive or dead
@@ -39,7 +40,14 @@ if TYPE_CHECKING:  # pragma: no cover (the same names as _LAZY, for type checker
     from sglang_simm.embedded._arena import Backing, arena_held
     from sglang_simm.embedded._copy import human_bytes
     from sglang_simm.embedded._daemon import remove_files
-    from sglang_simm.embedded._host import HostServer, StoreUnreachable, open_running, running_status, wait_gone
+    from sglang_simm.embedded._host import (
+        DEFAULT_IDLE_EXIT_S,
+        HostServer,
+        StoreUnreachable,
+        open_running,
+        running_status,
+        wait_gone,
+    )
     from sglang_simm.embedded._index import EVICTION_POLICIES
 
 #: Names resolved on first use, each from the module that defines it (a
@@ -47,6 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover (the same names as _LAZY, for type checker
 #: import more than the standard library's light modules).
 _LAZY = {
     "HostServer": "_host",  # a handle that starts a store with the operator's settings (``store start``)
+    "DEFAULT_IDLE_EXIT_S": "_host",  # how long a store started by a client lives on with no client
     "StoreUnreachable": "_host",  # what a store that does not answer raises (a ConnectionError with a SiMM code)
     "open_running": "_host",  # a handle on a running store that never starts one (status, keys, clear, stop)
     "running_status": "_host",  # a running store's status with the memory its files hold
@@ -63,12 +72,14 @@ __getattr__, __dir__ = _lazy_attributes(globals(), _LAZY)
 
 
 __all__ = [
+    "DEFAULT_IDLE_EXIT_S",
     "EVICTION_POLICIES",
     "RENAMED_FLAGS",
     "both_given",
     "deprecated",
     "NAME_RE",
     "NAME_RULE",
+    "STORE_DIR_ENV",
     "Backing",
     "HostServer",
     "StorePaths",
