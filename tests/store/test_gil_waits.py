@@ -1,56 +1,29 @@
-"""A host-store call lets the GIL go, and waits, only where it must (issue
-20): in a server the backup and prefetch threads share the GIL with a busy
-scheduler thread, and every release may cost up to the 5 ms switch
-interval to get it back. Counted with the bench's own harness
-(``sglang_simm_dev.bench.backup_gil``) on a store in its own process."""
+"""A host-store call beside a thread that runs Python all the time, as a
+server's backup and prefetch threads run beside its scheduler (issue 20):
+how long that thread is held back, and the calls' own guarantees when the
+store stalls or dies mid-call (time limits, COMMITs, torn bytes never
+served). On a store in its own process."""
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import pytest
 
-from sglang_simm.embedded import _copy, _host
+from sglang_simm.embedded import _host
 from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._protocol import Op
 from sglang_simm.errors import DS_DATA_ALREADY_EXISTS, DS_KEY_NOT_FOUND, OK, SEND_RPC_FAILED
-from sglang_simm_dev.bench.backup_gil import Counts, CountingSocket, _install_counters
 
 from raw_peer import Peer, StoreProc, env, wait_for
 
 pytestmark = pytest.mark.host
-
-
-def test_the_counting_socket_counts_a_reply_read_in_pieces_as_one_wait():
-    a, b = socket.socketpair()
-    try:
-        counts = Counts()
-        sock = CountingSocket(a, counts)
-        sock.sendall(b"request")
-        b.sendall(b"rep")
-        assert sock.recv(3) == b"rep"
-        b.sendall(b"ly")
-        assert sock.recv(2) == b"ly"
-        assert (counts.releases, counts.waits) == (3, 1)  # a send, two receives; one reply waited for
-        b.sendall(b"unasked")
-        assert sock.recv(16) == b"unasked"  # nothing was asked since: no wait
-        assert (counts.releases, counts.waits) == (4, 1)
-        sock.sent_held()  # a request sent holding the GIL: its reply is still waited for
-        b.sendall(b"x")
-        sock.recv(1)
-        assert (counts.releases, counts.waits) == (5, 2)
-    finally:
-        a.close()
-        b.close()
 
 
 # -- on a store process -------------------------------------------------------------
@@ -69,48 +42,15 @@ def client_of(store: StoreProc, timeout_s: float = 10.0) -> HostServer:
     return c
 
 
-def counted(client: HostServer, fn):
-    """``fn()``'s result, and the GIL releases and waits it made on
-    ``client``'s connection and in the copies (the bench's counters)."""
-    counts = Counts()
-    undo = _install_counters(client, counts)
-    try:
-        return fn(), (counts.releases, counts.waits)
-    finally:
-        undo()
-
-
 OBJECT = 128 << 10  # half a page of the bench's model: its K or its V
 
 
 @pytest.mark.parametrize("n", [1, 8, 64])
-def test_a_restore_lets_the_gil_go_only_to_wait_for_its_reply(store, n, monkeypatch):
-    monkeypatch.setattr(_host, "HELD_WAIT_S", 0.0)  # no wait for the reply holding the GIL (below)
-    client = client_of(store)
-    src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
-    keys = [f"r{n}-{i}" for i in range(n)]
-    assert client.put_from([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, src)], True) == [OK] * n
-    out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
-    got, (releases, waits) = counted(
-        client, lambda: client.get_into([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, out)]))
-    assert got == [OBJECT] * n
-    assert [b.raw for b in out] == [b.raw for b in src]
-    # before: a send, the receive, a memmove per object and the RELEASE's send
-    assert (releases, waits) == (1, 1)
-    client.close()
-
-
-@pytest.mark.parametrize("n", [1, 8, 64])
-def test_a_backup_through_the_counting_socket_keeps_every_byte(store, n, monkeypatch):
-    """A backup waits for two replies (PUT, COMMIT) since COMMITs are waited
-    for; how often it lets the GIL go is no longer pinned here (the bench,
-    ``tools/bench/backup_gil``, measures what a busy thread pays)."""
-    monkeypatch.setattr(_host, "HELD_WAIT_S", 0.0)  # no wait for the reply holding the GIL (below)
+def test_a_backup_is_read_back_whole_by_another_client(store, n):
     client = client_of(store)
     src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
     items = [(f"b{n}-{i}", ctypes.addressof(b), OBJECT) for i, b in enumerate(src)]
-    codes, _ = counted(client, lambda: client.put_from(items, True))
-    assert codes == [OK] * n
+    assert client.put_from(items, True) == [OK] * n
     other = client_of(store)
     out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
     assert other.get_into([(k, ctypes.addressof(b), OBJECT) for (k, _, _), b in zip(items, out)]) == [OBJECT] * n
@@ -119,48 +59,81 @@ def test_a_backup_through_the_counting_socket_keeps_every_byte(store, n, monkeyp
     other.close()
 
 
-def test_small_copies_keep_the_gil_and_large_ones_let_it_go():
-    """A thread that wants the GIL runs only when the copying thread lets it
-    go: with the switch interval made huge, the interpreter never takes the
-    GIL away, so any step of the watcher during a copy is a release."""
-    size, n = 64 << 10, 64
-    src = ctypes.create_string_buffer(b"\x07" * (size * n), size * n)
-    dst = ctypes.create_string_buffer(size * n)
-    small = [(ctypes.addressof(dst) + i * size, ctypes.addressof(src) + i * size, size) for i in range(n)]
-    big_size = getattr(_copy, "HELD_COPY_MAX", 1 << 20) * 2
-    big_src = ctypes.create_string_buffer(big_size)
-    big_dst = ctypes.create_string_buffer(big_size)
-    big = [(ctypes.addressof(big_dst), ctypes.addressof(big_src), big_size)]
-    steps = [0]
-    stop = threading.Event()
-
-    def watcher():
-        while not stop.is_set():
-            steps[0] += 1
-            time.sleep(0.0005)  # lets the GIL go; wants it back half a millisecond later
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1000.0)
-    t = threading.Thread(target=watcher, daemon=True)
+def test_a_busy_python_thread_is_held_back_for_a_small_part_of_a_backup_or_a_restore(host_store_dir):
+    """A thread running Python nonstop (the scheduler) beside backups and
+    restores of 256 MiB (2,048 objects of 128 KiB, half a page of the
+    bench's model; and 256 of 1 MiB, the largest copied holding the GIL):
+    its longest stall during a call, over the call's time, median of five,
+    against the same for one copy of the same bytes that holds the GIL
+    throughout (about 1), measured side by side in a fresh process (in this
+    one, pytest's own threads take the GIL too). A call that held the GIL
+    for its whole length would score like the held copy."""
+    s = StoreProc(host_store_dir, f"busy-{uuid.uuid4().hex[:8]}", capacity=600 << 20)
     try:
-        t.start()
-        time.sleep(0.05)
-
-        def steps_during(copies, rounds):
-            before = steps[0]
-            for _ in range(rounds):
-                _copy.copy_many(copies)
-                if steps[0] != before:
-                    break
-            return steps[0] - before
-
-        assert steps_during(small, 100) == 0  # 400 MiB in 64 KiB copies, the GIL held throughout
-        assert dst.raw == src.raw
-        assert steps_during(big, 5000) > 0  # 2 MiB copies: the watcher got in
+        for size, n in ((128 << 10, 2048), (1 << 20, 256)):
+            out = subprocess.run([sys.executable, "-c", _BUSY, s.paths.root, s.paths.name, str(size), str(n)],
+                                 capture_output=True, text=True, timeout=300, env=env())
+            assert out.returncode == 0, out.stderr[-3000:]
+            got = dict(zip(*[iter(out.stdout.split())] * 2))
+            assert got.pop("bytes") == "ok", out.stdout
+            ratios = {k: float(v) for k, v in got.items()}
+            assert ratios["held"] > 0.5, ratios  # the ruler: a held copy stops the busy thread
+            assert ratios["backup"] < ratios["held"] / 3 and ratios["restore"] < ratios["held"] / 3, (size, ratios)
     finally:
-        stop.set()
-        sys.setswitchinterval(interval)
-        t.join()
+        s.stop()
+
+
+#: argv: store root, name, object size, objects. Prints the busy thread's
+#: longest stall over the call's time (medians of 5) for a copy holding the
+#: GIL, a backup (put_from) and a restore (get_into), and whether the bytes
+#: read back whole.
+_BUSY = """
+import ctypes, statistics, sys, threading, time
+from sglang_simm.embedded._host import HostServer
+root, name, size, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+client = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=30.0)
+client.open()
+src = [ctypes.create_string_buffer(bytes([i % 251 + 1]) * size, size) for i in range(n)]
+dst = [ctypes.create_string_buffer(size) for _ in range(n)]
+puts = [(f"busy-{i}", ctypes.addressof(b), size) for i, b in enumerate(src)]
+gets = [(f"busy-{i}", ctypes.addressof(b), size) for i, b in enumerate(dst)]
+whole_src, whole_dst = bytearray(b"\x05") * (size * n), bytearray(size * n)
+longest, stop = [0.0], threading.Event()
+
+def busy():
+    last = time.perf_counter()
+    while not stop.is_set():
+        now = time.perf_counter()
+        if now - last > longest[0]:
+            longest[0] = now - last
+        last = now
+
+def held_back(fn):
+    longest[0] = 0.0
+    t0 = time.perf_counter()
+    fn()
+    took = time.perf_counter() - t0
+    time.sleep(0.02)  # a stall is seen by the busy thread when it runs again
+    return longest[0] / took
+
+def copy_holding_the_gil():
+    whole_dst[:] = whole_src
+
+assert client.put_from(puts, True) == [0] * n
+t = threading.Thread(target=busy, daemon=True)
+t.start()
+time.sleep(0.05)
+ratios = {"held": [], "backup": [], "restore": []}
+for _ in range(5):
+    ratios["held"].append(held_back(copy_holding_the_gil))
+    ratios["backup"].append(held_back(lambda: client.put_from(puts, True)))
+    ratios["restore"].append(held_back(lambda: client.get_into(gets)))
+stop.set()
+t.join()
+ok = all(b.raw == c.raw for b, c in zip(dst, src))
+client.close()
+print(" ".join(f"{k} {statistics.median(v):.3f}" for k, v in ratios.items()), "bytes", "ok" if ok else "wrong")
+"""
 
 
 def test_a_request_bigger_than_the_socket_buffer_to_a_stalled_store_keeps_the_time_limit(store):
@@ -288,70 +261,7 @@ def test_a_backup_is_seen_at_once_by_another_process(store):
         client.close()
 
 
-# -- a reply waited for holding the GIL ---------------------------------------------
-
-
-def test_a_restore_whose_reply_comes_within_the_held_wait_never_lets_the_gil_go(store, monkeypatch):
-    """A watcher thread that wants the GIL runs only when the call lets it
-    go (the switch interval made huge): with the reply in time, it never does."""
-    client = client_of(store)
-    n = 8
-    src = [ctypes.create_string_buffer(bytes([i + 1]) * OBJECT, OBJECT) for i in range(n)]
-    keys = [f"held-{i}" for i in range(n)]
-    assert client.put_from([(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, src)], True) == [OK] * n
-    monkeypatch.setattr(_host, "HELD_WAIT_S", 10.0, raising=False)  # any reply comes in time
-    out = [ctypes.create_string_buffer(OBJECT) for _ in range(n)]
-    items = [(k, ctypes.addressof(b), OBJECT) for k, b in zip(keys, out)]
-    got, (releases, waits) = counted(client, lambda: client.get_into(items))
-    assert got == [OBJECT] * n and (releases, waits) == (0, 1)  # before: (1, 1)
-    client.close()
-    # The watcher runs in a fresh process: in this one, threads of earlier
-    # tests and pytest-xdist's own can take the GIL whenever it is free and
-    # hand it to the watcher, whatever this call does.
-    out = subprocess.run([sys.executable, "-c", _WATCHED, store.paths.root, store.paths.name, str(OBJECT)],
-                         capture_output=True, text=True, timeout=120, env=env())
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["watcher", "steps", "0", "bytes", "ok"], out.stdout + out.stderr[-2000:]
-
-
-#: 50 restores and backups of 8 objects with a watcher thread that runs only
-#: when they let the GIL go (the switch interval made huge)
-_WATCHED = """
-import ctypes, sys, threading, time
-from sglang_simm.embedded import _host
-from sglang_simm.embedded._host import HostServer
-root, name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-_host.HELD_WAIT_S = 10.0  # any reply comes in time
-client = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=10.0)
-client.open()
-keys = [f"held-{i}" for i in range(8)]
-out = [ctypes.create_string_buffer(size) for _ in keys]
-items = [(k, ctypes.addressof(b), size) for k, b in zip(keys, out)]
-assert client.get_into(items) == [size] * 8
-steps, stop = [0], threading.Event()
-
-def watcher():
-    while not stop.is_set():
-        steps[0] += 1
-        time.sleep(0.0002)
-
-interval = sys.getswitchinterval()
-sys.setswitchinterval(1000.0)
-t = threading.Thread(target=watcher, daemon=True)
-t.start()
-time.sleep(0.05)
-before = steps[0]
-for _ in range(50):
-    assert client.get_into(items) == [size] * 8
-    assert client.put_from([(f"again-{k}", p, s) for k, p, s in items], True) == [0] * 8
-during = steps[0] - before
-stop.set()
-sys.setswitchinterval(interval)
-t.join()
-ok = all(b.raw == bytes([i + 1]) * size for i, b in enumerate(out))
-client.close()
-print("watcher steps", during, "bytes", "ok" if ok else "wrong")
-"""
+# -- a reply waited for holding the GIL, then not ------------------------------------
 
 
 def test_the_held_wait_is_bounded_then_the_time_limit_is_kept(store, monkeypatch):
@@ -360,8 +270,10 @@ def test_the_held_wait_is_bounded_then_the_time_limit_is_kept(store, monkeypatch
     monkeypatch.setattr(_host, "HELD_WAIT_S", 0.05, raising=False)
     os.kill(store.pid, signal.SIGSTOP)
     try:
-        _, (releases, waits) = counted(client, lambda: pytest.raises(StoreUnreachable, client.lookup, ["x"]))
-        assert releases == 1  # after the held wait, the blocking receive, which the kernel's limit ends
+        # after the held wait, the blocking receive, which the kernel's limit ends
+        with pytest.raises(StoreUnreachable) as exc:
+            client.lookup(["x"])
+        assert exc.value.code == SEND_RPC_FAILED and "did not answer within 0.5 s" in str(exc.value)
     finally:
         os.kill(store.pid, signal.SIGCONT)
     wait_for(lambda: _lookup(client, ["warm"]) == [DS_KEY_NOT_FOUND], what="the client to reconnect")
