@@ -206,7 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         config = server_config(model, f"scenario-{args.breaker}", breaker=args.breaker == "on",
                                prefetch_policy=args.policy)
         with SGLangServer(config, os.path.join(tmp, "server"), name=f"breaker-{args.breaker}") as server:
-            seen = run(server, new_per_phase=args.new)
+            try:
+                seen = run(server, new_per_phase=args.new)
+            finally:  # the server's log beside the figures, whatever happened
+                if args.out:
+                    import shutil
+
+                    shutil.copyfile(server.log_path, f"{args.out}.server.log")
             refs = references(server, seen)
             same = all(g.output_ids == refs[s].output_ids and g.logprobs == refs[s].logprobs
                        for _, s, g in seen.generations)
