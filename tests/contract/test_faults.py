@@ -1,4 +1,6 @@
-"""Fault injection on the local store: error rate, latency, outage.
+"""Fault injection on the local store: error rate, latency, outage,
+corrupt reads; and the wrapper that injects them, there only while a fault
+is set.
 
 Injected failures stand for transport failures, which the real client
 returns unchanged on every path.
@@ -73,8 +75,7 @@ def test_error_rate_zero_fails_nothing(store, mem, faults, key, rand):
 def test_seeded_partial_rate_is_deterministic(kv, mem, key, rand):
     def pattern(server_name: str) -> list[int]:
         assert kv.set_flag("cm_primary_node_ip", server_name)
-        server = kv.get_server(server_name)
-        server.faults.configure(error_rate=0.5, seed=1234)
+        kv.configure_faults(server_name, error_rate=0.5, seed=1234)
         store = kv.Store()
         keys = [key(f"{server_name}-{i}") for i in range(200)]
         views = [mem.view(16, fill=i % 256)[0] for i in range(200)]
@@ -126,7 +127,7 @@ def test_down_fails_calls_and_store_creation(kv, store, mem, faults, stored):
 def test_fault_flags_apply_to_the_current_server(kv, store, mem, server, stored):
     keys, datas = stored
     assert kv.set_flag("local_store_down", "true")
-    assert server.faults.down is True
+    assert kv.configure_faults(server.name).down is True
     with pytest.raises(RuntimeError):
         kv.Store()
     assert store.get(keys[0], mem.view(2048)[0]) == SEND_RPC_FAILED
@@ -139,9 +140,9 @@ def test_fault_flags_apply_to_the_current_server(kv, store, mem, server, stored)
     all_readable(store, mem, keys, datas)
 
     assert kv.set_flag("local_store_latency_us", "1500")
-    assert server.faults.latency_us == 1500.0
+    assert kv.configure_faults(server.name).latency_us == 1500.0
     assert kv.set_flag("local_store_seed", "9")
-    assert server.faults.seed == 9
+    assert kv.configure_faults(server.name).seed == 9
 
 
 def test_fault_flags_apply_to_a_server_created_later(kv):
@@ -149,9 +150,9 @@ def test_fault_flags_apply_to_a_server_created_later(kv):
     assert kv.set_flag("cm_primary_node_ip", "created-down")
     with pytest.raises(RuntimeError):
         kv.Store()
-    assert kv.get_server("created-down").faults.down is True
+    assert kv.configure_faults("created-down").down is True
     assert kv.set_flag("local_store_down", "false")
-    assert kv.get_server("created-down").faults.down is False
+    assert kv.configure_faults("created-down").down is False
     kv.Store()
 
 
@@ -176,7 +177,7 @@ def test_fault_settings_are_validated(faults):
         faults.configure(down="yes")
     with pytest.raises(TypeError):
         faults.configure(flakiness=0.1)
-    assert faults.error_rate == 0.0 and faults.down is False
+    assert faults.settings.error_rate == 0.0 and faults.settings.down is False
 
 
 def test_corrupt_reads_flip_bytes_after_a_successful_copy(store, mem, faults, stored):
@@ -212,7 +213,7 @@ def test_corrupt_reads_leave_misses_and_writes_alone(store, mem, faults, key, ra
 def test_corrupt_reads_flag_reaches_the_server(kv, store, mem, server, stored):
     keys, datas = stored
     assert kv.set_flag("local_store_corrupt_reads", "1")
-    assert server.faults.corrupt_rate == 1.0
+    assert kv.configure_faults(server.name).corrupt_rate == 1.0
     view, out = mem.view(2048)
     assert store.get(keys[1], view) == 2048
     assert torch.equal(out, datas[1] ^ 0x80)
@@ -221,13 +222,14 @@ def test_corrupt_reads_flag_reaches_the_server(kv, store, mem, server, stored):
     all_readable(store, mem, keys, datas)
 
 
-def test_corrupt_rate_is_validated(faults):
+def test_corrupt_rate_is_validated(kv, faults):
     with pytest.raises(ValueError, match="corrupt_rate"):
         faults.configure(corrupt_rate=1.5)
     with pytest.raises(TypeError, match="corrupt_rate"):
         faults.configure(corrupt_rate=True)
-    assert faults.corrupt_rate == 0.0
+    assert faults.settings.corrupt_rate == 0.0
     faults.configure(corrupt_rate=0.5)
-    assert "corrupt_rate=0.5" in repr(faults)
-    faults.reset()
-    assert faults.corrupt_rate == 0.0
+    assert "corrupt_rate=0.5" in repr(kv.get_server(faults.name))
+    faults.configure(corrupt_rate=0.0)
+    assert faults.settings == kv.FaultSettings()
+
