@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from sglang_simm.errors import OK, SEND_RPC_FAILED, TARGET_UNAVAILABLE
+from sglang_simm.errors import DS_KEY_NOT_FOUND, GET_OBJECT_FAILED, OK, SEND_RPC_FAILED, TARGET_UNAVAILABLE
 
 
 def run(coro):
@@ -233,3 +233,65 @@ def test_corrupt_rate_is_validated(kv, faults):
     faults.configure(corrupt_rate=0.0)
     assert faults.settings == kv.FaultSettings()
 
+
+# -- the wrapper: there only while a fault is set ---------------------------------------
+
+
+def test_with_no_fault_set_a_store_reaches_its_server_directly(kv, store, server, mem, stored):
+    keys, datas = stored
+    assert store.server is server and not isinstance(server, kv.FaultyServer)
+    all_readable(store, mem, keys, datas)
+    # the error code and the seed alone inject nothing: still no wrapper
+    assert kv.set_flag("local_store_error_code", "-1901") and kv.set_flag("local_store_seed", "5")
+    assert store.server is server
+    assert server.stats()["injected_errors"] == 0
+
+
+def test_a_fault_flag_set_at_run_time_reaches_an_existing_store(kv, store, server, mem, stored):
+    keys, datas = stored
+    other = kv.Store()  # a second client of the same store
+    assert kv.set_flag("local_store_error_rate", "1")
+    assert isinstance(store.server, kv.FaultyServer) and store.server is other.server
+    assert store.server.store is server
+    assert store.get(keys[0], mem.view(2048)[0]) == SEND_RPC_FAILED
+    assert other.mget(keys, [mem.view(2048)[0] for _ in keys]) == [SEND_RPC_FAILED] * len(keys)
+    assert store.server.stats()["injected_errors"] == 1 + len(keys)
+    # back to its default: the wrapper is gone, and nothing was lost
+    assert kv.set_flag("local_store_error_rate", "0.0")
+    assert store.server is server and other.server is server
+    all_readable(store, mem, keys, datas)
+    assert server.stats()["injected_errors"] == 0
+
+
+def test_each_fault_unset_takes_the_wrapper_away_only_once_none_is_left(kv, store, server, faults, stored):
+    faults.configure(down=True, latency_us=1.0)
+    assert isinstance(store.server, kv.FaultyServer)
+    faults.configure(down=False)
+    assert isinstance(store.server, kv.FaultyServer)  # the latency is still set
+    assert kv.set_flag("local_store_latency_us", "0")  # the flags name this store too
+    assert store.server is server
+
+
+def test_a_store_made_while_a_fault_flag_is_set_gets_the_wrapper(kv, mem, key):
+    assert kv.set_flag("local_store_corrupt_reads", "1")
+    assert kv.set_flag("cm_primary_node_ip", "made-corrupt")
+    store = kv.Store()
+    assert isinstance(store.server, kv.FaultyServer)
+    data = torch.arange(64, dtype=torch.uint8)
+    assert store.put(key("x"), mem.holding(data)[0]) == OK
+    view, out = mem.view(64)
+    assert store.get(key("x"), view) == 64
+    assert torch.equal(out, data ^ 0x80)
+    assert kv.set_flag("local_store_corrupt_reads", "0")
+    assert not isinstance(store.server, kv.FaultyServer)
+
+
+def test_injected_codes_pass_through_where_the_stores_own_refusals_are_mapped(store, mem, faults, key, stored):
+    """A sync get maps the store's miss to GetObjectFailed but passes the
+    same code through when the network injected it."""
+    keys, _ = stored
+    assert store.get(key("absent"), mem.view(64)[0]) == GET_OBJECT_FAILED
+    faults.configure(error_rate=1.0, error_code=DS_KEY_NOT_FOUND)
+    assert store.get(keys[0], mem.view(2048)[0]) == DS_KEY_NOT_FOUND
+    assert store.put(key("new"), mem.view(64)[0]) == DS_KEY_NOT_FOUND
+    faults.configure(error_rate=0.0)
