@@ -124,14 +124,15 @@ def _embedded_flags_restored():
     flag) would otherwise hold for every later test, and a test would pass
     or fail by what ran before it. Each test leaves the flags as it found
     them."""
-    loaded = sys.modules.get("sglang_simm.embedded._client")
-    before = {name: loaded.get_flag(name) for name in loaded._FLAG_SPECS} if loaded else None
+    loaded = sys.modules.get("sglang_simm.embedded._flags")
+    before = {name: loaded.get_flag(name) for name in loaded.FLAGS} if loaded else None
     yield
+    flags = sys.modules.get("sglang_simm.embedded._flags")
     client = sys.modules.get("sglang_simm.embedded._client")
-    if client is None:
+    if flags is None or client is None:
         return
     if before is None:  # first imported by this test: the defaults held before it
-        before = {name: default for name, (_parse, default) in client._FLAG_SPECS.items()}
+        before = {name: flag.default for name, flag in flags.FLAGS.items()}
     # the server name first: fault flags apply to the server it names
     for name in sorted(before, key=lambda n: n != "cm_primary_node_ip"):
         if client.get_flag(name) != before[name]:

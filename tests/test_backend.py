@@ -9,7 +9,7 @@ import torch
 
 from pages import fill_random, hashes, page, raw, slots, tiny, tiny_mla
 from sglang_simm import errors
-from sglang_simm.embedded import get_server
+from sglang_simm.embedded import configure_faults, get_server
 
 
 CASES = [
@@ -248,14 +248,13 @@ def test_faults_become_misses_never_exceptions(attach, store_name, faults, expec
     fill_random(host, 12)
     keys = hashes(4)
     assert all(backend.batch_set_v1(keys[:2], slots(host, 0, 2)))
-    server = get_server(store_name)
-    server.faults.configure(**faults)
+    configure_faults(store_name, **faults)
     try:
         got_set = backend.batch_set_v1(keys, slots(host, 0, 4))
         got_exists = backend.batch_exists(keys)
         got_get = backend.batch_get_v1(keys, slots(host, 8, 4))
     finally:
-        server.faults.configure(error_rate=0.0, down=False, latency_us=0)
+        configure_faults(store_name, error_rate=0.0, down=False, latency_us=0)
     if expect_codes:
         assert got_get == [False] * 4
         assert got_exists == 0
@@ -402,11 +401,11 @@ def test_copying_path_failed_puts_are_counted_by_code(attach, store_name):
     backend, host = attach(tiny())
     fill_random(host, 22)
     values = [host.get_data_page(0, flat=True)]
-    get_server(store_name).faults.configure(error_rate=1.0)
+    configure_faults(store_name, error_rate=1.0)
     try:
         assert backend.batch_set(hashes(1), values) is False
     finally:
-        get_server(store_name).faults.configure(error_rate=0.0)
+        configure_faults(store_name, error_rate=0.0)
     assert backend.stats()["errors"] and backend.stats()["pages_write_failed"] == 1
 
 
@@ -484,14 +483,13 @@ def test_layer_first_is_refused_at_attach_naming_the_flag(attach):
 
 
 def test_unreachable_store_fails_attach_naming_address_and_doctor(attach, store_name):
-    server = get_server(store_name)
-    server.faults.configure(down=True)
+    configure_faults(store_name, down=True)
     try:
         with pytest.raises(errors.ClusterUnreachableError, match="doctor") as info:
             attach(tiny())
         assert store_name in str(info.value)
     finally:
-        server.faults.configure(down=False)
+        configure_faults(store_name, down=False)
 
 
 def test_bad_config_fails_attach_naming_the_field(attach):

@@ -18,13 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 
 import pytest
 import torch
 
 from pages import fill_random, hashes, page, raw, slots, tiny
 from sglang_simm.breaker import CLOSED, OPEN
-from sglang_simm.embedded import get_server
+from sglang_simm.embedded import configure_faults, get_server
 
 #: a breaker that opens after two faults and probes 50 ms later, no jitter
 FAST = {"breaker_threshold": 2, "breaker_backoff_ms": 50, "breaker_backoff_max_ms": 200, "breaker_jitter": 0}
@@ -33,15 +34,16 @@ FAST = {"breaker_threshold": 2, "breaker_backoff_ms": 50, "breaker_backoff_max_m
 @pytest.fixture
 def local(attach, store_name):
     """``local(**extra)`` -> (backend, host pool, faults): a backend on an
-    in-process local store of the test's own with ``FAST``'s breaker."""
+    in-process local store of the test's own with ``FAST``'s breaker;
+    ``faults(**changes)`` sets the simulated network to it."""
 
     def _local(geom=None, **extra):
         extra = {"manager_address": f"inprocess://{store_name}", **FAST, **extra}
         backend, host = attach(geom or tiny(), extra=extra)
-        return backend, host, get_server(store_name).faults
+        return backend, host, partial(configure_faults, store_name)
 
     yield _local
-    get_server(store_name).faults.configure(down=False, latency_us=0)
+    configure_faults(store_name, down=False, latency_us=0)
 
 
 class Touches:
@@ -69,7 +71,7 @@ class Touches:
 
 def open_it(backend, faults, keys):
     """Take the store down and fault until the breaker opens."""
-    faults.configure(down=True)
+    faults(down=True)
     for _ in range(backend.breaker.threshold):
         assert backend.batch_exists(keys) == 0
     assert backend.breaker.state == OPEN, backend.stats()["breaker"]
@@ -131,7 +133,7 @@ def test_faults_open_it_calls_while_open_touch_nothing_and_a_probe_closes_it(loc
     assert in_flight(backend) == 0
     assert backend.stats()["breaker"]["refused"] == 6
 
-    faults.configure(down=False)
+    faults(down=False)
     until(lambda: backend.breaker.state == CLOSED, "the breaker's probe to close it")
     assert set(touches.threads) == {PROBER}  # the probe was the breaker's own call, no request's
     snap = backend.stats()["breaker"]
@@ -160,9 +162,9 @@ def test_a_healthy_answer_between_faults_keeps_it_closed(local):
     keys = hashes(2)
     assert all(backend.batch_set_v1(keys, slots(host, 0, 2)))
     for _ in range(5):
-        faults.configure(down=True)
+        faults(down=True)
         assert backend.batch_exists(keys) == 0
-        faults.configure(down=False)
+        faults(down=False)
         assert backend.batch_exists(keys) == 2
     snap = backend.stats()["breaker"]
     assert snap["state"] == CLOSED and snap["faults"] == 5 and snap["opened_total"] == 0
@@ -174,14 +176,14 @@ def test_a_hung_store_opens_it_by_time(local):
     backend, host, faults = local(request_timeout_ms=100)
     keys = hashes(2)
     assert all(backend.batch_set_v1(keys, slots(host, 0, 2)))
-    faults.configure(latency_us=150_000)
+    faults(latency_us=150_000)
     assert backend.batch_exists(keys) == 2  # a right answer, but too late
     assert backend.batch_exists(keys) == 2
     snap = backend.stats()["breaker"]
     assert snap["state"] == OPEN and snap["last_cause"].startswith("a call took")
     touches = Touches(backend.client)
     assert backend.batch_exists(keys) == 0 and touches.calls == []  # at once, as a miss
-    faults.configure(latency_us=0)
+    faults(latency_us=0)
     wait_probe_due(backend)
     assert backend.batch_exists(keys) == 2
     assert backend.breaker.state == CLOSED
@@ -212,7 +214,7 @@ def test_no_request_ever_probes_a_hung_store(local):
     backend, host, faults = local(request_timeout_ms=300)
     keys = hashes(2)
     touches = Touches(backend.client)
-    faults.configure(latency_us=300_000)
+    faults(latency_us=300_000)
     for _ in range(backend.breaker.threshold):
         assert backend.batch_exists(keys) == 0  # slow calls: timeouts
     assert backend.breaker.state != CLOSED
@@ -222,7 +224,7 @@ def test_no_request_ever_probes_a_hung_store(local):
         assert backend.batch_exists(keys) == 0
         assert backend.batch_get_v1(keys, slots(host, 0, 2)) == [False, False]
     assert set(touches.threads[opened_at:]) == {PROBER}, touches.threads
-    faults.configure(latency_us=0)
+    faults(latency_us=0)
     until(lambda: backend.breaker.state == CLOSED, "a probe to close it once the store answers")
     assert in_flight(backend) == 0
 
@@ -243,7 +245,7 @@ def test_a_probe_that_ends_without_an_answer_frees_the_slot(local):
     data_path_probes(backend)
     keys = hashes(2)
     open_it(backend, faults, keys)
-    faults.configure(down=False)
+    faults(down=False)
     wait_probe_due(backend)
     bad = torch.arange(3, 3 + 2 * host.page_size, dtype=torch.int64)  # not page-aligned
     assert backend.batch_get_v1(keys, bad) == [False, False]
@@ -278,7 +280,7 @@ def test_an_exception_of_the_store_is_a_fault_and_ours_is_not(local):
 def test_a_disabled_breaker_never_opens(local):
     backend, host, faults = local(breaker_enabled=False)
     keys = hashes(2)
-    faults.configure(down=True)
+    faults(down=True)
     touches = Touches(backend.client)
     for _ in range(6):
         assert backend.batch_exists(keys) == 0
@@ -313,7 +315,7 @@ def test_hybrid_v2_calls_are_gated_once_for_every_pool(local):
     assert put == {PoolName.SWA: [False, False]}
     assert touches.calls == [] and in_flight(backend) == 0
 
-    faults.configure(down=False)
+    faults(down=False)
     wait_probe_due(backend)
     # one gate for the whole call: the KV lookup is the probe and closes
     # it, the side pools' lookup follows on the closed breaker
@@ -346,7 +348,10 @@ def test_each_outcome_goes_to_sglangs_fault_reporter(local):
     assert all(backend.batch_set_v1(keys, slots(host, 0, 2)))
     open_it(backend, faults, keys)
     assert backend.batch_exists(keys) == 0  # refused: not reported
-    assert manager.ops == [("batch_set_v1", False), ("batch_exists", True), ("batch_exists", True)]
+    # the breaker's own probes (under way by now, the store still down) are reported as "probe"
+    assert [o for o in manager.ops if o[0] != "probe"] == [
+        ("batch_set_v1", False), ("batch_exists", True), ("batch_exists", True)]
+    assert {fatal for op, fatal in manager.ops if op == "probe"} <= {True}
 
     assert other.batch_exists(keys) == 0  # found at attach: reported there
     assert found.ops == [("batch_exists", True)]
@@ -359,12 +364,12 @@ def test_transitions_are_logged_once_each(local, caplog):
         open_it(backend, faults, keys)
         for _ in range(20):
             backend.batch_exists(keys)  # refused: counted, never logged
-        faults.configure(down=False)
-        wait_probe_due(backend)
-        backend.batch_exists(keys)
+        faults(down=False)
+        until(lambda: backend.breaker.state == CLOSED, "a probe to close it")
     text = caplog.text
+    snap = backend.stats()["breaker"]
     assert text.count("breaker open after") == 1 and text.count("breaker closed") == 1
-    assert text.count("half-open") == 1
+    assert text.count("half-open") == snap["probes"] and text.count("open again") == snap["probe_faults"]
 
 
 def test_clear_and_close_are_not_gated(local, store_name):
@@ -372,7 +377,7 @@ def test_clear_and_close_are_not_gated(local, store_name):
     keys = hashes(2)
     assert all(backend.batch_set_v1(keys, slots(host, 0, 2)))
     open_it(backend, faults, keys)
-    faults.configure(down=False)
+    faults(down=False)
     backend.clear()  # an operator's action: goes to the store while the breaker is open
     assert len(get_server(store_name)) == 0
     assert backend.breaker.state == OPEN
@@ -388,7 +393,7 @@ def test_concurrent_threads_while_open_get_misses_and_exactly_one_probe(local):
     keys = hashes(2)
     assert all(backend.batch_set_v1(keys, slots(host, 0, 2)))
     open_it(backend, faults, keys)
-    faults.configure(down=False, latency_us=50_000)  # the probe takes a while
+    faults(down=False, latency_us=50_000)  # the probe takes a while
     wait_probe_due(backend)
     touches = Touches(backend.client)
     results = []
@@ -417,7 +422,7 @@ def test_its_state_reaches_the_servers_metrics(attach, store_name):
     backend, host = attach(tiny(), extra={"manager_address": f"inprocess://{store_name}", **FAST},
                            enable_storage_metrics=True)
     assert backend.counters.exporter is not None
-    faults = get_server(store_name).faults
+    faults = partial(configure_faults, store_name)
     fill_random(host, 1)
     keys = hashes(4)
     assert backend.batch_set_v1(keys, slots(host, 0, 4)) == [True] * 4
@@ -430,6 +435,6 @@ def test_its_state_reaches_the_servers_metrics(attach, store_name):
         finally:
             metrics.EXPORT_INTERVAL_S = saved
     finally:
-        faults.configure(down=False)
+        faults(down=False)
     assert backend.counters.breaker_state == OPEN
     assert backend.counters.breaker_transitions["open"] == 1

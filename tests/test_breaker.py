@@ -4,6 +4,7 @@ reporter by duck typing."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -758,12 +759,12 @@ def local_store():
     from sglang_simm.client import connect
 
     client = connect(SiMMConfig(manager_address="inprocess://breaker-codes", warmup=False))
-    faults = embedded.get_server("breaker-codes").faults
+    faults = functools.partial(embedded.configure_faults, "breaker-codes")
     block = client.allocate(64)
     try:
         yield client, faults, block
     finally:
-        faults.configure(down=False, latency_us=0)
+        faults(down=False, latency_us=0)
         del block
         client.close()
 
@@ -788,7 +789,7 @@ def test_the_local_stores_answers(local_store):
         assert call(client.mexists_codes, ["a", "b"]) == [errors.DS_KEY_NOT_FOUND] * 2
         assert call(client.mget, ["a"], [block.view()]) == [errors.GET_OBJECT_FAILED]
     assert b.state == CLOSED and b.snapshot()["faults"] == 0
-    faults.configure(down=True)
+    faults(down=True)
     for _ in range(3):
         assert call(client.mput, ["a"], [block.view()]) == [errors.SEND_RPC_FAILED]
     assert b.state == OPEN and b.snapshot()["last_cause"] == "SendRPCFailed(-2300)"
@@ -796,7 +797,7 @@ def test_the_local_stores_answers(local_store):
     clock.advance(1.0)
     assert call(client.mexists_codes, ["a"]) == [errors.SEND_RPC_FAILED]  # the probe: still down
     assert b.state == OPEN
-    faults.configure(down=False)
+    faults(down=False)
     clock.advance(2.0)
     assert call(client.mexists_codes, ["a"]) == [errors.DS_KEY_NOT_FOUND]  # the probe: back
     assert b.state == CLOSED
@@ -807,7 +808,7 @@ def test_a_slow_local_store_opens_it(local_store):
 
     client, faults, _block = local_store
     b = make(threshold=2, slow_call_s=0.01)
-    faults.configure(latency_us=30_000)
+    faults(latency_us=30_000)
     for _ in range(2):
         permit = b.allow()
         t0 = perf_counter()

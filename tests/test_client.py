@@ -93,7 +93,7 @@ def test_a_failed_warm_up_closes_the_store_it_opened():
     scope = embedded.get_flag("local_store_scope")
     try:
         embedded.set_flag("local_store_scope", "process")
-        embedded.get_server(name).faults.configure(error_rate=1.0)
+        embedded.configure_faults(name, error_rate=1.0)
         config = SiMMConfig.from_mapping({"manager_address": f"inprocess://{name}"})
         with pytest.raises(Exception, match="warm-up"):
             connect(config, kv_module=kv)

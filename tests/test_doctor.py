@@ -62,9 +62,9 @@ def test_bad_json_is_an_error_not_a_traceback(capsys):
 
 
 def test_down_store_is_reported(capsys, store_name):
-    from sglang_simm.embedded import get_server, reset_servers
+    from sglang_simm.embedded import configure_faults, reset_servers
 
-    get_server(store_name).faults.configure(down=True)
+    configure_faults(store_name, down=True)
     try:
         code, out = doctor(capsys, "--manager", f"local://{store_name}")
     finally:

@@ -34,10 +34,10 @@ def warnings_of(caplog, logger: str) -> list[str]:
 def test_every_old_name_has_a_new_local_store_name():
     assert RENAMED_FIELDS == {OLD: NEW}
     assert all(old.startswith("embedded_") and new.startswith("local_store_") for old, new in RENAMED_FLAGS.items())
-    from sglang_simm.embedded import _client
+    from sglang_simm.embedded._flags import FLAGS
 
-    assert set(RENAMED_FLAGS.values()) <= set(_client._FLAG_SPECS)
-    assert not set(RENAMED_FLAGS) & set(_client._FLAG_SPECS)
+    assert set(RENAMED_FLAGS.values()) <= set(FLAGS)
+    assert not set(RENAMED_FLAGS) & set(FLAGS)
 
 
 # -- the config field ------------------------------------------------------------

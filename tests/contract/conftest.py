@@ -89,14 +89,14 @@ def kv(request):
         return
     from sglang_simm import embedded
 
-    from sglang_simm.embedded._client import _FLAG_SPECS
+    from sglang_simm.embedded._flags import FLAGS
 
     saved = {name: embedded.get_flag(name) for name in _EMBEDDED_FLAGS}
     servers_before = set(embedded.server_names())
     # Every test starts from the store's defaults, whatever earlier tests of
     # this process set (a backend's attach sets the capacity flag, for one).
     for name in _EMBEDDED_FLAGS:
-        assert embedded.set_flag(name, _FLAG_SPECS[name][1])
+        assert embedded.set_flag(name, FLAGS[name].default)
     if request.param == "host":
         embedded.set_flag("local_store_scope", "host")
         embedded.set_flag("local_store_dir", request.getfixturevalue("host_store_dir"))
@@ -131,12 +131,37 @@ def server(kv):
     return kv.get_server(kv.get_flag("cm_primary_node_ip"))
 
 
+class Faults:
+    """The simulated network between this process and one local store
+    (``configure_faults``), and what it injected so far."""
+
+    def __init__(self, kv, name: str) -> None:
+        self._kv = kv
+        self.name = name
+
+    def configure(self, **changes):
+        return self._kv.configure_faults(self.name, **changes)
+
+    @property
+    def settings(self):
+        return self._kv.configure_faults(self.name)
+
+    @property
+    def injected(self) -> int:
+        return self._kv.get_server(self.name).stats()["injected_errors"]
+
+    @property
+    def corrupted(self) -> int:
+        server = self._kv.get_server(self.name)
+        return server.corrupted if isinstance(server, self._kv.FaultyServer) else 0
+
+
 @pytest.fixture
 def faults(kv):
-    """The fault injector of the test's local store."""
+    """The simulated network of the test's local store."""
     if not getattr(kv, "__simm_embedded__", False):
         pytest.skip("fault injection needs the local store")
-    return kv.get_server(kv.get_flag("cm_primary_node_ip")).faults
+    return Faults(kv, kv.get_flag("cm_primary_node_ip"))
 
 
 @pytest.fixture(params=["head", "v0.1.0.post1"])

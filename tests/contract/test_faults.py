@@ -1,4 +1,6 @@
-"""Fault injection on the local store: error rate, latency, outage.
+"""Fault injection on the local store: error rate, latency, outage,
+corrupt reads; and the wrapper that injects them, there only while a fault
+is set.
 
 Injected failures stand for transport failures, which the real client
 returns unchanged on every path.
@@ -12,7 +14,7 @@ import time
 import pytest
 import torch
 
-from sglang_simm.errors import OK, SEND_RPC_FAILED, TARGET_UNAVAILABLE
+from sglang_simm.errors import DS_KEY_NOT_FOUND, GET_OBJECT_FAILED, OK, SEND_RPC_FAILED, TARGET_UNAVAILABLE
 
 
 def run(coro):
@@ -73,8 +75,7 @@ def test_error_rate_zero_fails_nothing(store, mem, faults, key, rand):
 def test_seeded_partial_rate_is_deterministic(kv, mem, key, rand):
     def pattern(server_name: str) -> list[int]:
         assert kv.set_flag("cm_primary_node_ip", server_name)
-        server = kv.get_server(server_name)
-        server.faults.configure(error_rate=0.5, seed=1234)
+        kv.configure_faults(server_name, error_rate=0.5, seed=1234)
         store = kv.Store()
         keys = [key(f"{server_name}-{i}") for i in range(200)]
         views = [mem.view(16, fill=i % 256)[0] for i in range(200)]
@@ -126,7 +127,7 @@ def test_down_fails_calls_and_store_creation(kv, store, mem, faults, stored):
 def test_fault_flags_apply_to_the_current_server(kv, store, mem, server, stored):
     keys, datas = stored
     assert kv.set_flag("local_store_down", "true")
-    assert server.faults.down is True
+    assert kv.configure_faults(server.name).down is True
     with pytest.raises(RuntimeError):
         kv.Store()
     assert store.get(keys[0], mem.view(2048)[0]) == SEND_RPC_FAILED
@@ -139,9 +140,9 @@ def test_fault_flags_apply_to_the_current_server(kv, store, mem, server, stored)
     all_readable(store, mem, keys, datas)
 
     assert kv.set_flag("local_store_latency_us", "1500")
-    assert server.faults.latency_us == 1500.0
+    assert kv.configure_faults(server.name).latency_us == 1500.0
     assert kv.set_flag("local_store_seed", "9")
-    assert server.faults.seed == 9
+    assert kv.configure_faults(server.name).seed == 9
 
 
 def test_fault_flags_apply_to_a_server_created_later(kv):
@@ -149,9 +150,9 @@ def test_fault_flags_apply_to_a_server_created_later(kv):
     assert kv.set_flag("cm_primary_node_ip", "created-down")
     with pytest.raises(RuntimeError):
         kv.Store()
-    assert kv.get_server("created-down").faults.down is True
+    assert kv.configure_faults("created-down").down is True
     assert kv.set_flag("local_store_down", "false")
-    assert kv.get_server("created-down").faults.down is False
+    assert kv.configure_faults("created-down").down is False
     kv.Store()
 
 
@@ -176,7 +177,7 @@ def test_fault_settings_are_validated(faults):
         faults.configure(down="yes")
     with pytest.raises(TypeError):
         faults.configure(flakiness=0.1)
-    assert faults.error_rate == 0.0 and faults.down is False
+    assert faults.settings.error_rate == 0.0 and faults.settings.down is False
 
 
 def test_corrupt_reads_flip_bytes_after_a_successful_copy(store, mem, faults, stored):
@@ -212,7 +213,7 @@ def test_corrupt_reads_leave_misses_and_writes_alone(store, mem, faults, key, ra
 def test_corrupt_reads_flag_reaches_the_server(kv, store, mem, server, stored):
     keys, datas = stored
     assert kv.set_flag("local_store_corrupt_reads", "1")
-    assert server.faults.corrupt_rate == 1.0
+    assert kv.configure_faults(server.name).corrupt_rate == 1.0
     view, out = mem.view(2048)
     assert store.get(keys[1], view) == 2048
     assert torch.equal(out, datas[1] ^ 0x80)
@@ -221,13 +222,76 @@ def test_corrupt_reads_flag_reaches_the_server(kv, store, mem, server, stored):
     all_readable(store, mem, keys, datas)
 
 
-def test_corrupt_rate_is_validated(faults):
+def test_corrupt_rate_is_validated(kv, faults):
     with pytest.raises(ValueError, match="corrupt_rate"):
         faults.configure(corrupt_rate=1.5)
     with pytest.raises(TypeError, match="corrupt_rate"):
         faults.configure(corrupt_rate=True)
-    assert faults.corrupt_rate == 0.0
+    assert faults.settings.corrupt_rate == 0.0
     faults.configure(corrupt_rate=0.5)
-    assert "corrupt_rate=0.5" in repr(faults)
-    faults.reset()
-    assert faults.corrupt_rate == 0.0
+    assert "corrupt_rate=0.5" in repr(kv.get_server(faults.name))
+    faults.configure(corrupt_rate=0.0)
+    assert faults.settings == kv.FaultSettings()
+
+
+# -- the wrapper: there only while a fault is set ---------------------------------------
+
+
+def test_with_no_fault_set_a_store_reaches_its_server_directly(kv, store, server, mem, stored):
+    keys, datas = stored
+    assert store.server is server and not isinstance(server, kv.FaultyServer)
+    all_readable(store, mem, keys, datas)
+    # the error code and the seed alone inject nothing: still no wrapper
+    assert kv.set_flag("local_store_error_code", "-1901") and kv.set_flag("local_store_seed", "5")
+    assert store.server is server
+    assert server.stats()["injected_errors"] == 0
+
+
+def test_a_fault_flag_set_at_run_time_reaches_an_existing_store(kv, store, server, mem, stored):
+    keys, datas = stored
+    other = kv.Store()  # a second client of the same store
+    assert kv.set_flag("local_store_error_rate", "1")
+    assert isinstance(store.server, kv.FaultyServer) and store.server is other.server
+    assert store.server.store is server
+    assert store.get(keys[0], mem.view(2048)[0]) == SEND_RPC_FAILED
+    assert other.mget(keys, [mem.view(2048)[0] for _ in keys]) == [SEND_RPC_FAILED] * len(keys)
+    assert store.server.stats()["injected_errors"] == 1 + len(keys)
+    # back to its default: the wrapper is gone, and nothing was lost
+    assert kv.set_flag("local_store_error_rate", "0.0")
+    assert store.server is server and other.server is server
+    all_readable(store, mem, keys, datas)
+    assert server.stats()["injected_errors"] == 0
+
+
+def test_each_fault_unset_takes_the_wrapper_away_only_once_none_is_left(kv, store, server, faults, stored):
+    faults.configure(down=True, latency_us=1.0)
+    assert isinstance(store.server, kv.FaultyServer)
+    faults.configure(down=False)
+    assert isinstance(store.server, kv.FaultyServer)  # the latency is still set
+    assert kv.set_flag("local_store_latency_us", "0")  # the flags name this store too
+    assert store.server is server
+
+
+def test_a_store_made_while_a_fault_flag_is_set_gets_the_wrapper(kv, mem, key):
+    assert kv.set_flag("local_store_corrupt_reads", "1")
+    assert kv.set_flag("cm_primary_node_ip", "made-corrupt")
+    store = kv.Store()
+    assert isinstance(store.server, kv.FaultyServer)
+    data = torch.arange(64, dtype=torch.uint8)
+    assert store.put(key("x"), mem.holding(data)[0]) == OK
+    view, out = mem.view(64)
+    assert store.get(key("x"), view) == 64
+    assert torch.equal(out, data ^ 0x80)
+    assert kv.set_flag("local_store_corrupt_reads", "0")
+    assert not isinstance(store.server, kv.FaultyServer)
+
+
+def test_injected_codes_pass_through_where_the_stores_own_refusals_are_mapped(store, mem, faults, key, stored):
+    """A sync get maps the store's miss to GetObjectFailed but passes the
+    same code through when the network injected it."""
+    keys, _ = stored
+    assert store.get(key("absent"), mem.view(64)[0]) == GET_OBJECT_FAILED
+    faults.configure(error_rate=1.0, error_code=DS_KEY_NOT_FOUND)
+    assert store.get(keys[0], mem.view(2048)[0]) == DS_KEY_NOT_FOUND
+    assert store.put(key("new"), mem.view(64)[0]) == DS_KEY_NOT_FOUND
+    faults.configure(error_rate=0.0)

@@ -41,9 +41,9 @@ def test_delete_prefix_removes_one_namespace(kv, store, mem, key, rand, server, 
     assert server.used_bytes == 300
     with pytest.raises(ValueError):
         store.delete_prefix("")
-    server.faults.configure(down=True)
+    kv.configure_faults(server.name, down=True)
     assert store.delete_prefix(key("ns2/")) == 0
-    server.faults.configure(down=False)
+    kv.configure_faults(server.name, down=False)
     assert store.delete_prefix(key("ns2/")) == 3
 
 

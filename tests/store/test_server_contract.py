@@ -1,5 +1,6 @@
-"""The server contract (``embedded.contract.StoreServer``): both servers have
-every member it declares, with its signature; and the one setting a client
+"""The server contract (``embedded.contract.StoreServer``): both servers, and
+the fault wrapper in front of either, have every member it declares, with
+its signature; and the one setting a client
 gives its store through it, the warm-up key prefixes the store counts apart
 (the store knows none of its own)."""
 
@@ -14,6 +15,7 @@ import pytest
 
 from sglang_simm import embedded
 from sglang_simm.embedded import _client
+from sglang_simm.embedded._faults import FaultSettings, FaultyServer
 from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._index import StoreIndex
 from sglang_simm.embedded._limits import MAX_WARMUP_PREFIXES
@@ -21,7 +23,7 @@ from sglang_simm.embedded._server import EmbeddedServer
 from sglang_simm.embedded.contract import StoreServer
 from sglang_simm.embedded.simm_rules import MAX_KEY_BYTES, OK
 
-SERVERS = (EmbeddedServer, HostServer)
+SERVERS = (EmbeddedServer, HostServer, FaultyServer)
 
 
 def members(protocol: type) -> dict[str, str]:
@@ -74,15 +76,16 @@ def instances(host_store_dir):
         EmbeddedServer: EmbeddedServer(f"contract-{uuid.uuid4().hex[:8]}", 1 << 20),
         HostServer: HostServer(f"contract-{uuid.uuid4().hex[:8]}", root=host_store_dir, capacity=1, spawn=False),
     }
+    made[FaultyServer] = FaultyServer(made[EmbeddedServer], FaultSettings(down=True))
     yield made
     made[HostServer].close()
 
 
 @pytest.mark.parametrize("cls", SERVERS, ids=lambda c: c.__name__)
-def test_both_servers_have_every_member_of_the_contract_with_its_signature(cls, instances):
+def test_every_server_has_every_member_of_the_contract_with_its_signature(cls, instances):
     assert set(members(StoreServer)) >= {
         "put_from", "get_into", "lookup", "delete", "delete_prefix", "clear", "keys", "stats",
-        "capacity_bytes", "used_bytes", "set_capacity", "set_policy", "add_warmup_prefix", "name", "faults"}
+        "capacity_bytes", "used_bytes", "set_capacity", "set_policy", "add_warmup_prefix", "name"}
     assert differences(cls, instances[cls]) == []
 
 

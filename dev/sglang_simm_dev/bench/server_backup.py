@@ -12,7 +12,7 @@ a timer for the run, so one call gives the time spent in every layer:
 * ``backend``: ``HiCacheSiMM.batch_set_v1`` itself (``backend.py``,
   ``transfer.py``, ``binding.py``: keys, views, answers, counters);
 * ``client``: ``Store.mput`` (``embedded/_client.py``: argument and region
-  checks, the fault injector);
+  checks; no fault code runs while no fault is set);
 * ``handle``: ``HostServer.put_from`` (``embedded/_host.py``: framing and
   parsing, outside the requests below);
 * ``put``: the PUT request (send, the store process reserves room, reply);

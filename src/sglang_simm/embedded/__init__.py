@@ -25,9 +25,11 @@ Two forms of the local store stand behind it (flag ``local_store_scope``):
 * ``process`` (``"inprocess"``): the *in-process local store*, a server
   inside the calling process (``_server``), for tests and single-process tools.
 
-``_client`` is the ``simm.kv`` surface itself (flags, memory regions,
-views, ``Store``) and ``_faults`` the simulated network (error rate,
-latency, outage), per client process. See ``docs/local-store.md``.
+``_client`` is the ``simm.kv`` surface itself (memory regions, views,
+``Store``), ``_flags`` its flags (each parsed once into typed settings),
+and ``_faults`` the simulated network (outage, latency, error rate,
+corrupt reads), per client process: a wrapper in front of a store,
+installed only while a fault is set. See ``docs/local-store.md``.
 
 The store imports nothing of the backend, which reaches it by name, as it
 reaches ``simm.kv``. Its public modules besides this one: ``simm_rules``
@@ -55,6 +57,7 @@ _LAZY = {
     "BlockView": "_client",
     "MrExt": "_client",
     "Store": "_client",
+    "configure_faults": "_client",
     "default_capacity_bytes": "_client",
     "deregister_mr": "_client",
     "get_flag": "_client",
@@ -63,7 +66,8 @@ _LAZY = {
     "reset_servers": "_client",
     "server_names": "_client",
     "set_flag": "_client",
-    "FaultInjector": "_faults",
+    "FaultSettings": "_faults",
+    "FaultyServer": "_faults",
     "EmbeddedServer": "_server",
     "HostServer": "_host",
 }
@@ -98,11 +102,13 @@ __all__ = [
     "Block",
     "BlockView",
     "EmbeddedServer",
-    "FaultInjector",
+    "FaultSettings",
+    "FaultyServer",
     "HostServer",
     "MrExt",
     "Store",
     "alias_as_simm_kv",
+    "configure_faults",
     "default_capacity_bytes",
     "deregister_mr",
     "get_flag",

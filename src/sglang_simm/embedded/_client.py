@@ -26,7 +26,8 @@ from its documentation, the code wins. Line numbers below are HEAD's:
 * Transport failures (``local_store_down``, injected errors, a local store
   that is gone) pass through unchanged on every path: SendRPCFailed (-2300) by
   default, as HEAD reports a lost or timed-out request; the client never
-  produces Timeout (-1002).
+  produces Timeout (-1002). Only the store's own refusals are mapped per
+  path; the simulated network (``_faults``) keeps its answers apart.
 * Get's bound is the view (``local_store_get_bound=view``, the default, safe);
   ``region`` reproduces the real client, which sends the registered region's
   size as the bound (``clnt_messenger.cc:799-801``), so an object longer
@@ -47,9 +48,14 @@ then put), and ``exists`` answering True while a put is still copying
 (``kv_rpc_service.cc:855-860``): here objects appear only when whole.
 
 Local-store-only extras, absent from the real client (probe with ``hasattr``):
-``get_flag``, ``Store.server``, ``Store.delete_prefix`` and
-``Store.mput_absent`` (a batch put that skips keys already stored and
+``get_flag``, ``configure_faults``, ``Store.server``, ``Store.delete_prefix``
+and ``Store.mput_absent`` (a batch put that skips keys already stored and
 answers which, in one request: a backup without the ``mexists`` before it).
+
+Flags are parsed once, when set (``_flags``); the store reads typed
+settings. Clients of one store share its ``_faults.Link``: while no fault
+is set a call goes to the store itself, and while one is, through the
+``FaultyServer`` in front of it.
 
 Checks done before the network, per the real client: batch-wide key and value
 limits, then per entry the view's memory region: a view made from a
@@ -67,19 +73,18 @@ import itertools
 import logging
 import operator
 import os
-import re
 import threading
 from collections.abc import Sequence
 
 import torch
 
-from sglang_simm.embedded import _host, _server
+from sglang_simm.embedded import _flags, _host, _server
 from sglang_simm.embedded._copy import human_bytes, wrap_memory
-from sglang_simm.embedded._host import HostServer, StoreUnreachable
-from sglang_simm.embedded._index import EVICTION_POLICIES
-from sglang_simm.embedded._names import RENAMED_FLAGS, deprecated
+from sglang_simm.embedded._faults import FaultSettings, InjectedCode, Link
+from sglang_simm.embedded._flags import HEAD, LocalStoreSettings
+from sglang_simm.embedded._host import StoreUnreachable
+from sglang_simm.embedded._paths import store_dir
 from sglang_simm.embedded._server import EmbeddedServer
-from sglang_simm.embedded._limits import check_warmup_prefix
 from sglang_simm.embedded.contract import StoreServer
 from sglang_simm.embedded.simm_rules import (
     DS_DATA_ALREADY_EXISTS,
@@ -97,233 +102,39 @@ from sglang_simm.embedded.simm_rules import (
 
 logger = logging.getLogger("sglang_simm.embedded")
 
-# -- flags ---------------------------------------------------------------------
-#
-# Process-global, set with strings like gflags' SetCommandLineOption: an
-# unknown name or a value that does not parse returns False and changes
-# nothing. The real client's flags (src/client/clnt_flags.cc and the client
-# part of src/common/flags/common_flags.cpp) are accepted and stored; only
-# ``cm_primary_node_ip`` means something here: the name of the local store
-# a new ``Store()`` joins. The manager port flag is ``cm_rpc_inter_port``;
-# there is no ``cm_primary_node_port`` in the real client, so it is refused.
-# The local store's own flags are ``local_store_*``; their old ``embedded_*``
-# names (``_names.RENAMED_FLAGS``) are still read, warned, until the next
-# minor release.
-
-#: Where a Store's server lives (flag ``local_store_scope``).
-SCOPES = ("process", "host")
-#: SiMM's releases whose client semantics the store follows (flag
-#: ``local_store_simm_release``): HEAD (3b0d7ae, 2026-04-20) or the only tag.
-HEAD = "head"
-TAG = "v0.1.0.post1"
-RELEASES = (HEAD, TAG)
-
-_INT_RE = re.compile(r"[+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)\Z")
-
-
-#: Boolean flag values, any case, surrounding blanks ignored: gflags'
-#: spellings (it takes t/f, y/n) and on/off.
-_TRUE_WORDS = frozenset({"true", "t", "yes", "y", "on", "1"})
-_FALSE_WORDS = frozenset({"false", "f", "no", "n", "off", "0"})
-
-
-def _parse_bool(value: str) -> str | None:
-    text = value.strip().lower()
-    return "true" if text in _TRUE_WORDS else "false" if text in _FALSE_WORDS else None
-
-
-def _parse_int(value: str, lo: int, hi: int) -> str | None:
-    if not _INT_RE.match(value):
-        return None
-    number = int(value, 0) if "x" in value.lower() else int(value, 10)
-    return str(number) if lo <= number <= hi else None
-
-
-def _int32(value: str) -> str | None:
-    return _parse_int(value, -(2**31), 2**31 - 1)
-
-
-def _uint32(value: str) -> str | None:
-    return None if value.startswith("-") else _parse_int(value, 0, 2**32 - 1)
-
-
-def _string(value: str) -> str | None:
-    return value
-
-
-def _capacity(value: str) -> str | None:
-    return "" if value == "" else _parse_int(value, 1, 2**63 - 1)
-
-
-def _rate(value: str) -> str | None:
-    try:
-        rate = float(value)
-    except ValueError:
-        return None
-    return repr(rate) if 0.0 <= rate <= 1.0 else None
-
-
-def _error_code(value: str) -> str | None:
-    return _parse_int(value, -32768, -1)
-
-
-def _latency(value: str) -> str | None:
-    try:
-        latency = float(value)
-    except ValueError:
-        return None
-    return repr(latency) if latency >= 0.0 else None  # NaN fails too
-
-
-def _choice(*allowed: str):
-    def parse(value: str) -> str | None:
-        lowered = value.lower()
-        return lowered if lowered in allowed else None
-
-    return parse
-
-
-def _seed(value: str) -> str | None:
-    return "" if value == "" else _parse_int(value, -(2**63), 2**63 - 1)
-
-
-def _warmup_prefix(value: str) -> str | None:
-    try:
-        check_warmup_prefix(value, ())
-    except ValueError:
-        return "" if value == "" else None
-    return value
-
-
-# name -> (parser returning the canonical string or None, default)
-_FLAG_SPECS: dict[str, tuple] = {
-    # the real client's
-    "cm_primary_node_ip": (_string, ""),
-    "cm_rpc_inter_port": (_int32, "30001"),
-    "cm_rpc_intra_port": (_int32, "30000"),
-    "cm_rpc_admin_port": (_int32, "30002"),
-    "shard_total_num": (_uint32, "16384"),
-    "hash_seed": (_uint32, "0"),
-    "default_logging_file": (_string, "/var/log/simm/simm.log"),
-    "default_logging_level": (_string, "INFO"),
-    "k8s_api_server": (_string, ""),
-    "k8s_service_account": (_string, ""),
-    "cm_namespace": (_string, "default"),
-    "cm_svc_name": (_string, "simm-clustermanager-svc"),
-    "cm_port_name": (_string, "simm-clustermanager-port"),
-    "clnt_use_k8s": (_parse_bool, "true"),
-    "clnt_thread_pool_size": (_uint32, "10"),
-    "clnt_sync_req_timeout_ms": (_int32, "1000"),
-    "clnt_async_req_timeout_ms": (_int32, "3000"),
-    "clnt_syncreq_enable_retry": (_parse_bool, "false"),
-    "clnt_syncreq_retry_count": (_uint32, "2"),
-    "clnt_cm_addr_check_interval_inSecs": (_uint32, "10"),
-    "clnt_deferred_reshard_wait_inSecs": (_uint32, "30"),
-    "clnt_log_file": (_string, "/var/log/simm/simm_clnt.log"),
-    # the local store only: settings of the store named by cm_primary_node_ip
-    # "process": the in-process local store, inside this process; "host": the
-    # local store's process, one per name shared by every process of this user
-    "local_store_scope": (_choice(*SCOPES), "process"),
-    "local_store_dir": (_string, ""),  # host scope; "" = $SGLANG_SIMM_STORE_DIR or /dev/shm/sglang-simm-<uid>
-    "local_store_capacity_bytes": (_capacity, ""),  # "" = 4 GiB capped at RAM/4
-    "local_store_eviction": (_choice(*EVICTION_POLICIES), "fifo"),
-    # host scope: a store this process starts exits after this many seconds
-    # with no client, freeing its memory (0: never); a running store keeps its own
-    "local_store_idle_exit_s": (_latency, "600.0"),
-    # the SiMM release whose client semantics to follow (see the module docstring)
-    "local_store_simm_release": (_choice(*RELEASES), HEAD),
-    # "region": a get may write up to the end of the view's registered
-    # region, as SiMM's client does; "view" (safe): only into the view
-    "local_store_get_bound": (_choice("view", "region"), "view"),
-    "local_store_error_rate": (_rate, "0.0"),
-    "local_store_error_code": (_error_code, str(SEND_RPC_FAILED)),
-    "local_store_latency_us": (_latency, "0.0"),
-    "local_store_down": (_parse_bool, "false"),
-    "local_store_corrupt_reads": (_rate, "0.0"),  # share of successful reads flipped
-    "local_store_seed": (_seed, ""),  # "" = unseeded
-    # keys that start with this prefix are counted apart as warm-ups by the
-    # store (warmup_puts, warmup_hits): a client's start-up round trips, which
-    # pages counted from the store's counters leave out; every Store() made
-    # with it set tells its store; "" = none
-    "local_store_warmup_key_prefix": (_warmup_prefix, ""),
-}
-
-_FAULT_FLAGS = {
-    "local_store_error_rate": "error_rate",
-    "local_store_error_code": "error_code",
-    "local_store_latency_us": "latency_us",
-    "local_store_down": "down",
-    "local_store_corrupt_reads": "corrupt_rate",
-    "local_store_seed": "seed",
-}
-
-_flags: dict[str, str] = {name: default for name, (_, default) in _FLAG_SPECS.items()}
-_flags_lock = threading.Lock()
+# -- flags (``_flags``: each parsed once, typed) -------------------------------------
 
 DEFAULT_SERVER_NAME = "default"
 DEFAULT_CAPACITY_BYTES = 4 << 30
 
+get_flag = _flags.get_flag
+
 
 def set_flag(name: str, value: str) -> bool:
-    """Set a process-global client flag; True if it was accepted.
+    """Set a process-global client flag; True if it was accepted (an
+    unknown name or a value that does not parse: False, nothing changed).
 
     The local store's fault flags (``local_store_error_rate``,
     ``local_store_error_code``, ``local_store_latency_us``,
     ``local_store_down``, ``local_store_corrupt_reads``, ``local_store_seed``)
-    also apply at once to the store named by ``cm_primary_node_ip`` if it
-    exists; every ``local_store_*`` flag applies to a store when it is
-    created. An old ``embedded_*`` name sets its new flag, with a warning.
+    also apply at once to the store named by ``cm_primary_node_ip`` if this
+    process has it, in either scope: every client of it sees them on its
+    next call. Every ``local_store_*`` flag applies to a store when this
+    process makes or opens it. An old ``embedded_*`` name sets its new flag,
+    with a warning.
     """
-    if not isinstance(name, str) or not isinstance(value, str):
-        raise TypeError(
-            f"set_flag(): incompatible function arguments: expected (str, str), "
-            f"got ({type(name).__name__}, {type(value).__name__})"
-        )
-    name = _current_name(name)
-    spec = _FLAG_SPECS.get(name)
-    if spec is None:
-        logger.debug("set_flag(%r): no such flag", name)
+    accepted = _flags.set_value(name, value)
+    if accepted is None:
         return False
-    canonical = spec[0](value)
-    if canonical is None:
-        logger.debug("set_flag(%r, %r): invalid value", name, value)
-        return False
-    with _flags_lock:
-        _flags[name] = canonical
-        server_name = _flags["cm_primary_node_ip"] or DEFAULT_SERVER_NAME
-    if name in _FAULT_FLAGS:
-        for server in (_server._SERVERS.get(server_name), _host.existing(server_name, _store_dir_flag())):
-            if server is not None:
-                server.faults.configure(**{_FAULT_FLAGS[name]: _fault_value(name, canonical)})
+    name, typed = accepted
+    field = _flags.FAULT_FIELDS.get(name)
+    if field is not None:
+        server_name = _flags.server_name() or DEFAULT_SERVER_NAME
+        for key in (_process_key(server_name), _host_key(server_name, _flags.local_settings())):
+            link = _links.get(key)
+            if link is not None:
+                link.configure(**{field: typed})
     return True
-
-
-def get_flag(name: str) -> str | None:
-    """A flag's current value as a string, or None for an unknown name.
-    (The local store only: the real client has no getter.) An old
-    ``embedded_*`` name reads its new flag, with a warning."""
-    name = _current_name(name)
-    with _flags_lock:
-        return _flags.get(name)
-
-
-def _current_name(name: str) -> str:
-    """A flag's name, an old one (``RENAMED_FLAGS``) replaced by its new one, warned."""
-    new = RENAMED_FLAGS.get(name)
-    if new is None:
-        return name
-    logger.warning("SiMM local store: flag %s", deprecated(name, new))
-    return new
-
-
-def _fault_value(name: str, canonical: str) -> object:
-    if name == "local_store_down":
-        return canonical == "true"
-    if name in ("local_store_error_rate", "local_store_latency_us", "local_store_corrupt_reads"):
-        return float(canonical)
-    if name == "local_store_seed":
-        return int(canonical) if canonical else None
-    return int(canonical)
 
 
 def physical_memory_bytes() -> int | None:
@@ -351,56 +162,87 @@ def default_capacity_bytes() -> int:
     return min(DEFAULT_CAPACITY_BYTES, ram // 4) if ram else DEFAULT_CAPACITY_BYTES
 
 
-def _capacity_flag(flags: dict[str, str]) -> int:
-    value = flags["local_store_capacity_bytes"]
-    return int(value) if value else default_capacity_bytes()
+# -- servers, and this process's links to them ----------------------------------------
+
+#: (scope, store directory or "", name) -> the link to that store: what every
+#: client of it reaches it through (``_faults.Link``)
+_links: dict[tuple[str, str, str], Link] = {}
+_links_lock = threading.Lock()
 
 
-def _store_dir_flag() -> str | None:
-    return get_flag("local_store_dir") or None
+def _process_key(name: str) -> tuple[str, str, str]:
+    return ("process", "", name)
 
 
-def _configure_faults(server: StoreServer, flags: dict[str, str]) -> None:
-    server.faults.configure(**{attr: _fault_value(flag, flags[flag]) for flag, attr in _FAULT_FLAGS.items()})
+def _host_key(name: str, settings: LocalStoreSettings) -> tuple[str, str, str]:
+    return ("host", store_dir(settings.dir), name)
+
+
+def _capacity(settings: LocalStoreSettings) -> int:
+    return default_capacity_bytes() if settings.capacity_bytes is None else settings.capacity_bytes
 
 
 def _make_server(name: str) -> EmbeddedServer:
-    with _flags_lock:
-        flags = dict(_flags)
-    server = EmbeddedServer(name, _capacity_flag(flags), flags["local_store_eviction"])
-    _configure_faults(server, flags)
-    return server
+    settings = _flags.local_settings()
+    return EmbeddedServer(name, _capacity(settings), settings.eviction)
 
 
-def _open_host_server(name: str) -> HostServer:
-    with _flags_lock:
-        flags = dict(_flags)
-    known = _host.existing(name, flags["local_store_dir"] or None)
-    server = _host.get_or_open(
-        name,
-        root=flags["local_store_dir"] or None,
-        capacity=_capacity_flag(flags),
-        policy=flags["local_store_eviction"],
-        timeout_s=max(int(flags["clnt_sync_req_timeout_ms"]), 1) / 1000,
-        idle_exit_s=float(flags["local_store_idle_exit_s"]),
-    )
-    if server is not known:
-        _configure_faults(server, flags)
-    return server
+def _link(name: str) -> Link:
+    """The link to the local store ``name`` in the current scope; the store
+    is made (in-process) or opened (host) on first use, and a store new to
+    this process gets a new link with the fault flags as they are now."""
+    settings = _flags.local_settings()
+    if settings.scope == "host":
+        key = _host_key(name, settings)
+        server: StoreServer = _host.get_or_open(
+            name,
+            root=settings.dir,
+            capacity=_capacity(settings),
+            policy=settings.eviction,
+            timeout_s=settings.request_timeout_s,
+            idle_exit_s=settings.idle_exit_s,
+        )
+    else:
+        key = _process_key(name)
+        server = _server.get_or_create(name, _make_server)
+    link = _links.get(key)
+    if link is not None and link.store is server:
+        return link
+    with _links_lock:
+        link = _links.get(key)
+        if link is None or link.store is not server:  # a store new to this process
+            link = Link(server, _flags.fault_settings())
+            _links[key] = link
+        return link
+
+
+def _checked_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"server name must be a str, got {name!r}")
+    return name or DEFAULT_SERVER_NAME
 
 
 def get_server(name: str) -> StoreServer:
     """The local store called ``name`` in the current ``local_store_scope``:
     in this process (created on first use with the current ``local_store_*``
     flags), or this process's handle on the local store process of that name
-    (started on first use). A local store process that cannot be
-    reached raises ``StoreUnreachable`` (a ``ConnectionError``)."""
-    if not isinstance(name, str):
-        raise TypeError(f"server name must be a str, got {name!r}")
-    name = name or DEFAULT_SERVER_NAME
-    if get_flag("local_store_scope") == "host":
-        return _open_host_server(name)
-    return _server.get_or_create(name, _make_server)
+    (started on first use); while faults are set for it, the
+    ``_faults.FaultyServer`` in front of it, as its clients see it. A local
+    store process that cannot be reached raises ``StoreUnreachable`` (a
+    ``ConnectionError``)."""
+    return _link(_checked_name(name)).server
+
+
+def configure_faults(name: str, **changes: object) -> FaultSettings:
+    """Change the simulated network between this process and the local
+    store ``name`` (current scope; made or opened on first use): fields of
+    ``FaultSettings`` (TypeError for an unknown one, TypeError or ValueError
+    for a bad value: then nothing changes). Every client of that store sees
+    the change on its next call; settings that inject nothing take the
+    ``FaultyServer`` away. Returns the store's fault settings now (with no
+    change: as they are). Local store only; the flags do the same for the
+    store named by ``cm_primary_node_ip``."""
+    return _link(_checked_name(name)).configure(**changes)
 
 
 def reset_servers(*names: str) -> None:
@@ -408,6 +250,9 @@ def reset_servers(*names: str) -> None:
     ``Store()`` of such a name gets a fresh, empty server. In-process
     servers are dropped from the registry (clients holding one keep using
     it); local stores this process opened are stopped."""
+    with _links_lock:
+        for key in [key for key in _links if not names or key[2] in names]:
+            del _links[key]
     _server.reset_servers(*names)
     _host.forget(*names)
 
@@ -419,7 +264,7 @@ def server_names() -> list[str]:
 
 def current_server_name() -> str:
     """The server a new ``Store()`` joins: ``cm_primary_node_ip`` or "default"."""
-    return get_flag("cm_primary_node_ip") or DEFAULT_SERVER_NAME
+    return _flags.server_name() or DEFAULT_SERVER_NAME
 
 
 # -- memory regions ---------------------------------------------------------------
@@ -625,7 +470,7 @@ def _region_bound(view: BlockView) -> int:
 
 
 def _release() -> str:
-    return get_flag("local_store_simm_release")
+    return _flags.local_settings().simm_release
 
 
 # -- the store ------------------------------------------------------------------------
@@ -634,29 +479,34 @@ def _release() -> str:
 class Store:
     """A client of the local store named by the ``cm_primary_node_ip``
     flag when it is made (created on first use). Stores of one name share
-    their objects, like clients of one cluster."""
+    their objects, like clients of one cluster, and the link to the store
+    (``_faults.Link``): each call reaches the store through ``link.server``,
+    the store itself, or the ``FaultyServer`` in front of it while faults
+    are set."""
 
-    __slots__ = ("_server",)
+    __slots__ = ("_link",)
 
     def __init__(self) -> None:
         try:
-            server = get_server(current_server_name())
+            link = _link(current_server_name())
         except (StoreUnreachable, OSError) as exc:
             raise RuntimeError(f"Init client messenger failed: {exc}") from exc
-        if server.faults.down:
+        if link.faults.down:
             raise RuntimeError(
                 f"Init client messenger failed: {code_name(SEND_RPC_FAILED)} "
-                f"(local store {server.name!r} is down)"
+                f"(local store {link.store.name!r} is down)"
             )
-        self._server: StoreServer = server
-        warmups = get_flag("local_store_warmup_key_prefix")
+        self._link = link
+        warmups = _flags.local_settings().warmup_key_prefix
         if warmups:
-            server.add_warmup_prefix(warmups)
+            link.store.add_warmup_prefix(warmups)
 
     @property
     def server(self) -> StoreServer:
-        """The local store behind this client (local store only)."""
-        return self._server
+        """The local store behind this client, as this client reaches it:
+        the ``FaultyServer`` in front of it while faults are set (local
+        store only)."""
+        return self._link.server
 
     def allocate(self, block_size: int) -> Block:
         size = operator.index(block_size)
@@ -688,31 +538,20 @@ class Store:
     def _delete(self, key: str) -> int:
         if not key_fits(key, empty_ok=True):
             return INVALID_ARGUMENT
-        faults = self._server.faults
-        if faults.outage(1):
-            return SEND_RPC_FAILED
-        faults.delay()
-        injected = faults.draw(1)
-        if injected is not None:
-            return injected[0]
         try:
-            return self._server.delete(key)
-        except StoreUnreachable as exc:
+            return self._link.server.delete(key)
+        except StoreUnreachable as exc:  # transport codes pass through
             return exc.code
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object whose key starts with ``prefix`` (non-empty);
         returns how many. Local store only: SiMM's client cannot list keys.
-        Nothing is deleted (0) while the server is down."""
+        Nothing is deleted (0) while the store cannot be reached (down)."""
         prefix = _as_key(prefix)
         if not prefix:
             raise ValueError("delete_prefix() needs a non-empty prefix")
-        faults = self._server.faults
-        if faults.outage(1):
-            return 0
-        faults.delay()
         try:
-            return self._server.delete_prefix(prefix)
+            return self._link.server.delete_prefix(prefix)
         except StoreUnreachable:
             return 0
 
@@ -759,31 +598,16 @@ class Store:
     def _put_passthrough(self, key: str, block: BlockView) -> int:
         return self._put([_as_key(key)], [_as_view(block)], overwrite=False, passthrough=True)[0]
 
-    # -- the pipeline: checks, network, server ------------------------------
+    # -- the pipeline: checks, then the store ---------------------------------
+    #
+    # The store's own refusals are mapped per path, as the real client maps
+    # its data server's; what the network answered in its place passes
+    # through on every path: a whole batch (``StoreUnreachable``: a host
+    # store out of reach, an outage) or an entry (an ``InjectedCode``).
 
-    def _network(self, results: list[int], live: list[int]) -> list[int]:
-        """Apply the fault injector to the entries ``live`` (indexes into
-        ``results``); returns those that reach the server."""
-        faults = self._server.faults
-        if faults.outage(len(live)):
-            for i in live:
-                results[i] = SEND_RPC_FAILED
-            return []
-        faults.delay()
-        injected = faults.draw(len(live))
-        if injected is None:
-            return live
-        reach = []
-        for i, code in zip(live, injected):
-            if code:
-                results[i] = code
-            else:
-                reach.append(i)
-        return reach
-
-    def _admit(self, views: list[BlockView], results: list[int]) -> tuple[list[int], list[_Region]]:
-        """Indices of the entries that reach the server (their view lies in
-        registered memory and the simulated network let them through), and
+    @staticmethod
+    def _admit(views: list[BlockView], results: list[int]) -> tuple[list[int], list[_Region]]:
+        """Indices of the entries whose view lies in registered memory, and
         the regions to hold until the copy is done. Refused entries get
         their code in ``results``."""
         pins: list[_Region] = []
@@ -794,9 +618,7 @@ class Store:
                 results[i] = code
             else:
                 live.append(i)
-        if not live:
-            return live, pins
-        return self._network(results, live), pins
+        return live, pins
 
     def _put(
         self, keys: list[str], views: list[BlockView], *, overwrite: bool, passthrough: bool
@@ -813,15 +635,15 @@ class Store:
         if not live:
             return results
         try:
-            codes = self._server.put_from([(keys[i], views[i]._ptr, views[i]._size) for i in live], overwrite)
-        except StoreUnreachable as exc:  # transport codes pass through, as injected ones do
+            codes = self._link.server.put_from([(keys[i], views[i]._ptr, views[i]._size) for i in live], overwrite)
+        except StoreUnreachable as exc:
             for i in live:
                 results[i] = exc.code
             return results
         for i, code in zip(live, codes):
-            # the sync client reports any server refusal but "already exists"
+            # the sync client reports any store refusal but "already exists"
             # as PutObjectFailed (clnt_messenger.cc, ClientMessenger::Put)
-            if code < 0 and not passthrough and code != DS_DATA_ALREADY_EXISTS:
+            if code < 0 and not passthrough and code != DS_DATA_ALREADY_EXISTS and not isinstance(code, InjectedCode):
                 code = PUT_OBJECT_FAILED
             results[i] = code
         return results
@@ -836,50 +658,34 @@ class Store:
         live, pins = self._admit(views, results)  # noqa: F841 (pins: held for the copy)
         if not live:
             return results
-        bound = _region_bound if get_flag("local_store_get_bound") == "region" else _view_bound
+        bound = _region_bound if _flags.local_settings().get_bound == "region" else _view_bound
         try:
-            codes = self._server.get_into([(keys[i], views[i]._ptr, bound(views[i])) for i in live])
+            codes = self._link.server.get_into([(keys[i], views[i]._ptr, bound(views[i])) for i in live])
         except StoreUnreachable as exc:
             for i in live:
                 results[i] = exc.code
             return results
         for i, code in zip(live, codes):
-            # the sync client reports every server-side get failure as
+            # the sync client reports every store-side get failure as
             # GetObjectFailed (clnt_messenger.cc, ClientMessenger::Get)
-            results[i] = GET_OBJECT_FAILED if code < 0 and not passthrough else code
-        self._corrupt([(views[i]._ptr, code) for i, code in zip(live, codes) if code > 0])
+            if code < 0 and not passthrough and not isinstance(code, InjectedCode):
+                code = GET_OBJECT_FAILED
+            results[i] = code
         return results
-
-    def _corrupt(self, reads: list[tuple[int, int]]) -> None:
-        """The ``local_store_corrupt_reads`` fault, after the copy: flip the top
-        bit of every byte of the chosen reads' destinations. For IEEE floats
-        of any width that flips a sign, an exponent or a mantissa bit of
-        every value: all stay finite (barring values near the type's
-        maximum), and all are wrong."""
-        chosen = self._server.faults.corrupt(len(reads))
-        if chosen is None:
-            return
-        for (ptr, size), flip in zip(reads, chosen):
-            if flip:
-                wrap_memory(ptr, size).bitwise_xor_(0x80)
 
     def _lookup(self, keys: list[str]) -> list[int]:
         n = len(keys)
         if not keys_fit(keys, empty_ok=True):
             return [INVALID_ARGUMENT] * n
-        results = [OK] * n
-        live = self._network(results, list(range(n)))
-        if live:
-            try:
-                codes = self._server.lookup([keys[i] for i in live])
-            except StoreUnreachable as exc:
-                codes = [exc.code] * len(live)
-            for i, code in zip(live, codes):
-                results[i] = code
-        return results
+        if not n:
+            return []
+        try:
+            return list(self._link.server.lookup(keys))
+        except StoreUnreachable as exc:
+            return [exc.code] * n
 
     def __repr__(self) -> str:
-        return f"<Store local_store={self._server.name!r}>"
+        return f"<Store local_store={self._link.store.name!r}>"
 
 
 async def _in_executor(fn, *args):

@@ -63,7 +63,6 @@ from typing import Any
 from sglang_simm.embedded import _protocol as wire
 from sglang_simm.embedded._arena import LEASE_WORDS, POPULATE_CHUNK, ArenaMap
 from sglang_simm.embedded._copy import copy_many, held_libc, human_bytes
-from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._limits import RateLimitedLog, check_warmup_prefix
 from sglang_simm.embedded._paths import StorePaths, check_file, ensure_dir, lock_held, pid_alive, read_pid, store_dir
 from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
@@ -443,8 +442,6 @@ class HostServer:
         self.max_batch = DEFAULT_MAX_BATCH
         #: key prefixes the store counts apart as warm-ups (``add_warmup_prefix``)
         self.warmup_prefixes: tuple[str, ...] = ()
-        #: The network between this process and the store (see ``_faults``).
-        self.faults = FaultInjector()
         self._conn: _Connection | None = None
         self._conn_lock = threading.Lock()
         self._retry_at = 0.0
@@ -898,9 +895,10 @@ class HostServer:
 
     def stats(self) -> dict[str, int]:
         """The store's counters (the in-process server's names, plus
-        ``clients``, ``pinned_objects``, ...) and ``injected_errors`` here."""
+        ``clients``, ``pinned_objects``, ...), and ``injected_errors`` (0:
+        a store injects nothing; a ``FaultyServer`` in front counts its own)."""
         out = self.status()
-        out["injected_errors"] = self.faults.injected
+        out["injected_errors"] = 0
         out["unfenced_connections"] = len(self._lost)
         return out
 
@@ -986,8 +984,7 @@ class HostServer:
                      f"objects={s['objects']} pid={s['pid']}")
         except (StoreUnreachable, ValueError):
             usage = "unreachable"
-        down = " down" if self.faults.down else ""
-        return f"<HostServer {self.name!r} {usage}{down}>"
+        return f"<HostServer {self.name!r} {usage}>"
 
 
 def _ints(r: Reader, n: int) -> list[int]:

@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sglang_simm.embedded._copy import copy_many, human_bytes, wrap_memory  # noqa: F401 (wrap_memory re-exported)
-from sglang_simm.embedded._faults import FaultInjector
 from sglang_simm.embedded._index import STAT_NAMES, check_policy, count_warmups
 from sglang_simm.embedded._limits import check_warmup_prefix
 from sglang_simm.embedded.simm_rules import (
@@ -72,8 +71,6 @@ class EmbeddedServer:
         self._reading: Counter[int] = Counter()
         self._stats = dict.fromkeys(STAT_NAMES, 0)
         self._warmup_prefixes: tuple[str, ...] = ()
-        #: The network between clients and this server (see ``_faults``).
-        self.faults = FaultInjector()
 
     # -- capacity ---------------------------------------------------------
 
@@ -308,13 +305,14 @@ class EmbeddedServer:
 
     def stats(self) -> dict[str, int]:
         """Counters since creation, plus ``objects``, ``used_bytes``,
-        ``capacity_bytes`` and ``injected_errors`` (from the fault injector)."""
+        ``capacity_bytes`` and ``injected_errors`` (0: a store injects
+        nothing; a ``FaultyServer`` in front counts its own)."""
         with self._lock:
             out = dict(self._stats)
             out["objects"] = len(self._objects)
             out["used_bytes"] = self._used
             out["capacity_bytes"] = self._capacity
-        out["injected_errors"] = self.faults.injected
+        out["injected_errors"] = 0
         return out
 
     def __len__(self) -> int:
@@ -324,10 +322,9 @@ class EmbeddedServer:
         return key in self._objects
 
     def __repr__(self) -> str:
-        down = " down" if self.faults.down else ""
         return (
             f"<EmbeddedServer {self.name!r} used={human_bytes(self._used)}"
-            f"/{human_bytes(self._capacity)} objects={len(self._objects)}{down}>"
+            f"/{human_bytes(self._capacity)} objects={len(self._objects)}>"
         )
 
 

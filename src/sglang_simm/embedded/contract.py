@@ -3,10 +3,12 @@ store behind a ``Store()``, whichever form it takes.
 
 Two classes implement it: ``EmbeddedServer`` (``_server``, the store inside
 this process) and ``HostServer`` (``_host``, this process's handle on the
-store process of the host). ``_client`` holds either as a ``StoreServer``
-and turns these answers into SiMM client results, path by path, as the
-real client does; ``tests/store/test_server_contract.py`` checks that both
-classes have every member below with the same signature.
+store process of the host); ``_faults.FaultyServer``, the simulated network
+installed in front of either only while faults are set, implements it too.
+``_client`` holds any of them as a ``StoreServer`` and turns these answers
+into SiMM client results, path by path, as the real client does;
+``tests/store/test_server_contract.py`` checks that every class has every
+member below with the same signature.
 
 Typing only: importing this module imports nothing else of the store.
 """
@@ -14,10 +16,7 @@ Typing only: importing this module imports nothing else of the store.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sglang_simm.embedded._faults import FaultInjector
+from typing import Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -50,8 +49,9 @@ class StoreServer(Protocol):
       key, the next to be evicted first.
     * ``stats()``: the counters of ``_index.STAT_NAMES`` since the store
       began, plus ``objects``, ``used_bytes``, ``capacity_bytes`` and
-      ``injected_errors`` (this process's fault injector); the host store
-      adds its own (clients, leases, refusals, ...).
+      ``injected_errors`` (entries this process's simulated network failed:
+      0 from a store itself, a ``FaultyServer``'s count from one); the
+      host store adds its own (clients, leases, refusals, ...).
     * ``capacity_bytes`` (object bytes the store holds at most) and
       ``used_bytes`` (bytes of published objects); ``set_capacity(n)``
       (evicting until the stored bytes fit; TypeError or ValueError for a
@@ -61,9 +61,7 @@ class StoreServer(Protocol):
       apart from now on, as well (``warmup_puts``, ``warmup_hits``), so
       that pages counted from the counters leave a client's start-up round
       trips out. The store knows no prefix of its own.
-    * ``name``: the store's name; ``faults``: the simulated network between
-      this process and the store (``_faults.FaultInjector``), which the
-      layer above consults before each call.
+    * ``name``: the store's name.
 
     Consistency: an object is visible only once whole (a put copies first,
     then publishes), and a reader copies a whole old value or a whole new
@@ -74,9 +72,12 @@ class StoreServer(Protocol):
     Faults: the in-process store never raises on the data path. The host
     store raises ``StoreUnreachable`` (a ``ConnectionError`` whose ``code``
     is a SiMM transport code) for a batch that could not reach the store
-    process within its time limit; the layer above answers every entry of
-    that batch with the code. Operator calls (``stats``, ``keys``,
-    ``set_capacity``, ...) may raise it too.
+    process within its time limit, and a ``FaultyServer`` for a batch sent
+    while the store is down; the layer above answers every entry of that
+    batch with the code. An entry a ``FaultyServer`` failed on its own is
+    an ``_faults.InjectedCode``, which the layer above passes through
+    unmapped, as any transport failure. Operator calls (``stats``,
+    ``keys``, ``set_capacity``, ...) may raise ``StoreUnreachable`` too.
 
     ``isinstance(obj, StoreServer)`` checks the members' presence only (and
     on Python < 3.12 reads the properties: on a host store handle that is a
@@ -84,7 +85,6 @@ class StoreServer(Protocol):
     """
 
     name: str
-    faults: FaultInjector
 
     def put_from(self, items: Sequence[tuple[str, int, int]], overwrite: bool) -> list[int]: ...
 
