@@ -117,3 +117,34 @@ def test_memory_is_committed_as_objects_need_it_and_given_back_on_clear():
     server.clear()
     assert _arena_rss(server) == 0
     assert server.stats()["puts"] == 17  # a clear keeps the counters
+
+
+def test_memory_the_host_refuses_fails_the_put_with_out_of_memory_and_nothing_else(monkeypatch):
+    """As the store process on a full tmpfs: the put that needed more memory
+    fails with OUT_OF_MEMORY, the capacity drops to the memory committed,
+    and later puts evict within it."""
+    import ctypes
+    import errno
+
+    from sglang_simm.embedded import _private_arena
+    from sglang_simm.embedded.simm_rules import OUT_OF_MEMORY
+
+    server = EmbeddedServer("oneindex-oom", 64 * MiB)
+    limit = server._arena.base + 6 * MiB  # the host backs 6 MiB of it, no more
+    mprotect = _private_arena._mprotect
+
+    def refusing(address: int, length: int, prot: int) -> int:
+        if address + length > limit:
+            ctypes.set_errno(errno.ENOMEM)
+            return -1
+        return mprotect(address, length, prot)
+
+    monkeypatch.setattr(_private_arena, "_mprotect", refusing)
+    data = torch.full((MiB,), 4, dtype=torch.uint8)
+    codes = [server.put_from([(f"k{i}", data.data_ptr(), MiB)], overwrite=True)[0] for i in range(12)]
+    first = codes.index(OUT_OF_MEMORY)
+    assert codes[:first] == [OK] * first and codes[first + 1:] == [OK] * (len(codes) - first - 1)
+    stats = server.stats()
+    assert stats["out_of_memory"] == 1 and stats["capacity_bytes"] <= 6 * MiB and stats["evictions"] > 0
+    out = torch.zeros(MiB, dtype=torch.uint8)
+    assert server.get_into([("k11", out.data_ptr(), MiB)]) == [MiB] and bool((out == 4).all())
