@@ -93,6 +93,15 @@ HELD_SHARE = 4
 EPOCH_SHIFT = 40
 
 
+def check_capacity(value: object) -> int:
+    """``value`` as a capacity: TypeError unless an int, ValueError unless > 0."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"capacity_bytes must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"capacity_bytes must be > 0, got {value!r}")
+    return value
+
+
 def check_policy(policy: object) -> str:
     if policy not in EVICTION_POLICIES:
         raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
@@ -288,11 +297,8 @@ class StoreIndex:
         if prefix not in self.warmup_prefixes:
             self.warmup_prefixes += (prefix,)
 
-    def _check_capacity(self, value: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"capacity_bytes must be an int, got {value!r}")
-        if value <= 0:
-            raise ValueError(f"capacity_bytes must be > 0, got {value!r}")
+    def _check_capacity(self, value: object) -> int:
+        value = check_capacity(value)
         if value > self.alloc.size - self.data_start:
             raise ValueError(
                 f"capacity_bytes {value} is above the {self.alloc.size - self.data_start} bytes this store's "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import weakref
@@ -37,6 +38,7 @@ from sglang_simm.embedded._copy import held_libc
 _PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 _MADV_DONTNEED = 4
+logger = logging.getLogger("sglang_simm.embedded")
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 # Held, not released: each call is a few microseconds of page-table work
@@ -65,8 +67,11 @@ class PrivateArena:
         #: writable (and charged) below this; a prefix, as the store process's
         self.committed = 0
         self.step = min(max(self.size // 16, COMMIT_STEP_MIN), COMMIT_STEP_MAX)
-        # The mapping goes with the last reference to the arena (the server's).
+        # The mapping goes with the last reference to the arena (the server's);
+        # not at interpreter exit, where a daemon thread may still be copying
+        # (the process's exit unmaps it anyway).
         self._unmap = weakref.finalize(self, _munmap, base, self.size)
+        self._unmap.atexit = False
 
     def commit(self, end: int) -> int:
         """Make the arena writable up to at least ``end``, a step ahead where
@@ -77,8 +82,9 @@ class PrivateArena:
             if _mprotect(self.base + self.committed, target - self.committed, _PROT_RW) == 0:
                 self.committed = target
                 break
-            if ctypes.get_errno() != errno.ENOMEM:  # pragma: no cover - a bad range: a bug here
-                raise OSError(ctypes.get_errno(), "mprotect of the in-process store's arena failed")
+            err = ctypes.get_errno()
+            if err != errno.ENOMEM:  # pragma: no cover - a bad range, a bug: refused all the same, never raised
+                logger.error("in-process local store: mprotect of its arena failed: %s", os.strerror(err))
         return self.committed
 
     def release(self, extents: list[tuple[int, int]]) -> None:
@@ -89,7 +95,3 @@ class PrivateArena:
             lo, hi = _page_up(start), min(end - end % PAGE, self.committed)
             if lo < hi:
                 _madvise(self.base + lo, hi - lo, _MADV_DONTNEED)
-
-    def close(self) -> None:
-        """Unmap now (nobody may copy to or from it afterwards)."""
-        self._unmap()

@@ -22,14 +22,17 @@ An :class:`EmbeddedServer` is the same store as the store process
 its keys, capacity, reservations, FIFO or LRU eviction and counters, by
 the same rules, and this class keeps only what is its own: the arena in
 this process's memory (``_private_arena``), the lock around the index, and
-the copies. The index is the store process's, driven as the store process
+the copies. The index itself, not a part drawn out of it: it is pure
+bookkeeping already (no I/O, no threads; its crash table and lease table
+are optional), and a class drawn out of it would split one set of rules
+(room, leases, pins, eviction) over two. It is driven as the store process
 drives it: one owner (``connect``), as one client process's connection is
 there, with no crash table (a process's store dies with it, ``_NoTable``)
 and so no takeover (``restore``). Its limits are the store process's, but
-for the share of the capacity an owner's puts may hold (the one owner here
-is trusted: puts reserve up to the capacity, as SiMM's data server's do)
-and the leases one owner may hold (``MAX_CALLS_IN_FLIGHT``, the calls of
-all threads at once).
+for the share of the capacity an owner's puts may hold (a share keeps a
+stopped client from holding the store; here the one owner is the process
+itself, so its puts reserve up to the capacity) and the leases one owner
+may hold (``MAX_CALLS_IN_FLIGHT``, the calls of all threads at once).
 
 Clients (``Store()``) are thin; several share one server by name through
 the process-wide registry at the bottom of this module. It speaks the data
@@ -49,7 +52,7 @@ from collections.abc import Callable, Sequence
 from sglang_simm.embedded._arena import arena_bytes_for
 from sglang_simm.embedded._copy import copy_many, human_bytes, wrap_memory  # noqa: F401 (wrap_memory re-exported)
 from sglang_simm.embedded._faults import FaultInjector
-from sglang_simm.embedded._index import STAT_NAMES, StoreIndex
+from sglang_simm.embedded._index import STAT_NAMES, StoreIndex, check_capacity
 from sglang_simm.embedded._limits import StoreLimits
 from sglang_simm.embedded._private_arena import PrivateArena
 
@@ -81,8 +84,7 @@ class EmbeddedServer:
     def __init__(self, name: str, capacity_bytes: int, policy: str = "fifo") -> None:
         self.name = name
         self._lock = threading.Lock()
-        arena_bytes = arena_bytes_for(capacity_bytes) if isinstance(capacity_bytes, int) else 1
-        self._arena = PrivateArena(max(arena_bytes, 1))
+        self._arena = PrivateArena(arena_bytes_for(check_capacity(capacity_bytes)))
         limits = StoreLimits(max_leases=MAX_CALLS_IN_FLIGHT, max_leases_per_connection=MAX_CALLS_IN_FLIGHT)
         self._index = StoreIndex(capacity=capacity_bytes, arena_bytes=self._arena.size, policy=policy,
                                  commit=self._arena.commit, limits=limits, held_share=None)
