@@ -8,6 +8,7 @@ verify every restored byte, find exactly the expected pages, and fail (exit
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import os
@@ -130,10 +131,10 @@ def test_corrupted_store_fails(tmp_path, monkeypatch, path):
         codes = put_from(self, items, overwrite)
         if not corrupted:
             for key, _ptr, _size in items:
-                entry = self._objects.get(key)
-                if entry is not None and "warmup" not in key:
-                    buf, size = entry
-                    buf[size // 2] ^= 0xFF
+                obj = self._index.objects.get(key.encode())
+                if obj is not None and "warmup" not in key:
+                    byte = ctypes.c_uint8.from_address(self._arena.base + obj.offset + obj.size // 2)
+                    byte.value ^= 0xFF
                     corrupted.append(key)
                     break
         return codes

@@ -41,6 +41,15 @@ def index():
     return StoreIndex(capacity=10_000, arena_bytes=1 << 20)
 
 
+def test_an_owner_holding_put_room_gets_more_within_its_share_unless_it_has_none():
+    shared = StoreIndex(capacity=10_000, arena_bytes=1 << 20)  # a share of capacity / HELD_SHARE
+    trusted = StoreIndex(capacity=10_000, arena_bytes=1 << 20, held_share=None)  # the in-process store's
+    for index, second in ((shared, [DS_CACHE_POOL_ALLOC_FAILED]), (trusted, [OK])):
+        assert put(index, A, ks("a", "b"))[1] == [OK, OK]  # its largest batch: always granted
+        assert put(index, A, ks("c"))[1] == second  # 3000 bytes held: past 10_000 / 4
+        assert put(index, B, ks("d"))[1] == [OK]  # another owner holds none
+
+
 def test_a_put_is_invisible_until_committed(index):
     lease, codes, offsets = put(index, A, ks("a", "b"))
     assert codes == [OK, OK] and offsets[0] != offsets[1] and lease

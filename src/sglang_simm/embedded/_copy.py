@@ -1,7 +1,7 @@
 """Copies between host memory regions: small ones holding the GIL, large
 ones with it released.
 
-Shared by the in-process server (to and from its private buffers) and the
+Shared by the in-process server (to and from its private arena) and the
 local store's clients (to and from the shared arena).
 """
 

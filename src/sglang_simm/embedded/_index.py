@@ -1,9 +1,13 @@
 """The local store's object index: keys, extents, capacity, eviction, leases.
 
-Owned by the store process alone (``_daemon``), so it needs no lock; it is
+The one index of both local stores: the store process (``_daemon``) owns
+one, from its single thread; the in-process store (``_server``) one, under
+its lock, over an arena in its own memory (``_private_arena``). So
+capacity, reservation, eviction, publication and the counters follow one
+set of rules wherever the store lives. It needs no lock of its own and is
 pure bookkeeping, testable without processes. Clients copy the bytes
-themselves, between their own memory and the shared arena, inside
-*leases* this index grants:
+themselves, between their own memory and the arena, inside *leases* this
+index grants:
 
 * a put is two steps. ``begin_put`` reserves room (evicting as needed) and
   hands out offsets; the client copies into them; ``commit_put`` publishes
@@ -40,7 +44,8 @@ timer, not when its connection closes, not across a store crash:
   passes on a later process's lease;
 * one connection holds at most ``max_leases_per_connection`` leases, and
   put room past its largest batch only within ``capacity / HELD_SHARE``,
-  so a stopped or misbehaving client holds a bounded share.
+  so a stopped or misbehaving client holds a bounded share (the in-process
+  store, one trusted owner, has no share: ``held_share=None``).
 
 Every object also lives in the crash-consistent table (``_table``), when
 one is given, so the next store process of the name can take it over.
@@ -86,6 +91,15 @@ HELD_SHARE = 4
 #: Lease ids are ``epoch << EPOCH_SHIFT | sequence``: unique across store
 #: processes of one arena (the epoch is kept in the lease table).
 EPOCH_SHIFT = 40
+
+
+def check_capacity(value: object) -> int:
+    """``value`` as a capacity: TypeError unless an int, ValueError unless > 0."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"capacity_bytes must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"capacity_bytes must be > 0, got {value!r}")
+    return value
 
 
 def check_policy(policy: object) -> str:
@@ -220,7 +234,10 @@ class StoreIndex:
     before it); ``lease_words``: that table, ``LEASE_WORDS`` int64 words per
     lease slot (``lease_records``), zeroed but for the holds ``restore``
     keeps; ``epoch``: this store process's number (lease ids carry it);
-    ``table``: the crash-consistent index (``_table.IndexTable``)."""
+    ``table``: the crash-consistent index (``_table.IndexTable``);
+    ``held_share``: an owner holding put room is granted more only within
+    ``capacity / held_share`` (None: up to the capacity, for a store with
+    one trusted owner)."""
 
     def __init__(
         self,
@@ -235,8 +252,10 @@ class StoreIndex:
         table: Any = None,
         max_objects: int | None = None,
         epoch: int = 1,
+        held_share: int | None = HELD_SHARE,
     ) -> None:
         self.set_policy(policy)
+        self.held_share = held_share
         self.alloc = ExtentAllocator(arena_bytes)
         if data_start:
             taken = self.alloc.alloc(data_start)
@@ -278,15 +297,12 @@ class StoreIndex:
         if prefix not in self.warmup_prefixes:
             self.warmup_prefixes += (prefix,)
 
-    def _check_capacity(self, value: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"capacity_bytes must be an int, got {value!r}")
-        if value <= 0:
-            raise ValueError(f"capacity_bytes must be > 0, got {value!r}")
+    def _check_capacity(self, value: object) -> int:
+        value = check_capacity(value)
         if value > self.alloc.size - self.data_start:
             raise ValueError(
                 f"capacity_bytes {value} is above the {self.alloc.size - self.data_start} bytes this store's "
-                "shared memory can hold; stop the store and start it with the larger capacity"
+                "arena can hold; start a new store with the larger capacity"
             )
         return value
 
@@ -720,7 +736,9 @@ class StoreIndex:
         holder = self._holder(owner)
         if len(holder.leases) >= self.limits.max_leases_per_connection:
             return False
-        return not put_bytes or not holder.put_bytes or holder.put_bytes + put_bytes <= self.capacity // HELD_SHARE
+        if not put_bytes or not holder.put_bytes or self.held_share is None:
+            return True
+        return holder.put_bytes + put_bytes <= self.capacity // self.held_share
 
     def _lease(self, lease: _Lease) -> int:
         """Open ``lease``: its record goes into the lease table (id last)

@@ -1,152 +1,135 @@
 """The shared state of one in-process local store: the "data server".
 
-An :class:`EmbeddedServer` holds objects in host memory under one lock, with
-a byte capacity and FIFO (or LRU) eviction, the way one SiMM cluster holds them for all
-of its clients. Clients (``Store()``) are thin; several share one server by
-name through the process-wide registry at the bottom of this module.
+**Invariant: a reader copies a whole published value, old or new, never a
+torn or foreign one; bytes an in-flight reader is copying are never reused
+until it releases them; and the store's memory stays within its capacity
+plus the index's slack (``_arena.arena_bytes_for``).** Every path below
+keeps it, by asking the index in this order:
 
-It speaks the data server's codes (``DS_KEY_NOT_FOUND``,
-``DS_DATA_ALREADY_EXISTS``, ``DS_CACHE_POOL_ALLOC_FAILED``, and
-``INVALID_ARGUMENT`` for a reader's buffer smaller than the object); the
-client maps them exactly as the real client does on each path.
+* a put reserves room (``StoreIndex.begin_put``: evicting as needed, the
+  extents nobody else can see until published), copies the caller's bytes
+  into the arena *outside* the lock, then publishes (``commit_put``); a put
+  that fails publishes nothing and leaves the key's value alone;
+* a get pins the objects (``begin_get``), copies them out outside the lock,
+  then unpins them (``release``); an object deleted, overwritten or evicted
+  meanwhile leaves the index at once but keeps its extent until the last
+  pin goes, so no put is handed its bytes;
+* the arena is the index's size, so what the index hands out bounds the
+  memory; ``clear`` and ``set_capacity`` give free extents' memory back.
 
-Consistency: a put copies the caller's bytes into a freshly allocated private
-buffer outside the lock, then publishes it under the lock (replacing the
-entry); published buffers are never written again. A reader takes a
-reference under the lock and copies outside it. So a reader sees a whole old
-value or a whole new one, never a torn or foreign one. Memory is bounded:
-a put reserves its bytes (evicting least recently used objects as needed)
-before allocating, so published plus in-flight bytes never exceed capacity.
+An :class:`EmbeddedServer` is the same store as the store process
+(``_daemon``), inside this process: one :class:`~._index.StoreIndex` holds
+its keys, capacity, reservations, FIFO or LRU eviction and counters, by
+the same rules, and this class keeps only what is its own: the arena in
+this process's memory (``_private_arena``), the lock around the index, and
+the copies. The index itself, not a part drawn out of it: it is pure
+bookkeeping already (no I/O, no threads; its crash table and lease table
+are optional), and a class drawn out of it would split one set of rules
+(room, leases, pins, eviction) over two. It is driven as the store process
+drives it: one owner (``connect``), as one client process's connection is
+there, with no crash table (a process's store dies with it, ``_NoTable``)
+and so no takeover (``restore``). Its limits are the store process's, but
+for the share of the capacity an owner's puts may hold (a share keeps a
+stopped client from holding the store; here the one owner is the process
+itself, so its puts reserve up to the capacity) and the leases one owner
+may hold (``MAX_CALLS_IN_FLIGHT``, the calls of all threads at once).
+
+Clients (``Store()``) are thin; several share one server by name through
+the process-wide registry at the bottom of this module. It speaks the data
+server's codes (``DS_KEY_NOT_FOUND``, ``DS_DATA_ALREADY_EXISTS``,
+``DS_CACHE_POOL_ALLOC_FAILED``, ``OUT_OF_MEMORY``, and ``INVALID_ARGUMENT``
+for a reader's buffer smaller than the object); the client maps them
+exactly as the real client does on each path.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
-import torch
-
+from sglang_simm.embedded._arena import arena_bytes_for
 from sglang_simm.embedded._copy import copy_many, human_bytes, wrap_memory  # noqa: F401 (wrap_memory re-exported)
-from sglang_simm.embedded._index import STAT_NAMES, check_policy, count_warmups
-from sglang_simm.embedded._limits import check_warmup_prefix
-from sglang_simm.embedded.simm_rules import (
-    DS_CACHE_POOL_ALLOC_FAILED,
-    DS_DATA_ALREADY_EXISTS,
-    DS_KEY_NOT_FOUND,
-    INVALID_ARGUMENT,
-    OK,
-    OUT_OF_MEMORY,
-)
+from sglang_simm.embedded._index import STAT_NAMES, StoreIndex, check_capacity
+from sglang_simm.embedded._limits import StoreLimits
+from sglang_simm.embedded._private_arena import PrivateArena
 
 logger = logging.getLogger("sglang_simm.embedded")
+
+#: Calls (of all threads) the store serves at once, each under one lease;
+#: one more is answered as the store process answers past its lease limits
+#: (a get TARGET_UNAVAILABLE, a put DS_CACHE_POOL_ALLOC_FAILED). A process's
+#: threads are far fewer; the lease table costs 48 bytes a lease.
+MAX_CALLS_IN_FLIGHT = 4096
+#: The one owner of every lease: this process.
+_OWNER = 1
+
+
+def _key(key: str) -> bytes:
+    return key.encode("utf-8", "surrogatepass")
+
 
 # -- the server --------------------------------------------------------------
 
 
 class EmbeddedServer:
-    """Objects in host memory, a byte capacity, eviction, one lock.
+    """Objects in this process's memory, a byte capacity, eviction, one lock.
 
     ``policy`` "fifo" (SiMM's data server: no access bit) evicts the oldest
     put first; "lru" also counts a get as use. ``exists`` never does.
     """
 
     def __init__(self, name: str, capacity_bytes: int, policy: str = "fifo") -> None:
-        self.policy = check_policy(policy)
         self.name = name
         self._lock = threading.Lock()
-        # key -> (private uint8 buffer, size); the next to evict first.
-        self._objects: OrderedDict[str, tuple[torch.Tensor, int]] = OrderedDict()
-        self._capacity = _check_capacity(capacity_bytes)
-        self._used = 0  # bytes of published objects
-        self._reserved = 0  # bytes of puts copying outside the lock
-        # Buffers of removed objects, kept for puts of the same size: a fresh
-        # large allocation is a fresh mmap whose every page faults on the
-        # first copy, which halves put bandwidth. They count against the
-        # capacity and are dropped before any object is evicted.
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._free_bytes = 0
-        # Buffers that readers are copying from, by id: never recycled.
-        self._reading: Counter[int] = Counter()
-        self._stats = dict.fromkeys(STAT_NAMES, 0)
-        self._warmup_prefixes: tuple[str, ...] = ()
+        self._arena = PrivateArena(arena_bytes_for(check_capacity(capacity_bytes)))
+        limits = StoreLimits(max_leases=MAX_CALLS_IN_FLIGHT, max_leases_per_connection=MAX_CALLS_IN_FLIGHT)
+        self._index = StoreIndex(capacity=capacity_bytes, arena_bytes=self._arena.size, policy=policy,
+                                 commit=self._arena.commit, limits=limits, held_share=None)
+        # start time 0: nothing reaps an owner here (its process is this one)
+        self._index.connect(_OWNER, os.getpid(), 0)
 
     # -- capacity ---------------------------------------------------------
 
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        return self._index.capacity
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used
+
+    @property
+    def policy(self) -> str:
+        return self._index.policy
 
     def set_policy(self, policy: str) -> None:
         """Evict "fifo" (oldest put first) or "lru" (least recently used) from now on."""
-        self.policy = check_policy(policy)
+        with self._lock:
+            self._index.set_policy(policy)
 
     def set_capacity(self, capacity_bytes: int) -> None:
-        """Change the capacity now, evicting least recently used objects until
-        the stored bytes fit."""
-        capacity = _check_capacity(capacity_bytes)
+        """Change the capacity now, evicting the next to evict until the
+        stored bytes fit, and give the memory freed back. TypeError or
+        ValueError for a bad ``capacity_bytes``, or one above what the
+        store's arena holds (the capacity it was made with, plus slack)."""
         with self._lock:
-            self._capacity = capacity
-            self._free.clear()
-            self._free_bytes = 0
-            while self._objects and self._used + self._reserved > capacity:
-                self._evict_one_locked()
+            self._index.set_capacity(capacity_bytes)
+            self._release_free_locked()
 
     def add_warmup_prefix(self, prefix: str) -> None:
         """Count keys that start with ``prefix`` apart from now on, as well
         (``warmup_puts``, ``warmup_hits``); ValueError for an empty or
         too long prefix, or one too many."""
+        raw = _key(prefix) if isinstance(prefix, str) else prefix
         with self._lock:
-            check_warmup_prefix(prefix, self._warmup_prefixes)
-            if prefix not in self._warmup_prefixes:
-                self._warmup_prefixes += (prefix,)
+            self._index.add_warmup_prefix(raw)
 
-    def _evict_one_locked(self) -> None:
-        _, (buf, size) = self._objects.popitem(last=False)
-        self._used -= size
-        self._stats["evictions"] += 1
-        self._retire_locked(buf, size)
-
-    def _retire_locked(self, buf: torch.Tensor, size: int) -> None:
-        """A removed object's buffer: kept for reuse unless a reader holds it."""
-        if id(buf) in self._reading or size > self._capacity - self._used - self._reserved - self._free_bytes:
-            return
-        self._free.setdefault(size, []).append(buf)
-        self._free_bytes += size
-
-    def _drop_free_locked(self) -> None:
-        size, bufs = next(iter(self._free.items()))
-        bufs.pop()
-        if not bufs:
-            del self._free[size]
-        self._free_bytes -= size
-
-    def _reserve_locked(self, size: int) -> torch.Tensor | bool:
-        """Room for a put of ``size`` bytes: a recycled buffer of that size,
-        True (allocate one), or False (it cannot fit at all)."""
-        if self._reserved + size > self._capacity:
-            return False  # would not fit even with every object evicted
-        reuse = self._free.get(size)
-        if not reuse:
-            while self._used + self._reserved + self._free_bytes + size > self._capacity:
-                if self._free_bytes:
-                    self._drop_free_locked()
-                else:
-                    self._evict_one_locked()
-            reuse = self._free.get(size)
-        self._reserved += size
-        if reuse:
-            buf = reuse.pop()
-            if not reuse:
-                del self._free[size]
-            self._free_bytes -= size
-            return buf
-        return True
+    def _release_free_locked(self) -> None:
+        """Give back the memory of every free extent (under the lock: the
+        index hands none of them out meanwhile)."""
+        self._arena.release(self._index.alloc.free_extents())
 
     # -- data path (server codes) -------------------------------------------
 
@@ -155,69 +138,27 @@ class EmbeddedServer:
 
         Per entry: OK; ``DS_DATA_ALREADY_EXISTS`` when the key is there and
         ``overwrite`` is false; ``DS_CACHE_POOL_ALLOC_FAILED`` when the object
-        cannot fit; ``OUT_OF_MEMORY`` when the host cannot allocate it.
+        cannot fit; ``OUT_OF_MEMORY`` when the host cannot commit its memory.
         """
-        results = [OK] * len(items)
-        todo: list[int] = []
-        recycled: list[torch.Tensor | None] = []
-        objects = self._objects
+        keys = [_key(key) for key, _, _ in items]
+        sizes = [size for _, _, size in items]
+        index = self._index
         with self._lock:
-            for i, (key, _, size) in enumerate(items):
-                room = False if not overwrite and key in objects else self._reserve_locked(size)
-                if room is False:
-                    if not overwrite and key in objects:
-                        results[i] = DS_DATA_ALREADY_EXISTS
-                        self._stats["already_exists"] += 1
-                    else:
-                        results[i] = DS_CACHE_POOL_ALLOC_FAILED
-                        self._stats["rejected"] += 1
-                    continue
-                todo.append(i)
-                recycled.append(None if room is True else room)
-        if not todo:
-            return results
-
-        # Private buffers nobody else can see (recycled, or new), then the copies.
-        bufs: list[torch.Tensor | None] = []
-        copies: list[tuple[int, int, int]] = []
-        for i, buf in zip(todo, recycled):
-            _, ptr, size = items[i]
-            if buf is None:
-                try:
-                    buf = torch.empty(size, dtype=torch.uint8)
-                except (MemoryError, RuntimeError):  # torch raises RuntimeError on ENOMEM
-                    logger.warning("in-process local store %r: cannot allocate %s", self.name, human_bytes(size))
-            if buf is not None:
-                copies.append((buf.data_ptr(), ptr, size))
-            bufs.append(buf)
-        copy_many(copies)
-
-        published: list[str] = []
+            lease, codes, offsets = index.begin_put(_OWNER, keys, sizes, overwrite)
+        if not lease:
+            return codes
+        base = self._arena.base
+        try:
+            copy_many([(base + offset, ptr, size) for (_, ptr, size), offset in zip(items, offsets) if offset >= 0])
+        except BaseException:
+            with self._lock:
+                index.release(lease, _OWNER)  # aborted: nothing published, the room comes back
+            raise
         with self._lock:
-            stats = self._stats
-            for i, buf in zip(todo, bufs):
-                key, _, size = items[i]
-                self._reserved -= size
-                if buf is None:
-                    results[i] = OUT_OF_MEMORY
-                    stats["out_of_memory"] += 1
-                    continue
-                old = objects.get(key)
-                if old is not None:
-                    if not overwrite:  # another put published it meanwhile
-                        results[i] = DS_DATA_ALREADY_EXISTS
-                        stats["already_exists"] += 1
-                        continue
-                    self._used -= old[1]
-                    del objects[key]
-                    self._retire_locked(*old)
-                objects[key] = (buf, size)
-                self._used += size
-                stats["puts"] += 1
-                stats["bytes_in"] += size
-                published.append(key)
-            stats["warmup_puts"] += count_warmups(published, self._warmup_prefixes)
-        return results
+            done = index.commit_put(lease, _OWNER)
+        for i, code in done:
+            codes[i] = code
+        return codes
 
     def get_into(self, items: Sequence[tuple[str, int, int]]) -> list[int]:
         """Copy objects into ``(key, ptr, capacity)`` buffers.
@@ -225,115 +166,76 @@ class EmbeddedServer:
         Per entry: the object's size; ``DS_KEY_NOT_FOUND``; or
         ``INVALID_ARGUMENT`` when the buffer is smaller than the object.
         """
-        results = [DS_KEY_NOT_FOUND] * len(items)
-        found: list[tuple[int, torch.Tensor, int, int]] = []
-        objects = self._objects
-        lru = self.policy == "lru"
+        keys = [_key(key) for key, _, _ in items]
+        capacities = [capacity for _, _, capacity in items]
+        index = self._index
         with self._lock:
-            stats = self._stats
-            stats["gets"] += len(items)
-            for i, (key, ptr, capacity) in enumerate(items):
-                entry = objects.get(key)
-                if entry is None:
-                    stats["misses"] += 1
-                    continue
-                buf, size = entry
-                if size > capacity:
-                    results[i] = INVALID_ARGUMENT
-                    continue
-                if lru:
-                    objects.move_to_end(key)
-                stats["hits"] += 1
-                stats["bytes_out"] += size
-                found.append((i, buf, size, ptr))
-                self._reading[id(buf)] += 1
-            if found:
-                stats["warmup_hits"] += count_warmups([items[i][0] for i, _, _, _ in found], self._warmup_prefixes)
+            lease, results, offsets = index.begin_get(_OWNER, keys, capacities)
+        if not lease:
+            return results
+        base = self._arena.base
         try:
-            copy_many([(ptr, buf.data_ptr(), size) for _, buf, size, ptr in found])
-            for i, _, size, _ in found:
-                results[i] = size
+            copy_many([(ptr, base + offset, size)
+                       for (_, ptr, _), offset, size in zip(items, offsets, results) if offset >= 0])
         finally:
-            if found:
-                with self._lock:
-                    self._reading.subtract(id(buf) for _, buf, _, _ in found)
-                    self._reading += Counter()  # drop the zero counts
+            with self._lock:
+                index.release(lease, _OWNER)
         return results
 
     def lookup(self, keys: Sequence[str]) -> list[int]:
         """Per key, OK or ``DS_KEY_NOT_FOUND``; eviction order is left alone."""
-        objects = self._objects
+        raw = [_key(key) for key in keys]
         with self._lock:
-            return [OK if key in objects else DS_KEY_NOT_FOUND for key in keys]
+            return self._index.lookup(raw)
 
     def delete(self, key: str) -> int:
         """OK, or ``DS_KEY_NOT_FOUND``."""
         with self._lock:
-            entry = self._objects.pop(key, None)
-            if entry is None:
-                return DS_KEY_NOT_FOUND
-            self._used -= entry[1]
-            self._stats["deletes"] += 1
-            self._retire_locked(*entry)
-            return OK
+            return self._index.delete(_key(key))
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object whose key starts with ``prefix``; how many."""
         with self._lock:
-            doomed = [key for key in self._objects if key.startswith(prefix)]
-            for key in doomed:
-                entry = self._objects.pop(key)
-                self._used -= entry[1]
-                self._retire_locked(*entry)
-            self._stats["deletes"] += len(doomed)
-            return len(doomed)
+            return self._index.delete_prefix(_key(prefix))
 
     # -- inspection -----------------------------------------------------------
 
     def clear(self) -> None:
-        """Drop every object (statistics are kept)."""
+        """Drop every object and give their memory back (counters are kept;
+        objects being read keep their bytes until released)."""
         with self._lock:
-            self._objects.clear()
-            self._used = 0
-            self._free.clear()
-            self._free_bytes = 0
+            self._index.clear()
+            self._release_free_locked()
 
     def keys(self) -> list[str]:
-        """Keys, least recently used first."""
+        """Keys, the next to be evicted first."""
         with self._lock:
-            return list(self._objects)
+            return [key.decode("utf-8", "surrogatepass") for key in self._index.objects]
 
     def stats(self) -> dict[str, int]:
-        """Counters since creation, plus ``objects``, ``used_bytes``,
-        ``capacity_bytes`` and ``injected_errors`` (0: a store injects
-        nothing; a ``FaultyServer`` in front counts its own)."""
+        """Counters since creation (``_index.STAT_NAMES``), plus ``objects``,
+        ``used_bytes``, ``capacity_bytes`` and ``injected_errors`` (0: a
+        store injects nothing; a ``FaultyServer`` in front counts its own)."""
+        index = self._index
         with self._lock:
-            out = dict(self._stats)
-            out["objects"] = len(self._objects)
-            out["used_bytes"] = self._used
-            out["capacity_bytes"] = self._capacity
+            out = {name: index.stats[name] for name in STAT_NAMES}
+            out["objects"] = len(index.objects)
+            out["used_bytes"] = index.used
+            out["capacity_bytes"] = index.capacity
         out["injected_errors"] = 0
         return out
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return len(self._index.objects)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._objects
+        return isinstance(key, str) and _key(key) in self._index.objects
 
     def __repr__(self) -> str:
         return (
-            f"<EmbeddedServer {self.name!r} used={human_bytes(self._used)}"
-            f"/{human_bytes(self._capacity)} objects={len(self._objects)}>"
+            f"<EmbeddedServer {self.name!r} used={human_bytes(self.used_bytes)}"
+            f"/{human_bytes(self.capacity_bytes)} objects={len(self)}>"
         )
-
-
-def _check_capacity(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"capacity_bytes must be an int, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"capacity_bytes must be > 0, got {value!r}")
-    return value
 
 
 # -- registry -----------------------------------------------------------------

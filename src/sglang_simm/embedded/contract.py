@@ -5,10 +5,12 @@ Two classes implement it: ``EmbeddedServer`` (``_server``, the store inside
 this process) and ``HostServer`` (``_host``, this process's handle on the
 store process of the host); ``_faults.FaultyServer``, the simulated network
 installed in front of either only while faults are set, implements it too.
-``_client`` holds any of them as a ``StoreServer`` and turns these answers
-into SiMM client results, path by path, as the real client does;
-``tests/store/test_server_contract.py`` checks that every class has every
-member below with the same signature.
+Both stores keep their objects by one index (``_index.StoreIndex``), so
+capacity, eviction, publication and counters follow one set of rules; the
+index's docstring holds them. ``_client`` holds any of them as a
+``StoreServer`` and turns these answers into SiMM client results, path by
+path, as the real client does; ``tests/store/test_server_contract.py``
+checks that every class has every member below with the same signature.
 
 Typing only: importing this module imports nothing else of the store.
 """
@@ -32,15 +34,18 @@ class StoreServer(Protocol):
       ``DS_DATA_ALREADY_EXISTS`` when the key is stored and ``overwrite`` is
       false (also when another put of the key published first);
       ``DS_CACHE_POOL_ALLOC_FAILED`` when the object cannot fit in the
-      capacity; ``OUT_OF_MEMORY`` when the host cannot back it; the host
-      store also refuses an entry past SiMM's limits or its own
-      (``INVALID_ARGUMENT``, ``TARGET_UNAVAILABLE``). A key named twice in a
-      batch: with ``overwrite`` the later entry wins, without it the earlier.
+      capacity (also, past the store's lease limits, a batch that cannot be
+      given room now); ``OUT_OF_MEMORY`` when the host cannot back it;
+      ``INVALID_ARGUMENT`` for a key or size past SiMM's limits; the host
+      store also refuses an entry past its own limits (``INVALID_ARGUMENT``,
+      ``TARGET_UNAVAILABLE``). A key named twice in a batch: with
+      ``overwrite`` the later entry wins, without it the earlier.
     * ``get_into(items)``: copy objects into ``(key, ptr, capacity)``
       buffers. Per entry: the object's size; ``DS_KEY_NOT_FOUND``;
       ``INVALID_ARGUMENT`` when the buffer is smaller than the object
-      (nothing is written); the host store also ``TARGET_UNAVAILABLE`` past
-      its lease limits. With LRU eviction a hit makes the object young.
+      (nothing is written); ``TARGET_UNAVAILABLE`` past the store's lease
+      limits (the in-process store's: ``_server.MAX_CALLS_IN_FLIGHT`` calls
+      at once). With LRU eviction a hit makes the object young.
     * ``lookup(keys)``: per key OK or ``DS_KEY_NOT_FOUND``; eviction order is
       left alone.
     * ``delete(key)``: OK or ``DS_KEY_NOT_FOUND``. ``delete_prefix(prefix)``:
@@ -55,8 +60,10 @@ class StoreServer(Protocol):
     * ``capacity_bytes`` (object bytes the store holds at most) and
       ``used_bytes`` (bytes of published objects); ``set_capacity(n)``
       (evicting until the stored bytes fit; TypeError or ValueError for a
-      bad ``n``) and ``set_policy(policy)`` ("fifo": oldest put first, as
-      SiMM's data server; "lru": least recently used; ValueError else).
+      bad ``n``, or one above what the store's arena holds: the capacity
+      it was made with, plus slack) and ``set_policy(policy)`` ("fifo":
+      oldest put first, as SiMM's data server; "lru": least recently used;
+      ValueError else).
     * ``add_warmup_prefix(prefix)``: count keys that start with ``prefix``
       apart from now on, as well (``warmup_puts``, ``warmup_hits``), so
       that pages counted from the counters leave a client's start-up round
