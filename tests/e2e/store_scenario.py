@@ -106,6 +106,39 @@ class Seen:
         return out
 
 
+def targets(seen: Seen, *, threshold: int = 5, timeout_s: float = REQUEST_TIMEOUT_MS / 1000,
+            cap_s: float = 30.0) -> dict[str, Any]:
+    """Issue #29's goals, read from one run (reported, never asserted: a
+    loaded machine moves every figure). A new prompt is *slow* while hung
+    when it took longer than the store-up median plus half the time limit;
+    the breaker is taken as open after the hung phase's leading slow ones.
+
+    * ``hung_within_10pct``: the hung phase's new prompts after those, at
+      their median, within 10% of the store-up median, the leading slow ones
+      at most ``threshold``;
+    * ``none_slower_than_up_plus_timeout``: no new prompt after them, while
+      hung, slower than the store-up median plus one time limit;
+    * ``hits_back_within_cap``: L3 hits back within the backoff cap plus one
+      request after the resume and after the kill."""
+    up = statistics.median(seen.latencies("up"))
+    hung = seen.latencies("hung")
+    lead = 0
+    while lead < len(hung) and hung[lead] > up + timeout_s / 2:
+        lead += 1
+    after = hung[lead:] or [float("inf")]
+    request_s = max(seen.latencies("up"))
+    back = {phase: seen.hits_back_s.get(phase, float("inf")) for phase in ("resumed", "killed")}
+    return {
+        "up_median_s": round(up, 3),
+        "hung_slow_before_opening": lead,
+        "hung_median_after_s": round(statistics.median(after), 3),
+        "hung_max_after_s": round(max(after), 3),
+        "hung_within_10pct": lead <= threshold and statistics.median(after) <= 1.1 * up,
+        "none_slower_than_up_plus_timeout": max(after) <= up + timeout_s,
+        "hits_back_within_cap": all(v <= cap_s + request_s for v in back.values()),
+    }
+
+
 def run(server, *, new_per_phase: int = 5, log: Callable[[str], None] = print,
         hits_timeout_s: float = 90.0) -> Seen:
     """Drive the scenario on ``server`` (its store up at the start); the
@@ -217,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             same = all(g.output_ids == refs[s].output_ids and g.logprobs == refs[s].logprobs
                        for _, s, g in seen.generations)
             figures = {"breaker": args.breaker, "policy": args.policy, "outputs_identical": same, **seen.figures(),
+                       "targets": targets(seen),
                        "traceback_in_log": "Traceback" in server.log_text()}
             log_lines = [line for line in server.log_text().splitlines() if "sglang_simm" in line or "breaker" in line]
             figures["breaker_log"] = [line[-200:] for line in log_lines if "breaker" in line][:20]
