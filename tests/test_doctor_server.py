@@ -1,5 +1,5 @@
 """``doctor --server``'s analysis on recorded /server_info dicts (one cause
-each); the real servers are tests/e2e/test_observability.py."""
+each); the real servers are tests/e2e/test_server.py."""
 
 from __future__ import annotations
 

@@ -105,7 +105,9 @@ class StoreCounter:
         self.timeout_s = timeout_s
         self._handle: Any = None
 
-    def objects(self) -> L3Objects:
+    def status(self) -> dict[str, Any]:
+        """The store's whole status (``sglang-simm store status NAME --json``:
+        the counters, ``used_bytes``, ``capacity_bytes``, ``evictions``, ...)."""
         from sglang_simm.embedded.admin import HostServer
 
         if self._handle is None:
@@ -114,10 +116,13 @@ class StoreCounter:
             handle.open(wait_s=self.timeout_s)
             self._handle = handle
         try:
-            return L3Objects.from_status(self._handle.status())
+            return self._handle.status()
         except BaseException:
             self.close()
             raise
+
+    def objects(self) -> L3Objects:
+        return L3Objects.from_status(self.status())
 
     def pages_stored(self) -> int:
         return pages(self.objects().stored, self.objects_per_page)

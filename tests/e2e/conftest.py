@@ -31,12 +31,15 @@ from sglang_simm_dev.tiny_model import write_model
 REQUEST_TIMEOUT_MS = 10_000
 
 
-def _server(name: str, route: str, store: dict | None = None, **fields) -> Callable[[str], ServerConfig]:
+def _server(name: str, route: str, store: dict | None = None, *, store_of: str | None = None,
+            **fields) -> Callable[[str], ServerConfig]:
     """A server's config, given the model directory: the tests' page size
     and device tokens, and a local store of its own (``local://e2e-NAME``,
     so servers never see each other's pages, and the tests count a server's
-    L3 pages from its store's counters); ``store`` adds extra-config fields."""
-    extra = {"manager_address": f"local://e2e-{name}", "request_timeout_ms": REQUEST_TIMEOUT_MS, **(store or {})}
+    L3 pages from its store's counters), or the store of the server
+    ``store_of`` names; ``store`` adds extra-config fields."""
+    extra = {"manager_address": f"local://e2e-{store_of or name}", "request_timeout_ms": REQUEST_TIMEOUT_MS,
+             **(store or {})}
     # sleep_on_idle: an idle CPU scheduler otherwise spins at half a core,
     # which the rest of the suite pays for; SGLang's idle scheduler still
     # wakes every second, and backups run on the controller's own threads.
@@ -58,10 +61,15 @@ SERVERS: dict[str, Callable[[str], ServerConfig]] = {
                              mem_layout="page_first_direct", io_backend="direct", enable_metrics=False,
                              extra_args=("--hicache-host-memory-mode", "buffer_only")),
     # one cause that keeps L3 from hitting: a prefetch threshold above every
-    # prompt the tests send (doctor --server must name it); metrics on
-    "l3-threshold": _server("l3-threshold", "simm", {"prefetch_threshold": 4096}, enable_metrics=True),
-    # the control: every successful L3 read comes back with flipped bytes;
-    # no warm-up round trip (it would see them and refuse to start)
+    # prompt the tests send (doctor --server must name it); metrics on. It
+    # writes into corrupt-reads's store under a key namespace of its own
+    # (extra_backend_tag): servers sharing a store whose pages are named
+    # apart, another cause doctor --server must name, with no fifth server
+    "l3-threshold": _server("l3-threshold", "simm", {"prefetch_threshold": 4096, "extra_backend_tag": "threshold"},
+                            store_of="corrupt-reads", enable_metrics=True),
+    # the control: every successful L3 read comes back with flipped bytes
+    # (a fault of its own client, so l3-threshold, sharing its store, reads
+    # true bytes); no warm-up round trip (it would see them and refuse to start)
     "corrupt-reads": _server("corrupt-reads", "simm",
                              {"warmup": False, "client_flags": {"local_store_corrupt_reads": "1"}}),
 }

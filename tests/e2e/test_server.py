@@ -11,8 +11,11 @@ One server per route, shared by the module's tests:
 
 and ``l3-threshold``: the plugin entry point with a prefetch threshold above
 every prompt the tests send, one cause that keeps L3 from hitting, for
-``doctor --server`` to name (the other two are its healthy and metrics-off
-cases; the backend's own /metrics series are checked on both routes).
+``doctor --server`` to name. It writes into the ``corrupt-reads`` server's
+store under a key namespace of its own, the cause "servers sharing a store
+name their pages apart". ``doctor --server`` also meets its healthy and
+metrics-off cases on the two routes, and ``dynamic``'s store full and
+evicting; the backend's own /metrics series are checked on both routes.
 
 Reference outputs are fresh computations: the same prompt sent before any
 tier holds it, or under its own ``extra_key`` (which namespaces every tier).
@@ -242,7 +245,9 @@ def test_doctor_server_names_a_threshold_above_the_prompts(servers, capsys):
     from sglang_simm.tools.cli import main
 
     server = servers.get("l3-threshold")
-    server.generate(prompt(7, 400), max_new_tokens=1)
+    stored = server.l3_pages_stored()
+    # its backup waited for: its store is corrupt-reads's too, whose test counts the pages it writes there
+    backed_up(server, server.generate(prompt(7, 400), max_new_tokens=1), stored)
     deadline = time.monotonic() + 30
     while True:  # SGLang's own counters reach /metrics from its tokenizer process
         rc = main(["doctor", "--server", server.url])
@@ -258,6 +263,49 @@ def test_doctor_server_names_a_threshold_above_the_prompts(servers, capsys):
     assert "in-tree HiCacheSiMM" not in out, out
 
 
+def test_doctor_server_names_servers_sharing_a_store_under_other_namespaces(servers, capsys):
+    """Two real servers write into one local store, their pages named apart:
+    ``l3-threshold`` (extra_backend_tag "threshold") joins ``corrupt-reads``'s
+    store (conftest.SERVERS). Doctor, given both, names the store's two key
+    namespaces and the field the servers differ in; given a server alone on
+    its store (``route-simm``), neither.
+
+    Why these two: no fifth server (five CPU servers leave too little host
+    memory for SGLang's reserve), and neither disturbs the other's tests.
+    ``l3-threshold``'s tests count no pages and never read L3 (threshold);
+    ``corrupt-reads`` counts its pages from a reading of the shared counters
+    taken just before its request, and every request ``l3-threshold`` gets
+    has its backup waited for, so none lands inside that count. The routes'
+    stores stay their own: their doctor test checks each holds one
+    namespace. Corrupted reads are a fault of ``corrupt-reads``'s own
+    client, so what ``l3-threshold`` reads (its warm-up round trip) is true."""
+    from sglang_simm.tools.cli import main
+
+    tagged, plain = servers.get("l3-threshold"), servers.get("corrupt-reads")
+    stored = tagged.l3_pages_stored()  # one store: both servers' pages count here
+    written = [server.generate(prompt(seed, 320), max_new_tokens=1) for server, seed in ((tagged, 8), (plain, 9))]
+    tagged.wait_l3_stored(stored + sum((g.prompt_tokens + len(g.output_ids) - 1) // PAGE for g in written))
+
+    main(["doctor", "--server", tagged.url, "--server", plain.url])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "'e2e-corrupt-reads' holds pages under 2 key namespaces" in out, out
+    assert "threshold/s1." in out, out
+    apart = out.split("name their pages apart", 1)
+    assert len(apart) == 2, out
+    assert "extra_backend_tag:" in apart[1] and f"{tagged.url} 'threshold'" in apart[1], out
+    # the tag is the one field they differ in
+    assert "hicache_mem_layout" not in apart[1] and "page_size" not in apart[1], out
+
+    single = servers.get("route-simm")
+    stored = single.l3_pages_stored()
+    backed_up(single, single.generate(prompt(9, 320), max_new_tokens=1), stored)  # its store holds pages
+    main(["doctor", "--server", single.url])
+    alone = " ".join(capsys.readouterr().out.split())
+    assert "under one namespace" in alone and "key namespaces" not in alone, alone
+    assert "name their pages apart" not in alone, alone
+    print(out)
+
+
 def test_soak_keeps_scheduler_memory_flat(server):
     """Metrics off (SGLang's default): nothing drains the backend's per-batch
     records, so growth there would show in the scheduler's private memory
@@ -268,8 +316,6 @@ def test_soak_keeps_scheduler_memory_flat(server):
         pytest.skip("the soak runs on the server with metrics off (SGLang's default)")
     schedulers = server.scheduler_pids()
     length = 320  # SGLang prefetches from L3 only from 256 matched tokens on
-    page_bytes = PAGE * TINY.kv_bytes_per_token()
-    capacity = 32 << 20  # conftest.SERVERS["route-dynamic"]
     seed = 10_000
     recent: list[list[int]] = []
 
@@ -294,10 +340,7 @@ def test_soak_keeps_scheduler_memory_flat(server):
             del recent[:-3]
         return requests, hits
 
-    fill = capacity // ((length // PAGE) * page_bytes) + 8
-    for _ in range(fill):
-        server.generate(prompt(seed, length), max_new_tokens=2)
-        seed += 1
+    fill = fill_until_it_evicts(server)
     settle, _ = traffic(12)
     start_rss = server.scheduler_rss_bytes()
     requests, hits = traffic(24)
@@ -314,14 +357,54 @@ def test_soak_keeps_scheduler_memory_flat(server):
         server, f"the scheduler's private memory grew {growth / 2**20:.1f} MiB over {requests} requests")
 
 
+def fill_until_it_evicts(server: SGLangServer) -> int:
+    """Send new prompts until the server's local store has evicted (it is
+    then full); the requests sent, 0 where it already had. Bounded by
+    twice the prompts that fill its capacity."""
+    counter = server.l3_counter()
+    status = counter.status()
+    prompt_bytes = (LONG // PAGE) * PAGE * TINY.kv_bytes_per_token()
+    most = 2 * int(status["capacity_bytes"]) // prompt_bytes + 2
+    sent = 0
+    while not int(status["evictions"]):
+        assert sent < most, why(server, f"{sent} prompts of {LONG} tokens and its store has not evicted: {status}")
+        stored = server.l3_pages_stored()
+        backed_up(server, server.generate(prompt(20_000 + sent, LONG), max_new_tokens=1), stored)
+        sent += 1
+        status = counter.status()
+    return sent
+
+
+def test_doctor_server_names_a_full_evicting_store(servers, capsys):
+    """``route-dynamic``'s 32 MiB store, filled until it evicts (its soak
+    fills it too; whichever test runs first pays for it): doctor names the
+    store full, its evictions, and the setting that sizes it. The control:
+    ``route-simm``'s store, far from full, is not named so."""
+    from sglang_simm.tools.cli import main
+
+    server = servers.get("route-dynamic")
+    fill_until_it_evicts(server)
+    rc = main(["doctor", "--server", server.url])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0, out  # a warning: L3 still hits, on what is left
+    assert "the local store 'e2e-route-dynamic' is full (" in out and "and has evicted" in out, out
+    assert '"local_store_capacity_bytes" in the extra config' in out, out
+
+    main(["doctor", "--server", servers.get("route-simm").url])
+    healthy = " ".join(capsys.readouterr().out.split())
+    assert "is full" not in healthy and "has evicted" not in healthy, healthy
+    print(out)
+
+
 # -- the control -------------------------------------------------------------------------
 
 
 def test_corrupted_l3_pages_change_the_outputs(servers):
     server = servers.get("corrupt-reads")
     ids = prompt(1, LONG)
+    stored = server.l3_pages_stored()  # its store holds l3-threshold's pages too
     fresh = server.generate(ids)
-    server.wait_l3_stored((LONG + len(fresh.output_ids) - 1) // PAGE)  # the last token has no KV
+    backed_up(server, fresh, stored)
     server.flush_cache()
     restored = server.generate(ids)
     # the corrupted pages were served as an L3 hit ...

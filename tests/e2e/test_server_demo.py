@@ -22,12 +22,15 @@ def test_server_demo_restores_from_l3_with_the_same_answers(tmp_path, capsys):
     assert code == 0, text
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert [r["tier"] for r in rows] == [
-        "computed from scratch", "device hit (L1)", "host-tier hit (L2)", "L3 hit (SiMM)"]
+    assert [r["tier"] for r in rows] == [  # nearest tier first, then none
+        "device hit (L1)", "host-tier hit (L2)", "L3 hit (SiMM)", "computed from scratch"]
     assert all(r["matches_fresh"] for r in rows), rows
-    assert rows[0]["cached_tokens"] == 0
-    assert rows[-1]["cached_tokens"] == 512 and rows[-1]["kv_bytes_moved"] > 0
+    l3, scratch = rows[2], rows[3]
+    assert scratch["cached_tokens"] == 0
+    assert l3["cached_tokens"] == 512 and l3["kv_bytes_moved"] > 0
     assert "Time to first token" in text
     # the backend's own L3 writes (not SGLang's device-to-host backup bytes)
     assert data["metrics"].get("sglang:backup_pgs_sum", 0) > 0, data["summary"]["L3 written"]
-    assert "floor no cache tier removes" in " ".join(text.split())
+    # the notes, in every run: the floor the cached rows share, and why their times come in no order
+    notes = " ".join(text.split())
+    assert "floor no tier removes" in notes and "timing noise" in notes, text
