@@ -364,20 +364,20 @@ class Breaker:
             if stale:
                 log = (logging.WARNING, "%s breaker: probe #%d gave no answer in %.0f s; another call probes",
                        self.name, self.probes, now - self._probe_started)
-            permit = self._half_open(now)
-            if log is None:
-                log = (logging.INFO, "%s breaker half-open: probe #%d goes to the store (open for %.1f s)",
-                       self.name, self.probes, now - self._opened_at)
-        self._log.log(*log)
+            permit, half_open = self._half_open(now)
+        self._log.log(*(log or half_open))
         return permit
 
-    def _half_open(self, now: float) -> Permit:
-        """To HALF_OPEN (lock held): the probe's permit."""
+    def _half_open(self, now: float) -> tuple[Permit, tuple[Any, ...]]:
+        """To HALF_OPEN (lock held): the probe's permit, and the line to log
+        once the lock is let go."""
         self._state = HALF_OPEN
         self._epoch += 1
         self._probe_started = now
         self.probes += 1
-        return Permit(self, self._epoch, probe=True)
+        log = (logging.INFO, "%s breaker half-open: probe #%d goes to the store (open for %.1f s)",
+               self.name, self.probes, now - self._opened_at)
+        return Permit(self, self._epoch, probe=True), log
 
     # ------------------------------------------------------------ the prober
 
@@ -415,11 +415,8 @@ class Breaker:
                     if self._state == OPEN and wait <= 0:
                         break
                     self._wake.wait(min(max(wait, 0.001), self.backoff_max_s))
-                now = self._clock()
-                permit = self._half_open(now)
-                number, opened_for = self.probes, now - self._opened_at
-            self._log.info("%s breaker half-open: probe #%d goes to the store (open for %.1f s)",
-                           self.name, number, opened_for)
+                permit, log = self._half_open(self._clock())
+            self._log.log(*log)
             start = time.perf_counter()
             try:
                 with permit:
