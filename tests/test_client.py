@@ -114,7 +114,7 @@ def test_a_client_in_simms_layers_is_called_at_its_native_layer():
     from sglang_simm_dev import nullkv
 
     store = nullkv.Store()
-    client = KVClient(nullkv, store, description="null", embedded=False)
+    client = KVClient(nullkv, store, description="null")
     assert client.native and client.view is nullkv._kv.DataView
     assert client.mput_views == store._impl.MPut and client.mget_views == store._impl.MGet
     mr = nullkv.register_mr(torch.zeros(16, dtype=torch.uint8))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import threading
 import time
 import uuid
 from types import ModuleType
@@ -113,11 +112,10 @@ def client_flags(config: SiMMConfig, *, log_file: str) -> dict[str, str]:
 class KVClient:
     """A connected SiMM client. Batch calls are the store's bound methods."""
 
-    def __init__(self, kv: ModuleType, store: Any, *, description: str, embedded: bool):
+    def __init__(self, kv: ModuleType, store: Any, *, description: str):
         self.kv = kv
         self.store = store
         self.description = description
-        self.embedded = embedded
         self.mexists: Callable[[Sequence[str]], list[bool]] = store.mexists
         self.mget: Callable[[Sequence[str], Sequence[Any]], list[int]] = store.mget
         self.mput: Callable[[Sequence[str], Sequence[Any]], list[int]] = store.mput
@@ -143,8 +141,6 @@ class KVClient:
             self.mget_views = store.mget
             codes = getattr(store, "mexists_codes", None)
             self.mexists_codes = codes if callable(codes) else _codes_of(store.mexists)
-        #: the local store handle this client shares with others of this process
-        self._handle = _share_handle(getattr(store, "server", None)) if embedded else None
 
     def register(self, tensor: Any) -> Any:
         mr = self.kv.register_mr(tensor)
@@ -210,11 +206,10 @@ class KVClient:
     def close(self) -> None:
         """Close the store where it can be closed, and drop it either way:
         SiMM's ``Store`` has no ``close``; its connections and threads go
-        with the last reference. A local store's connection is this process's
-        one handle, shared by every client of that store here: the last
-        client to close closes it, so a process whose backends are all
-        closed holds no connection to the store (it can stop, or go idle).
-        Idempotent; calls after it raise (the backend closes its client
+        with the last reference. The local store's ``Store.close`` drops
+        the store's connection with the last client of it in this process,
+        so a process whose backends are all closed holds none (the store can
+        stop, or go idle). Idempotent; calls after it raise (the backend closes its client
         only once no call of its own is in flight)."""
         store, self.store = self.store, None
         if store is None:
@@ -225,9 +220,6 @@ class KVClient:
         close = getattr(store, "close", None)
         if callable(close):
             close()
-        if self._handle is not None:
-            _release_handle(self._handle)
-            self._handle = None
 
 
 def native_layer(kv: ModuleType, store: Any) -> tuple[Callable[..., Any], Any] | None:
@@ -263,34 +255,6 @@ def _codes_of(mexists: Callable[[Sequence[str]], list[bool]]) -> Callable[[Seque
 
 def _closed(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("the SiMM client is closed")
-
-
-#: Open clients per local store handle (``id`` of the handle -> count).
-_HANDLE_USERS: dict[int, int] = {}
-_HANDLE_LOCK = threading.Lock()
-
-
-def _share_handle(handle: Any) -> Any:
-    """Count a client in on a local store handle (an in-process local store, which
-    holds no connection, is not counted); the handle, or None."""
-    if handle is None or not hasattr(handle, "disconnect"):
-        return None
-    with _HANDLE_LOCK:
-        _HANDLE_USERS[id(handle)] = _HANDLE_USERS.get(id(handle), 0) + 1
-    return handle
-
-
-def _release_handle(handle: Any) -> None:
-    """Count a client out; the last one drops the handle's connection. The
-    handle stays usable (a later client, or any other user of it in this
-    process, connects again on its next request)."""
-    with _HANDLE_LOCK:
-        left = _HANDLE_USERS.get(id(handle), 1) - 1
-        if left > 0:
-            _HANDLE_USERS[id(handle)] = left
-            return
-        _HANDLE_USERS.pop(id(handle), None)
-    handle.disconnect()
 
 
 def _bytes_tensor(data: bytes) -> Any:
@@ -356,7 +320,7 @@ def connect(
             f"cannot connect to {description}: {type(exc).__name__}: {exc}. "
             "Check manager_address and run 'sglang-simm doctor'."
         ) from exc
-    client = KVClient(kv, store, description=description, embedded=embedded)
+    client = KVClient(kv, store, description=description)
     del store  # the client holds it; a failed warm-up must not keep it alive
     if config.warmup:
         try:

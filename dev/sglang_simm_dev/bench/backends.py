@@ -87,7 +87,7 @@ def make_ours(pool: Any, geom: ModelGeometry, client: str, *, capacity: int | No
             from sglang_simm_dev import nullkv
             from sglang_simm.client import KVClient
 
-            kv = KVClient(nullkv, nullkv.Store(), description="null client", embedded=True)
+            kv = KVClient(nullkv, nullkv.Store(), description="null client")
             return HiCacheSiMM(sc, pool, client=kv)
         return HiCacheSiMM(sc, pool)
 

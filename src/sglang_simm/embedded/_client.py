@@ -484,7 +484,7 @@ class Store:
     the store itself, or the ``FaultyServer`` in front of it while faults
     are set."""
 
-    __slots__ = ("_link",)
+    __slots__ = ("_link", "_open")
 
     def __init__(self) -> None:
         try:
@@ -500,6 +500,17 @@ class Store:
         warmups = _flags.local_settings().warmup_key_prefix
         if warmups:
             link.store.add_warmup_prefix(warmups)
+        link.join()
+        self._open = True
+
+    def close(self) -> None:
+        """This client is done (SiMM's ``Store`` has none: its connections
+        go with the last reference). The last client of a local store
+        process in this process drops the connection; calls after it
+        connect again. Idempotent."""
+        if self._open:
+            self._open = False
+            self._link.leave()
 
     @property
     def server(self) -> StoreServer:

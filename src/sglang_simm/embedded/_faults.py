@@ -300,17 +300,32 @@ class Link:
     ``server`` is ``store`` itself while ``faults`` inject nothing, and a
     :class:`FaultyServer` around it while they do; ``configure`` swaps it.
     A wrapper kept across changes keeps its draws and counters; one taken
-    away and installed again starts afresh.
+    away and installed again starts afresh. ``clients`` counts the open
+    clients on this route; the last to leave drops a local store process's
+    connection (the handle connects again on its next request).
     """
 
-    __slots__ = ("_lock", "faults", "server", "store")
+    __slots__ = ("_lock", "clients", "faults", "server", "store")
 
     def __init__(self, store: StoreServer, faults: FaultSettings) -> None:
         self._lock = threading.Lock()
         self.store = store
         self.faults = FaultSettings()
         self.server: StoreServer = store
+        self.clients = 0
         self._apply(faults, reseed=True)
+
+    def join(self) -> None:
+        with self._lock:
+            self.clients += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.clients -= 1
+            last = self.clients == 0
+        disconnect = getattr(self.store, "disconnect", None)  # an in-process store holds no connection
+        if last and disconnect is not None:
+            disconnect()
 
     def configure(self, **changes: Any) -> FaultSettings:
         """Change fields of ``faults`` (TypeError for an unknown one,
