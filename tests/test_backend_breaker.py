@@ -26,6 +26,7 @@ import torch
 from pages import fill_random, hashes, page, raw, slots, tiny
 from sglang_simm.breaker import CLOSED, OPEN
 from sglang_simm.embedded import configure_faults, get_server
+from polling import until
 
 #: a breaker that opens after two faults and probes 50 ms later, no jitter
 FAST = {"breaker_threshold": 2, "breaker_backoff_ms": 50, "breaker_backoff_max_ms": 200, "breaker_jitter": 0}
@@ -88,13 +89,6 @@ def data_path_probes(backend):
     breaker's fallback when its own probe never reports)."""
     backend.breaker.set_prober(None)
 
-
-def until(predicate, what: str, timeout: float = 30.0):
-    """Poll ``predicate`` (the prober works on its own thread)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 PROBER = "SiMM L3 breaker probe"

@@ -26,6 +26,7 @@ from sglang_simm.breaker import (
     is_fault_exception,
 )
 from sglang_simm.config import SiMMConfig
+from polling import until
 
 # --------------------------------------------------------------------------
 # Faults and misses: every code errors.py knows, one verdict each
@@ -391,12 +392,6 @@ def test_disabled_never_opens():
 
 # -- the prober: probes off the request path (real clock, short waits) ------
 
-
-def until(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def quick(**kw) -> Breaker:

@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from e2e_util import DEVICE_TOKENS, PAGE, matchable_tokens, prompt  # noqa: E402
+from e2e_util import DEVICE_TOKENS, PAGE, prompt  # noqa: E402
 
 #: prompt length, as in the issue
 LONG = 1024

@@ -9,12 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 from sglang_simm.embedded import _protocol as wire
 from sglang_simm.embedded._paths import StorePaths
 from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
+from polling import until
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 LOWFD = os.path.join(os.path.dirname(__file__), "daemon_lowfd.py")
@@ -25,15 +25,6 @@ def env() -> dict[str, str]:
     e["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, e.get("PYTHONPATH")) if p)
     return e
 
-
-def wait_for(cond, timeout: float = 20.0, what: str = "a condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class StoreProc:
@@ -50,7 +41,7 @@ class StoreProc:
         else:
             cmd = [sys.executable, "-m", "sglang_simm.embedded._daemon", *args]
         self.proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wait_for(lambda: os.path.exists(self.paths.pid) or self.proc.poll() is not None, what="the store to start")
+        until(lambda: os.path.exists(self.paths.pid) or self.proc.poll() is not None, what="the store to start")
         if self.proc.poll() is not None:
             raise AssertionError(f"the store did not start: {self.proc.stderr.read().decode()}")
         self.pid = self.proc.pid
@@ -76,7 +67,7 @@ class StoreProc:
             except (AssertionError, OSError):
                 return None
         try:
-            return wait_for(attempt, what="the store to answer a status request")
+            return until(attempt, what="the store to answer a status request")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; its process {'runs' if self.alive() else 'exited'}; "
                                  f"its log ends: {self.log_tail()}") from None

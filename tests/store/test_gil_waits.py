@@ -21,7 +21,8 @@ from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._protocol import Op
 from sglang_simm.errors import DS_DATA_ALREADY_EXISTS, DS_KEY_NOT_FOUND, OK, SEND_RPC_FAILED
 
-from raw_peer import Peer, StoreProc, env, wait_for
+from raw_peer import Peer, StoreProc, env
+from polling import until
 
 pytestmark = pytest.mark.host
 
@@ -149,7 +150,7 @@ def test_a_request_bigger_than_the_socket_buffer_to_a_stalled_store_keeps_the_ti
         assert exc.value.code == SEND_RPC_FAILED and "did not answer within 0.5 s" in str(exc.value)
     finally:
         os.kill(store.pid, signal.SIGCONT)
-    wait_for(lambda: _lookup(client, ["warm"]) == [DS_KEY_NOT_FOUND], what="the client to reconnect")
+    until(lambda: _lookup(client, ["warm"]) == [DS_KEY_NOT_FOUND], what="the client to reconnect")
     client.close()
 
 
@@ -276,7 +277,7 @@ def test_the_held_wait_is_bounded_then_the_time_limit_is_kept(store, monkeypatch
         assert exc.value.code == SEND_RPC_FAILED and "did not answer within 0.5 s" in str(exc.value)
     finally:
         os.kill(store.pid, signal.SIGCONT)
-    wait_for(lambda: _lookup(client, ["warm"]) == [DS_KEY_NOT_FOUND], what="the client to reconnect")
+    until(lambda: _lookup(client, ["warm"]) == [DS_KEY_NOT_FOUND], what="the client to reconnect")
     client.close()
 
 

@@ -22,6 +22,7 @@ from sglang_simm.embedded import _host
 from sglang_simm.embedded._host import HostServer, StoreUnreachable, pid_alive
 from sglang_simm.embedded._paths import StoreAccessError, StorePaths, check_name, read_pid
 from sglang_simm.errors import BUILD_CONNECTION_FAILED, OK, OUT_OF_MEMORY, SEND_RPC_FAILED
+from polling import until
 
 pytestmark = pytest.mark.host
 
@@ -57,14 +58,6 @@ def kill(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
 
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Buf:
@@ -168,7 +161,7 @@ def test_a_writer_killed_mid_batch_leaves_no_object_visible(store):
     assert status["reserved_bytes"] == 8 << 20 and status["open_leases"] == 1
     assert store.lookup(keys) == [-4003] * 8  # half copied, nothing visible
     kill(proc)
-    wait_for(lambda: store.status()["open_leases"] == 0, what="the lease to be dropped")
+    until(lambda: store.status()["open_leases"] == 0, what="the lease to be dropped")
     status = store.status()
     assert status["reserved_bytes"] == 0 and status["aborted"] == 8 and status["objects"] == 0
     assert store.lookup(keys) == [-4003] * 8
@@ -186,7 +179,7 @@ def test_a_reader_killed_mid_get_leaks_no_pin(store):
     assert store.delete("pinned") == OK  # gone from the index; its memory waits for the reader
     free_while_pinned = store.status()["arena_free_bytes"]
     kill(proc)
-    wait_for(lambda: store.status()["pinned_objects"] == 0, what="the pin to be released")
+    until(lambda: store.status()["pinned_objects"] == 0, what="the pin to be released")
     assert store.status()["arena_free_bytes"] > free_while_pinned
 
 
@@ -201,7 +194,7 @@ def test_objects_written_by_a_writer_killed_at_random_are_whole(store):
         wait_ready(proc)
         time.sleep(0.2 + 0.1 * seed)
         kill(proc)
-    wait_for(lambda: store.status()["open_leases"] == 0, what="the writers' leases to be dropped")
+    until(lambda: store.status()["open_leases"] == 0, what="the writers' leases to be dropped")
     keys = [f"churn-{i}" for i in range(40)]
     bufs = [Buf(256 << 10, fill=0) for _ in keys]
     got = store.get_into([(k, b.ptr, b.size) for k, b in zip(keys, bufs)])
@@ -232,7 +225,7 @@ def test_store_process_killed_calls_fail_with_transport_codes_then_recover_its_o
     assert put(store, "before", data) == OK
     old_pid = store.pid
     os.kill(old_pid, signal.SIGKILL)
-    wait_for(lambda: not pid_alive(old_pid), what="the store process to die")
+    until(lambda: not pid_alive(old_pid), what="the store process to die")
     with pytest.raises(StoreUnreachable) as exc:
         store.lookup(["before"])
     assert exc.value.code in (SEND_RPC_FAILED, BUILD_CONNECTION_FAILED)
@@ -243,7 +236,7 @@ def test_store_process_killed_calls_fail_with_transport_codes_then_recover_its_o
         except StoreUnreachable:
             return False
 
-    wait_for(back, timeout=15, what="the client to start a new store and reconnect")
+    until(back, timeout=15, what="the client to start a new store and reconnect")
     assert store.pid != old_pid and pid_alive(store.pid)
     # the new store process took the dead one's objects over
     assert get(store, "before", 4096) == (4096, b"\x09" * 4096)
@@ -259,7 +252,7 @@ def test_a_store_this_process_started_and_that_died_is_started_again_by_the_next
     probes, seconds apart, would each have found no store)."""
     old_pid = store.pid
     os.kill(old_pid, signal.SIGKILL)
-    wait_for(lambda: not pid_alive(old_pid), what="the store process to die")
+    until(lambda: not pid_alive(old_pid), what="the store process to die")
     codes = []
     with caplog.at_level("WARNING", logger="sglang_simm.embedded"):
         while BUILD_CONNECTION_FAILED not in codes and len(codes) < 3:  # the first finds the connection lost
@@ -270,7 +263,7 @@ def test_a_store_this_process_started_and_that_died_is_started_again_by_the_next
     assert not [r for r in caplog.records if "without serving" in r.getMessage()]
     paths = StorePaths(store.root, store.name)
     # no further call: the last one above started it
-    wait_for(lambda: read_pid(paths) not in (None, old_pid) and pid_alive(read_pid(paths)),
+    until(lambda: read_pid(paths) not in (None, old_pid) and pid_alive(read_pid(paths)),
              timeout=30, what="a new store process started by that one call")
 
 
@@ -286,7 +279,7 @@ def test_a_stalled_store_times_out_and_the_client_reconnects(store, host_store_d
         assert raised.value.code == SEND_RPC_FAILED
     finally:
         os.kill(store.pid, signal.SIGCONT)
-    wait_for(lambda: _try(client.lookup, ["x"]) == [-4003], what="a new connection")
+    until(lambda: _try(client.lookup, ["x"]) == [-4003], what="a new connection")
     assert client.reconnects == 1
     client.close()
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from sglang_simm.embedded._allocator import aligned
 from sglang_simm.embedded._arena import LEASE_WORDS

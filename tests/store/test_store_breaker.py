@@ -27,6 +27,7 @@ from pages import fill_random, hashes, page, slots, tiny
 from sglang_simm.breaker import CLOSED, OPEN
 from sglang_simm.embedded import get_server
 from sglang_simm.embedded._paths import pid_alive
+from polling import until
 
 #: the store's answers get 0.3 s (the store's own tests use the same)
 TIMEOUT_MS = 300
@@ -46,15 +47,6 @@ def counted_client(backend) -> list[str]:
         setattr(backend.client, name, counted)
     return touched
 
-
-def until(predicate, timeout: float, what: str, every: float = 0.02, why=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{why()}")
 
 
 def store_story(backend, store_name):
@@ -90,13 +82,13 @@ def assert_healed(backend, host, keys, want, store_name):
     snap = backend.stats()["breaker"]
     assert snap["state"] == CLOSED and snap["opened_total"] >= 1 and snap["closed_total"] >= 1, snap
     assert sum(len(b.calls) for _, b in backend.pools.bound()) == 0  # no call counted in on a pool
-    until(lambda: get_server(store_name).status()["open_leases"] == 0, 10, "our leases to end")
+    until(lambda: get_server(store_name).status()["open_leases"] == 0, "our leases to end", timeout=10)
 
 
 def test_a_killed_store_is_started_again_by_a_probe_and_its_pages_come_back(on_store, store_name):
     backend, host, keys, want, pid = on_store
     os.kill(pid, signal.SIGKILL)
-    until(lambda: not pid_alive(pid), 10, "the store process to die")
+    until(lambda: not pid_alive(pid), "the store process to die", timeout=10)
     for _ in range(BREAKER["breaker_threshold"]):
         assert backend.batch_exists(keys) == 0
     snap = backend.stats()["breaker"]
@@ -106,7 +98,7 @@ def test_a_killed_store_is_started_again_by_a_probe_and_its_pages_come_back(on_s
     assert backend.batch_exists(keys) == 0 and touched == []  # open: the client is not asked
     # Probes every 0.1-0.4 s: the first finds no store and starts one; a later
     # one reaches it (its start is seconds on a loaded machine).
-    until(lambda: backend.batch_exists(keys) == 4, 60, "a probe to find the pages again", every=0.05,
+    until(lambda: backend.batch_exists(keys) == 4, "a probe to find the pages again", timeout=60, every=0.05,
           why=lambda: store_story(backend, store_name))
     new_pid = get_server(store_name).pid
     assert new_pid != pid and pid_alive(new_pid)
@@ -139,7 +131,7 @@ def test_a_stopped_store_costs_one_time_limit_per_probe_and_heals_when_resumed(o
         assert max(took) < 10 * TIMEOUT_MS / 1000, took
     finally:
         os.kill(pid, signal.SIGCONT)
-    until(lambda: backend.batch_exists(keys) == 4, 30, "a probe to reach the resumed store", every=0.05,
+    until(lambda: backend.batch_exists(keys) == 4, "a probe to reach the resumed store", timeout=30, every=0.05,
           why=lambda: store_story(backend, store_name))
     assert get_server(store_name).pid == pid  # the same process: nothing was started beside it
     assert_healed(backend, host, keys, want, store_name)

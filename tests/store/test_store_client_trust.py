@@ -21,7 +21,8 @@ from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._protocol import Op, Reader, frame, pack_ints, pack_json
 from sglang_simm.errors import INTERNAL_ERROR, SEND_RPC_FAILED
 
-from raw_peer import StoreProc, env, wait_for
+from raw_peer import StoreProc, env
+from polling import until
 
 pytestmark = pytest.mark.host
 
@@ -62,7 +63,7 @@ def test_every_call_on_a_stopped_store_keeps_the_time_limit(store, monkeypatch):
     assert len(limits) >= 4 and max(limits) <= 0.3, limits  # handshakes included
     # SendRPCFailed (as SiMM HEAD reports a timed-out request) or a failed connection; never Timeout
     assert set(codes) <= {SEND_RPC_FAILED, -2301}, codes
-    wait_for(lambda: _lookup(client) == [-4003], what="the client to reconnect")
+    until(lambda: _lookup(client) == [-4003], what="the client to reconnect")
     client.close()
 
 

@@ -12,7 +12,8 @@ import uuid
 from sglang_simm.embedded._host import HostServer
 from sglang_simm.embedded._http import PORT_ENV, store_metrics_from_env
 
-from raw_peer import StoreProc, wait_for  # noqa: E402
+from raw_peer import StoreProc  # noqa: E402
+from polling import until
 
 
 def free_port() -> int:
@@ -46,7 +47,7 @@ def test_store_serves_its_metrics_over_http(host_store_dir, monkeypatch):
         client.get_into([("a", ctypes.addressof(buf), 4096)])
         client.close()
         url = f"http://127.0.0.1:{port}/metrics"
-        wait_for(lambda: _answers(url), what="the store's /metrics")
+        until(lambda: _answers(url), what="the store's /metrics")
         status, text = fetch(url)
         assert fetch(f"http://127.0.0.1:{port}/other")[0] == 404
     finally:

@@ -33,8 +33,9 @@ from sglang_simm.errors import (
     TARGET_UNAVAILABLE,
 )
 
-from raw_peer import Peer, StoreProc, env, wait_for
+from raw_peer import Peer, StoreProc, env
 from store_child import check, fill, pattern
+from polling import until
 
 pytestmark = pytest.mark.host
 
@@ -153,7 +154,7 @@ def test_a_fence_of_another_processs_connection_is_refused(store):
         child.kill()
         child.wait()
     # its process is gone: the store's housekeeping ends its lease
-    wait_for(lambda: store.status()["open_leases"] == 0, what="the dead child's lease to end")
+    until(lambda: store.status()["open_leases"] == 0, what="the dead child's lease to end")
     assert store.status()["reaped"] == 1
 
 
@@ -209,7 +210,7 @@ def test_a_killed_clients_leases_end_with_its_process(store):
     assert child.stdout.readline().strip() == "ready"
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
-    wait_for(lambda: store.status()["reserved_bytes"] == 0, what="the killed writer's room to come back")
+    until(lambda: store.status()["reserved_bytes"] == 0, what="the killed writer's room to come back")
     assert store.status()["open_leases"] == 0
 
 
@@ -414,7 +415,7 @@ def test_a_disconnect_between_a_put_reply_and_its_copy_frees_nothing_under_it(st
     assert reader.get_into([("w0", ctypes.addressof(out), size)]) == [size]
     assert check(out, "w0", size) is None and out.raw[:8] == (1).to_bytes(8, "little")  # the previous value
     assert client.lookup(["w0"]) == [OK]  # the next call, on a new connection
-    wait_for(lambda: reader.status()["closed_leases"] == 0, what="the fence")
+    until(lambda: reader.status()["closed_leases"] == 0, what="the fence")
     client.close()
     reader.close()
 

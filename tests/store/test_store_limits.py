@@ -14,7 +14,8 @@ from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._protocol import HEADER, PROTOCOL_VERSION, Op, encode_keys, frame, pack_ints, pack_json
 from sglang_simm.errors import INVALID_ARGUMENT, MAX_VALUE_BYTES, OK, TARGET_UNAVAILABLE
 
-from raw_peer import Peer, StoreProc, wait_for
+from raw_peer import Peer, StoreProc
+from polling import until
 
 pytestmark = pytest.mark.host
 
@@ -46,7 +47,7 @@ def test_out_of_fds_on_accept_refuses_and_keeps_serving(spawn_store):
             s.send(frame(Op.HELLO, pack_json({"version": PROTOCOL_VERSION, "pid": os.getpid()})))  # idle, not silent
             idle.append(s)
         # A newcomer is told why, not left hanging, and the store lives on.
-        wait_for(lambda: "out of file descriptors" in _hello_refusal(store), what="a refusal for lack of fds")
+        until(lambda: "out of file descriptors" in _hello_refusal(store), what="a refusal for lack of fds")
         assert store.alive()
     finally:
         for s in idle:
@@ -58,7 +59,7 @@ def test_out_of_fds_on_accept_refuses_and_keeps_serving(spawn_store):
                 return p.lookup(["x"]) == [-4003]
         except OSError:
             return False
-    wait_for(serves, what="the store to serve again")
+    until(serves, what="the store to serve again")
     assert store.alive() and store.status()["refused_fds"] >= 1
 
 
@@ -135,7 +136,7 @@ def test_buffered_requests_over_all_connections_are_bounded(spawn_store):
             p.send(HEADER.pack(2 << 20, Op.LOOKUP) + b"\0" * (1 << 20))
         except OSError:
             pass
-    wait_for(lambda: store.status()["refused_input_budget"] >= 4, what="connections over the budget dropped")
+    until(lambda: store.status()["refused_input_budget"] >= 4, what="connections over the budget dropped")
     assert store.status()["buffered_request_bytes"] <= 4 << 20
     assert store.rss_kib() - before < 16 << 10
     for p in peers:

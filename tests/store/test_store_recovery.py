@@ -22,7 +22,8 @@ from sglang_simm.embedded._paths import StorePaths, check_name, held_bytes  # no
 from sglang_simm.errors import OK  # noqa: E402
 from sglang_simm.tools.cli import main  # noqa: E402
 
-from raw_peer import Peer, StoreProc, env, wait_for  # noqa: E402
+from polling import until  # noqa: E402
+from raw_peer import Peer, StoreProc, env  # noqa: E402
 
 pytestmark = pytest.mark.host
 
@@ -72,7 +73,7 @@ def test_kill_9_mid_write_loses_no_published_object_and_serves_no_torn_one(host_
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().strip() == "writing"
-        wait_for(lambda: store.status()["evictions"] > 0, what="the store to fill and evict")
+        until(lambda: store.status()["evictions"] > 0, what="the store to fill and evict")
         store.kill9()  # mid-write: the writer never stops
         before = store.paths
         assert held_bytes(before) > 16 << 20  # the arena's memory is still there
@@ -122,7 +123,7 @@ def test_an_idle_store_exits_and_frees_its_memory(host_store_dir):
     assert client.put_from([("a", ctypes.addressof(buf), 1 << 20)], True) == [OK]
     assert pid_alive(pid)  # a client is connected: no idle exit
     client.close()
-    wait_for(lambda: not pid_alive(pid), what="the idle store to exit")
+    until(lambda: not pid_alive(pid), what="the idle store to exit")
     paths = StorePaths(host_store_dir, n)
     assert held_bytes(paths) == 0 and not os.path.exists(paths.settings) and not os.path.exists(paths.socket)
 
@@ -236,7 +237,7 @@ def test_memory_a_lagging_client_faults_in_after_a_clear_goes_back(host_store_di
         try:
             lag.populate(32 << 20)  # the target it had: what was committed before the clear
             assert held_bytes(store.paths) >= 30 << 20
-            wait_for(lambda: held_bytes(store.paths) < (4 << 20) + lease_table_bytes(65536), timeout=30,
+            until(lambda: held_bytes(store.paths) < (4 << 20) + lease_table_bytes(65536), timeout=30,
                      what="the memory to go back")
         finally:
             lag.retire()
@@ -271,7 +272,7 @@ def test_memory_a_lagging_client_backs_below_a_held_put_after_a_clear_goes_back(
         try:
             lag.populate(32 << 20)  # below the held put, which lies above the 32 MiB of objects
             assert held_bytes(store.paths) >= cleared + (24 << 20)
-            wait_for(lambda: held_bytes(store.paths) <= cleared + (1 << 20), timeout=30,
+            until(lambda: held_bytes(store.paths) <= cleared + (1 << 20), timeout=30,
                      what="the memory below the held put to go back")
         finally:
             lag.retire()

@@ -19,11 +19,11 @@ import pytest
 from sglang_simm.embedded import _host
 from sglang_simm.embedded._host import HostServer, StoreUnreachable
 from sglang_simm.embedded._paths import StorePaths
-from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_json
+from sglang_simm.embedded._protocol import Op, Reader, encode_keys
 from sglang_simm.embedded._table import ENTRY, HEADER_BYTES
 from sglang_simm.errors import INVALID_ARGUMENT, OK
 
-from raw_peer import Peer, StoreProc, env, wait_for
+from raw_peer import Peer, StoreProc, env
 
 pytestmark = pytest.mark.host
 

@@ -56,7 +56,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from operator import add, gt
 from typing import Any
 
