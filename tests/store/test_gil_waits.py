@@ -64,11 +64,14 @@ def test_a_busy_python_thread_is_held_back_for_a_small_part_of_a_backup_or_a_res
     """A thread running Python nonstop (the scheduler) beside backups and
     restores of 256 MiB (2,048 objects of 128 KiB, half a page of the
     bench's model; and 256 of 1 MiB, the largest copied holding the GIL):
-    its longest stall during a call, over the call's time, median of five,
-    against the same for one copy of the same bytes that holds the GIL
-    throughout (about 1), measured side by side in a fresh process (in this
-    one, pytest's own threads take the GIL too). A call that held the GIL
-    for its whole length would score like the held copy."""
+    its longest stall during a call, over the call's time, the least of
+    five, against the same for one copy of the same bytes that holds the
+    GIL throughout (about 1), measured side by side in a fresh process (in
+    this one, pytest's own threads take the GIL too). A stall the call
+    causes shows in each of the five; one the machine causes (the busy
+    thread descheduled on a loaded host, as in a full test run) in some. A
+    call that held the GIL for its whole length would score like the held
+    copy."""
     s = StoreProc(host_store_dir, f"busy-{uuid.uuid4().hex[:8]}", capacity=600 << 20)
     try:
         for size, n in ((128 << 10, 2048), (1 << 20, 256)):
@@ -85,11 +88,11 @@ def test_a_busy_python_thread_is_held_back_for_a_small_part_of_a_backup_or_a_res
 
 
 #: argv: store root, name, object size, objects. Prints the busy thread's
-#: longest stall over the call's time (medians of 5) for a copy holding the
+#: longest stall over the call's time (least of 5) for a copy holding the
 #: GIL, a backup (put_from) and a restore (get_into), and whether the bytes
 #: read back whole.
 _BUSY = """
-import ctypes, statistics, sys, threading, time
+import ctypes, sys, threading, time
 from sglang_simm.embedded._host import HostServer
 root, name, size, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 client = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=30.0)
@@ -133,7 +136,7 @@ stop.set()
 t.join()
 ok = all(b.raw == c.raw for b, c in zip(dst, src))
 client.close()
-print(" ".join(f"{k} {statistics.median(v):.3f}" for k, v in ratios.items()), "bytes", "ok" if ok else "wrong")
+print(" ".join(f"{k} {min(v):.3f}" for k, v in ratios.items()), "bytes", "ok" if ok else "wrong")
 """
 
 
