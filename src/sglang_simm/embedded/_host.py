@@ -271,9 +271,8 @@ class _Connection:
 
     def _take_received(self) -> None:
         """Add what the socket holds already to ``_unread``, keeping the GIL
-        (a COMMIT's reply is there by the time the next request goes out,
-        nearly always: a receive that lets the GIL go for it could wait
-        the switch interval to get it back)."""
+        (the held wait found it readable: a receive that let the GIL go
+        could wait the switch interval to get it back)."""
         recv = _recv_held
         if recv is None or not _SEND_NOW:
             return
