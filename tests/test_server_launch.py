@@ -189,3 +189,40 @@ def test_a_stopped_server_leaves_no_load_report_file_in_dev_shm(tmp_path):
                 os.unlink(leftover)
         if server.proc is not None:
             server.stop(timeout=5, grace=5)
+
+
+def test_a_server_that_cannot_bind_its_port_fails_its_start_at_once(tmp_path):
+    """SGLang's launcher keeps running when uvicorn cannot bind the port
+    (it waits on its scheduler): the start fails on the log's line, naming
+    the port, not after the whole start-up time limit. A stand-in launcher
+    writes uvicorn's line and stays up as SGLang's does."""
+    from dataclasses import dataclass
+
+    from sglang_simm_dev.sglang_server import ServerConfig, ServerError, SGLangServer
+
+    @dataclass(frozen=True)
+    class StandIn(ServerConfig):
+        def launch_args(self, port: int) -> list[str]:
+            line = f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): address already in use"
+            return [sys.executable, "-c", f"import time; print({line!r}, flush=True); time.sleep(600)"]
+
+    server = SGLangServer(StandIn(model_path="unused", startup_timeout_s=120.0), tmp_path, name="taken")
+    with pytest.raises(ServerError, match=r"could not bind port \d+") as exc:
+        server.start()
+    assert "not healthy after" not in str(exc.value)
+    assert server.proc is None or server.proc.poll() is not None  # stopped, not left running
+
+
+def test_a_free_port_for_a_server_lies_below_the_ephemeral_range():
+    """Outside what bind(0) hands out, where the server's own children
+    (gloo's listeners) could take it before the server binds it."""
+    import socket
+
+    from sglang_simm_dev.sglang_server import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    port = free_port()
+    assert port < ephemeral_low
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))  # free

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -171,8 +172,38 @@ class ServerConfig:
         return args
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
+#: uvicorn's line when the server's port is taken
+BIND_FAILED = "error while attempting to bind on address"
+
+#: where :func:`free_port` looks: below the kernel's ephemeral range and
+#: below SGLang's own picks (22000-29999, ``get_free_port_below_ephemeral``)
+PORT_RANGE = (12000, 21999)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(attempts: int = 64) -> int:
+    """A TCP port free on 127.0.0.1 right now, for a server that binds it
+    only after it has started its children: below the ephemeral range, as
+    SGLang picks its own such ports. A port from ``bind(0)`` may be handed
+    out again meanwhile to any socket bound to port 0, such as the gloo
+    listener of that server's own scheduler, and the server then fails to
+    bind it while its launcher keeps running."""
+    low, high = PORT_RANGE[0], min(PORT_RANGE[1], _ephemeral_low() - 1)
+    if high - low >= attempts:
+        for port in random.sample(range(low, high + 1), attempts):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -343,6 +374,8 @@ class SGLangServer:
                 raise ServerError(
                     f"{self.name} exited with status {code} while starting; log {self.log_path}:\n{self.log_tail()}"
                 )
+            if BIND_FAILED in self.log_text():  # its launcher waits on its children: it would never exit
+                raise ServerError(f"{self.name} could not bind port {self.port}; log {self.log_path}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
