@@ -90,7 +90,6 @@ def data_path_probes(backend):
     backend.breaker.set_prober(None)
 
 
-
 PROBER = "SiMM L3 breaker probe"
 
 

@@ -393,7 +393,6 @@ def test_disabled_never_opens():
 # -- the prober: probes off the request path (real clock, short waits) ------
 
 
-
 def quick(**kw) -> Breaker:
     return Breaker(threshold=2, backoff_s=0.02, backoff_max_s=0.05, jitter=0.0, **kw)
 

@@ -208,9 +208,9 @@ class KVClient:
         SiMM's ``Store`` has no ``close``; its connections and threads go
         with the last reference. The local store's ``Store.close`` drops
         the store's connection with the last client of it in this process,
-        so a process whose backends are all closed holds none (the store can
-        stop, or go idle). Idempotent; calls after it raise (the backend closes its client
-        only once no call of its own is in flight)."""
+        so a process whose backends are all closed holds none (the store
+        can stop, or go idle). Idempotent; calls after it raise (the backend
+        closes its client only once no call of its own is in flight)."""
         store, self.store = self.store, None
         if store is None:
             return

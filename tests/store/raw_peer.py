@@ -26,7 +26,6 @@ def env() -> dict[str, str]:
     return e
 
 
-
 class StoreProc:
     """``python -m sglang_simm.embedded._daemon`` as a child of the test."""
 

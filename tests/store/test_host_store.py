@@ -59,7 +59,6 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-
 class Buf:
     """A plain host buffer and its address."""
 

@@ -48,7 +48,6 @@ def counted_client(backend) -> list[str]:
     return touched
 
 
-
 def store_story(backend, store_name):
     """The breaker's state and the store process's log, for a failure message."""
     server = get_server(store_name)
