@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from sglang_simm.backend import HiCacheSiMM
-    from sglang_simm.embedded import reset_servers
+    from sglang_simm.local_store import reset_servers
     from sglang_simm_dev.bench.overhead import OVERHEAD_GEOMETRY as geom
     from sglang_simm_dev.bench.pages import fill_pool, host_indices, page_keys
     from sglang_simm_dev.pools import build_host_pool, storage_config

@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/store_start.py [--capacities 4GiB,1TiB] [--objects 2000] [--timeout 60]
 
 For each capacity: starts a store process (``python -m
-sglang_simm.embedded._daemon``) in a private directory, times it until it
+sglang_simm.local_store._server``) in a private directory, times it until it
 answers a HELLO, reads its private memory (``RssAnon``) and the memory its
 index file holds (``st_blocks``); puts ``--objects`` objects of 4 KiB
 through a raw connection, kills it with SIGKILL, starts the next store
@@ -23,8 +23,8 @@ import sys
 import tempfile
 import time
 
-from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
+from sglang_simm.local_store import _protocol as wire
+from sglang_simm.local_store._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
 from sglang_simm.values import parse_byte_size
 
 
@@ -64,7 +64,7 @@ def _rss_anon_kib(pid: int) -> int:
 
 
 def _start(root: str, name: str, capacity: int, timeout: float, force: bool) -> tuple[subprocess.Popen, float, socket.socket | None]:
-    cmd = [sys.executable, "-m", "sglang_simm.embedded._daemon", "--dir", root, "--name", name,
+    cmd = [sys.executable, "-m", "sglang_simm.local_store._server", "--dir", root, "--name", name,
            "--capacity", str(capacity), "--started-by", "operator"]
     if force:
         cmd.append("--force")

@@ -28,9 +28,9 @@ from typing import Any, Iterator
 def timed_host_store(parts: dict[str, float]) -> Iterator[None]:
     """Add the time of the local store's reservation and publish requests,
     of mapping the arena in and of the copies to ``parts``."""
-    from sglang_simm.embedded import _arena, _host
+    from sglang_simm.local_store import _arena, _host
 
-    request, populate, copy_many = _host.HostServer._request, _arena.ArenaMap.populate, _host.copy_many
+    request, populate, copy_many = _host.StoreHandle._request, _arena.ArenaMap.populate, _host.copy_many
 
     def timed_request(self: Any, op: Any, *args: Any, **kw: Any) -> Any:
         t = time.perf_counter()
@@ -52,11 +52,11 @@ def timed_host_store(parts: dict[str, float]) -> Iterator[None]:
         copy_many(copies)
         parts["copy"] = parts.get("copy", 0.0) + time.perf_counter() - t
 
-    _host.HostServer._request, _arena.ArenaMap.populate, _host.copy_many = timed_request, timed_populate, timed_copy
+    _host.StoreHandle._request, _arena.ArenaMap.populate, _host.copy_many = timed_request, timed_populate, timed_copy
     try:
         yield
     finally:
-        _host.HostServer._request, _arena.ArenaMap.populate, _host.copy_many = request, populate, copy_many
+        _host.StoreHandle._request, _arena.ArenaMap.populate, _host.copy_many = request, populate, copy_many
 
 
 def main() -> None:
@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from sglang_simm.backend import HiCacheSiMM
-    from sglang_simm.embedded import reset_servers
+    from sglang_simm.local_store import reset_servers
     from sglang_simm_dev.bench.pages import fill_pool, host_indices, page_keys
     from sglang_simm_dev.demo.reference import memcpy_reference
     from sglang_simm_dev.pools import PRESETS, build_host_pool, storage_config

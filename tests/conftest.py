@@ -111,7 +111,7 @@ def host_store_dir():
     """A private store directory for the whole session (exported, so store
     processes and SGLang servers started by tests use it too); its store
     processes are stopped and it is removed at the end."""
-    from sglang_simm.embedded._paths import private_store_dir
+    from sglang_simm.local_store._paths import private_store_dir
 
     with private_store_dir("sglang-simm-tests-") as root:
         yield root
@@ -124,11 +124,11 @@ def _embedded_flags_restored():
     flag) would otherwise hold for every later test, and a test would pass
     or fail by what ran before it. Each test leaves the flags as it found
     them."""
-    loaded = sys.modules.get("sglang_simm.embedded._flags")
+    loaded = sys.modules.get("sglang_simm.local_store._flags")
     before = {name: loaded.get_flag(name) for name in loaded.FLAGS} if loaded else None
     yield
-    flags = sys.modules.get("sglang_simm.embedded._flags")
-    client = sys.modules.get("sglang_simm.embedded._client")
+    flags = sys.modules.get("sglang_simm.local_store._flags")
+    client = sys.modules.get("sglang_simm.local_store._kv")
     if flags is None or client is None:
         return
     if before is None:  # first imported by this test: the defaults held before it
@@ -145,7 +145,7 @@ def store_name() -> str:
     client's scope is set to the local store for the test, so
     ``get_server(store_name)`` before any backend attaches is that store,
     not a store inside this process of the same name."""
-    from sglang_simm.embedded import set_flag
+    from sglang_simm.local_store import set_flag
 
     set_flag("local_store_scope", "host")
     return f"t-{uuid.uuid4().hex[:12]}"
@@ -184,6 +184,6 @@ def attach(store_name):
     yield _attach
     for backend in made:
         backend.close()
-    from sglang_simm.embedded import reset_servers
+    from sglang_simm.local_store import reset_servers
 
     reset_servers(store_name)

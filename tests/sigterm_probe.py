@@ -7,10 +7,10 @@ import time
 
 
 def test_waits_with_a_host_store_open():
-    from sglang_simm.embedded._host import HostServer
+    from sglang_simm.local_store._handle import StoreHandle
 
     root = os.environ["SGLANG_SIMM_STORE_DIR"]
-    store = HostServer("sigterm-probe", root=root, capacity=1 << 20)
+    store = StoreHandle("sigterm-probe", root=root, capacity=1 << 20)
     store.open()
     print(f"READY {root} {store.pid}", flush=True)
     time.sleep(600)

@@ -9,7 +9,7 @@ import torch
 
 from pages import fill_random, hashes, page, raw, slots, tiny, tiny_mla
 from sglang_simm import errors
-from sglang_simm.embedded import configure_faults, get_server
+from sglang_simm.local_store import configure_faults, get_server
 
 
 CASES = [
@@ -175,7 +175,7 @@ def test_object_of_the_wrong_size_is_a_miss(attach, store_name):
     assert all(backend.batch_set_v1(keys, slots(host, 0, 2)))
     server = get_server(store_name)
     k_key = next(k for k in server.keys() if keys[1] in k and k.endswith(".k"))
-    from sglang_simm.embedded import Store, set_flag
+    from sglang_simm.local_store import Store, set_flag
 
     set_flag("cm_primary_node_ip", store_name)
     store = Store()
@@ -219,7 +219,7 @@ def test_get_object_failed_is_a_miss_when_absent_and_a_fault_when_present(attach
     assert backend.stats()["errors"] == {}
     assert not caplog.records
 
-    from sglang_simm.embedded import Store, set_flag
+    from sglang_simm.local_store import Store, set_flag
 
     k_key = next(k for k in server.keys() if keys[0] in k and k.endswith(".k"))
     set_flag("cm_primary_node_ip", store_name)

@@ -18,7 +18,7 @@ pytest.importorskip("rich")
 
 from rich.console import Console  # noqa: E402
 
-from sglang_simm.embedded._paths import STORE_DIR_ENV  # noqa: E402
+from sglang_simm.local_store._paths import STORE_DIR_ENV  # noqa: E402
 from sglang_simm_dev import bench, nullkv  # noqa: E402
 
 
@@ -127,7 +127,7 @@ def test_intree_class_binds_the_given_client():
     cls = bench.load_intree_class(nullkv)
     assert cls.__init__.__globals__["Store"] is nullkv.Store
     assert cls.__init__.__globals__["BlockView"] is nullkv.BlockView
-    from sglang_simm import embedded
+    from sglang_simm import local_store
 
     cls2 = bench.load_intree_class(embedded)
     assert cls2.__init__.__globals__["Store"] is embedded.Store

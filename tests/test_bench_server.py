@@ -203,13 +203,13 @@ def test_the_bench_holds_ours_store_so_no_idle_exit_empties_it_between_runs(tmp_
     """Between the first servers' stop and the restarted servers' start ours'
     store has no server as a client; a store with no client exits after its
     idle time with its objects. The bench's own connection keeps it."""
-    from sglang_simm.embedded._host import HostServer, StoreUnreachable, wait_gone
+    from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable, wait_gone
 
     env = Environment.create(sys.executable, want_mooncake=False, workdir=str(tmp_path))
     try:
         env.hold_store(Shape(model_path="m", l3_bytes=16 << 20), idle_exit_s=0.3)
         held = env.held[env.ours_store]
-        probe = HostServer(env.ours_store, capacity=1, spawn=False)
+        probe = StoreHandle(env.ours_store, capacity=1, spawn=False)
         time.sleep(1.5)  # five idle times with no other client
         assert probe.status()["pid"] == held.pid  # still there, the same process
         probe.close()
@@ -217,7 +217,7 @@ def test_the_bench_holds_ours_store_so_no_idle_exit_empties_it_between_runs(tmp_
         held.close()  # the bench gone: the idle exit frees the store
         assert wait_gone(held.paths, pid, 30.0)
         with pytest.raises(StoreUnreachable):
-            HostServer(env.ours_store, capacity=1, spawn=False).status()
+            StoreHandle(env.ours_store, capacity=1, spawn=False).status()
     finally:
         env.close()
 

@@ -749,7 +749,7 @@ def test_a_broken_reporter_never_breaks_the_data_path(caplog):
 
 @pytest.fixture
 def local_store():
-    from sglang_simm import embedded
+    from sglang_simm import local_store
     from sglang_simm.client import connect
 
     client = connect(SiMMConfig(manager_address="inprocess://breaker-codes", warmup=False))

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from sglang_simm import embedded
+from sglang_simm import local_store
 from sglang_simm.client import client_flags, connect, import_real_client
 from sglang_simm.config import SiMMConfig
 from sglang_simm.errors import ClientNotInstalledError

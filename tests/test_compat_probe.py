@@ -105,7 +105,7 @@ def test_a_stack_this_release_cannot_build_is_skipped_with_the_reason(monkeypatc
 def pools_result(store_name):
     """The probe's ``pools`` over a store of the test's own, on the plugin
     route where this SGLang loads plugins (as the probe takes it)."""
-    from sglang_simm.embedded import reset_servers
+    from sglang_simm.local_store import reset_servers
     from sglang_simm.plugin import register
 
     try:

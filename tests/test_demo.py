@@ -25,10 +25,10 @@ from rich.console import Console  # noqa: E402
 from sglang_simm_dev import cli  # noqa: E402
 from sglang_simm_dev import demo  # noqa: E402
 from sglang_simm_dev.demo import common, kv  # noqa: E402
-from sglang_simm.embedded import reset_servers, server_names  # noqa: E402
-from sglang_simm.embedded._server import EmbeddedServer  # noqa: E402
+from sglang_simm.local_store import reset_servers, server_names  # noqa: E402
+from sglang_simm.local_store._server import EmbeddedServer  # noqa: E402
 
-pytestmark = pytest.mark.embedded
+pytestmark = pytest.mark.local_store
 
 PATHS = [pytest.param([], id="controller"), pytest.param(["--direct"], id="direct")]
 
@@ -260,10 +260,10 @@ def test_controller_with_python_page_hash(tmp_path, monkeypatch):
 
 def test_demo_leaves_a_host_store_it_did_not_start_running(tmp_path, host_store_dir):
     """A store a server on this host already serves is not the demo's to stop."""
-    from sglang_simm.embedded._host import HostServer, pid_alive
+    from sglang_simm.local_store._handle import StoreHandle, pid_alive
 
     name = f"demo-shared-{uuid.uuid4().hex[:8]}"
-    running = HostServer(name, root=host_store_dir, capacity=64 << 20)
+    running = StoreHandle(name, root=host_store_dir, capacity=64 << 20)
     running.open()
     try:
         args = cli.build_parser().parse_args(["demo", "--model", "tiny", "--pages", "4", "--direct"])

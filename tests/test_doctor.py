@@ -62,7 +62,7 @@ def test_bad_json_is_an_error_not_a_traceback(capsys):
 
 
 def test_down_store_is_reported(capsys, store_name):
-    from sglang_simm.embedded import configure_faults, reset_servers
+    from sglang_simm.local_store import configure_faults, reset_servers
 
     configure_faults(store_name, down=True)
     try:
@@ -128,8 +128,8 @@ def test_a_manager_that_accepts_no_connection_is_named(capsys, tmp_path):
 def test_a_running_local_store_of_another_size_is_a_warning_and_none_is_left_running(capsys, host_store_dir):
     import uuid
 
-    from sglang_simm.embedded._host import HostServer
-    from sglang_simm.embedded._paths import store_names
+    from sglang_simm.local_store._handle import StoreHandle
+    from sglang_simm.local_store._paths import store_names
 
     name = f"doc-{uuid.uuid4().hex[:6]}"
     # none running: the round trip runs on a store of doctor's own, which it stops
@@ -138,7 +138,7 @@ def test_a_running_local_store_of_another_size_is_a_warning_and_none_is_left_run
     assert "no local store" in out and "runs on a store of doctor's own" in out
     assert name not in store_names(host_store_dir)  # nothing of that name started or left
 
-    store = HostServer(name, root=host_store_dir, capacity=64 << 20)
+    store = StoreHandle(name, root=host_store_dir, capacity=64 << 20)
     store.open()
     try:
         code, out = doctor(capsys, "--manager", f"local://{name}")

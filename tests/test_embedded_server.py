@@ -13,8 +13,8 @@ import threading
 import pytest
 import torch
 
-from sglang_simm.embedded._server import EmbeddedServer
-from sglang_simm.embedded.simm_rules import DS_KEY_NOT_FOUND, OK
+from sglang_simm.local_store._server import EmbeddedServer
+from sglang_simm.simm_rules import DS_KEY_NOT_FOUND, OK
 
 KiB, MiB = 1 << 10, 1 << 20
 KEYS = 4
@@ -126,8 +126,8 @@ def test_memory_the_host_refuses_fails_the_put_with_out_of_memory_and_nothing_el
     import ctypes
     import errno
 
-    from sglang_simm.embedded import _private_arena
-    from sglang_simm.embedded.simm_rules import OUT_OF_MEMORY
+    from sglang_simm.local_store import _private_arena
+    from sglang_simm.simm_rules import OUT_OF_MEMORY
 
     server = EmbeddedServer("oneindex-oom", 64 * MiB)
     limit = server._arena.base + 6 * MiB  # the host backs 6 MiB of it, no more

@@ -921,7 +921,7 @@ def test_bad_transfers_miss_without_touching_other_pools(hybrid_attach):
 
 
 def test_close_releases_every_region_and_clear_removes_side_objects(hybrid_attach, store_name):
-    from sglang_simm.embedded import get_server
+    from sglang_simm.local_store import get_server
 
     backend, pools = hybrid_attach()
     s = Seeded(backend, pools)
@@ -955,7 +955,7 @@ def test_the_hybrid_demo_preset_restores_states_and_pages(store_name, tmp_path, 
     result = json.loads(out.read_text())
     assert result["ok"] and result["verified_bytes"] == result["expected_verified_bytes"]
     assert [p["hits"] for p in result["phases"] if p["kind"] == "read"] == [12, 8]
-    from sglang_simm.embedded import server_names
+    from sglang_simm.local_store import server_names
 
     assert store_name not in server_names()  # the demo removed the store it made
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from sglang_simm.embedded import alias_as_simm_kv, get_server
+from sglang_simm.local_store import alias_as_simm_kv, get_server
 from pages import fill_random, hashes, page, slots, tiny, tiny_mla
 
 INTREE = "sglang.srt.mem_cache.storage.simm.hicache_simm"

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pages import fill_random, hashes, slots, tiny, tiny_mla
-from sglang_simm.embedded._index import StoreIndex, count_warmups
-from sglang_simm.embedded._server import EmbeddedServer
+from sglang_simm.local_store._index import StoreIndex, count_warmups
+from sglang_simm.local_store._server import EmbeddedServer
 from sglang_simm.errors import DS_KEY_NOT_FOUND, OK
 from sglang_simm.keys import WARMUP_KEY_PREFIX
 from sglang_simm_dev import l3_counts

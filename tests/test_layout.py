@@ -1,7 +1,7 @@
 """The package's floor plan: the wheel holds what an operator runs in
 production, the backend core never imports an operator command, the wheel
 never imports the instruments (``dev/``, package ``sglang_simm_dev``), the
-store (``sglang_simm.embedded``) and the rest meet only at the store's
+store (``sglang_simm.local_store``) and the rest meet only at the store's
 public modules (the seam: the four tests after ``STORE``), and no module
 imports itself back through others.
 
@@ -281,17 +281,17 @@ def test_the_core_reaches_the_store_only_where_it_is_allowed_to():
     reaches the store at exactly these places and nothing else of it
     (``CORE_REACHES_THE_STORE``):
 
-    * ``sglang_simm.client`` -> ``sglang_simm.embedded``, by
+    * ``sglang_simm.client`` -> ``sglang_simm.local_store``, by
       ``importlib.import_module`` as it loads ``simm.kv``, never imported
       outright;
     * ``sglang_simm.errors``, ``sglang_simm.keys`` ->
-      ``sglang_simm.embedded.simm_rules`` (SiMM's codes, limits and key
+      ``sglang_simm.simm_rules`` (SiMM's codes, limits and key
       rule, re-exported);
-    * ``sglang_simm.config`` -> ``sglang_simm.embedded.admin`` (the store
+    * ``sglang_simm.config`` -> ``sglang_simm.local_store.admin`` (the store
       naming rule).
 
     The operator's commands (``sglang_simm.tools.*``) import
-    ``sglang_simm.embedded`` and ``sglang_simm.embedded.admin`` only."""
+    ``sglang_simm.local_store`` and ``sglang_simm.local_store.admin`` only."""
     core = {module: {t for t in targets if _in_store(t)}
             for module, targets in GRAPH.items() if not _in_store(module) and not _is_tool(module)}
     assert {m: sorted(t - CORE_REACHES_THE_STORE.get(m, set())) for m, t in core.items()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pages import fill_random, hashes, page, raw, slots, tiny
-from sglang_simm.embedded import _client as embedded_client
+from sglang_simm.local_store import _client as embedded_client
 
 
 def _live_regions() -> int:
@@ -315,9 +315,9 @@ def test_the_objects_the_backend_keeps_stay_bounded_however_many_pages_it_touche
 def _store_clients(store_name):
     """Process ids with a connection to the local store, asked over a
     connection of its own (which the store leaves out)."""
-    from sglang_simm.embedded._host import HostServer
+    from sglang_simm.local_store._handle import StoreHandle
 
-    probe = HostServer(store_name, root=os.environ["SGLANG_SIMM_STORE_DIR"], capacity=1 << 20, spawn=False)
+    probe = StoreHandle(store_name, root=os.environ["SGLANG_SIMM_STORE_DIR"], capacity=1 << 20, spawn=False)
     probe.open()
     try:
         return probe.status()["clients"]
@@ -333,7 +333,7 @@ def test_sglang_runtime_detach_closes_cleanly_and_a_reattach_finds_the_pages(sto
     After the detach this process holds no connection to the store."""
     import logging
 
-    from sglang_simm.embedded import reset_servers
+    from sglang_simm.local_store import reset_servers
     from sglang_simm_dev.demo.common import PageHasher
     from sglang_simm_dev.demo.drivers import ControllerDriver
 

@@ -34,7 +34,7 @@ def warnings_of(caplog, logger: str) -> list[str]:
 def test_every_old_name_has_a_new_local_store_name():
     assert RENAMED_FIELDS == {OLD: NEW}
     assert all(old.startswith("embedded_") and new.startswith("local_store_") for old, new in RENAMED_FLAGS.items())
-    from sglang_simm.embedded._flags import FLAGS
+    from sglang_simm.local_store._flags import FLAGS
 
     assert set(RENAMED_FLAGS.values()) <= set(FLAGS)
     assert not set(RENAMED_FLAGS) & set(FLAGS)
@@ -149,19 +149,19 @@ def test_an_old_and_a_new_client_flag_together_are_refused_naming_both():
 
 
 def test_an_old_client_flag_reaches_the_local_store(caplog):
-    from sglang_simm import embedded
+    from sglang_simm import local_store
 
-    with caplog.at_level(logging.WARNING, logger="sglang_simm.embedded"):
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.local_store"):
         assert embedded.set_flag("embedded_get_bound", "region")
         assert embedded.get_flag("local_store_get_bound") == "region"
         assert embedded.get_flag("embedded_get_bound") == "region"
         assert not embedded.set_flag("embedded_get_bound", "nowhere")  # still validated as the new flag
-    texts = warnings_of(caplog, "sglang_simm.embedded")
+    texts = warnings_of(caplog, "sglang_simm.local_store")
     assert texts and all("embedded_get_bound is deprecated: use local_store_get_bound" in t for t in texts)
 
 
 def test_the_new_flags_set_quietly(caplog):
-    from sglang_simm import embedded
+    from sglang_simm import local_store
 
     with caplog.at_level(logging.WARNING):
         assert embedded.set_flag("local_store_error_rate", "0.5")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pages import fill_random, hashes, page, slots, tiny, tiny_mla
-from sglang_simm import embedded
+from sglang_simm import local_store
 
 
 @pytest.fixture

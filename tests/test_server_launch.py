@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from sglang_simm.embedded._host import pid_alive
+from sglang_simm.local_store._handle import pid_alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -114,7 +114,7 @@ def test_a_test_run_ended_by_sigterm_still_stops_its_store_processes():
 def test_a_demo_ended_by_sigterm_stops_the_store_it_started(host_store_dir):
     """`kill` of `sglang-simm-dev demo` mid-run exits through its cleanup: the
     local store it started for itself is stopped, not left behind."""
-    from sglang_simm.embedded._paths import StorePaths, read_pid
+    from sglang_simm.local_store._paths import StorePaths, read_pid
 
     script = textwrap.dedent("""
         import sys, time

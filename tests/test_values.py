@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_simm import embedded
+from sglang_simm import local_store
 from sglang_simm.config import load_config
 from sglang_simm.values import FALSE_WORDS, TRUE_WORDS, InvalidValue, parse_bool, parse_byte_size
 

@@ -197,7 +197,7 @@ def probe() -> dict[str, Any]:
             if v2 is not None:
                 result[f"{route}-{pool}-v2"] = v2
     result["pools"] = pools_case(result["routes"][-1])
-    from sglang_simm.embedded import reset_servers
+    from sglang_simm.local_store import reset_servers
 
     reset_servers()  # stops the local stores this probe started
     return result

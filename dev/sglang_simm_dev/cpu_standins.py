@@ -422,9 +422,10 @@ _SITECUSTOMIZE = '''\
 """CPU stand-ins for every process of a CPU SGLang server (written by
 sglang_simm_dev.cpu_standins.write_sitecustomize; this folder is put on
 PYTHONPATH by the launcher, so SGLang's spawned scheduler runs it too)."""
-from sglang_simm_dev import cpu_standins as _standins
+from sglang_simm_dev import cpu_standins as _standins, faults as _faults
 
 _standins.install_server_standins()
+_faults.install_from_env()  # SGLANG_SIMM_FAULTS: a faulty network in front of the local store
 _standins.chain_sitecustomize(__file__)
 '''
 

@@ -108,10 +108,10 @@ class StoreCounter:
     def status(self) -> dict[str, Any]:
         """The store's whole status (``sglang-simm store status NAME --json``:
         the counters, ``used_bytes``, ``capacity_bytes``, ``evictions``, ...)."""
-        from sglang_simm.embedded.admin import HostServer
+        from sglang_simm.local_store.admin import StoreHandle
 
         if self._handle is None:
-            handle = HostServer(self.name, root=self.root, capacity=1, spawn=False, timeout_s=self.timeout_s,
+            handle = StoreHandle(self.name, root=self.root, capacity=1, spawn=False, timeout_s=self.timeout_s,
                                 fault_in=False)
             handle.open(wait_s=self.timeout_s)
             self._handle = handle

@@ -296,8 +296,8 @@ def run(args: argparse.Namespace) -> int:
     if args.manager:
         return _run(args)
     from sglang_simm.config import client_flag, with_client_flag
-    from sglang_simm.embedded.admin import HostServer, StoreUnreachable
-    from sglang_simm.embedded.admin import private_store_dir
+    from sglang_simm.local_store.admin import StoreHandle, StoreUnreachable
+    from sglang_simm.local_store.admin import private_store_dir
 
     own_store = f"server-demo-{os.getpid()}"
     args.manager = f"local://{own_store}"
@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
             return _run(args)
         finally:
             try:
-                HostServer(own_store, root=root, capacity=1, spawn=False, fault_in=False).stop()
+                StoreHandle(own_store, root=root, capacity=1, spawn=False, fault_in=False).stop()
             except (StoreUnreachable, OSError):
                 pass
 

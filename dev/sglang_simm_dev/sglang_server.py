@@ -35,7 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sglang_simm.embedded.admin import STORE_DIR_ENV
+from sglang_simm.local_store.admin import STORE_DIR_ENV
 from sglang_simm_dev import cpu_standins, l3_counts
 
 #: The names SGLang's scheduler processes give themselves (setproctitle),
@@ -466,7 +466,7 @@ class SGLangServer:
         which need ``enable_metrics``."""
         counter = self.l3_counter()
         if counter is not None:
-            from sglang_simm.embedded.admin import StoreUnreachable
+            from sglang_simm.local_store.admin import StoreUnreachable
 
             try:
                 objects = counter.objects()

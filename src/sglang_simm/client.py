@@ -45,9 +45,9 @@ _REQUIRED = ("Store", "BlockView", "register_mr", "set_flag")
 
 
 def load_kv_module(config: SiMMConfig) -> ModuleType:
-    """``sglang_simm.embedded`` for ``local``/``local://NAME``, else ``simm.kv``."""
-    if config.is_embedded:
-        return importlib.import_module("sglang_simm.embedded")
+    """``sglang_simm.local_store`` for ``local``/``local://NAME``, else ``simm.kv``."""
+    if config.is_local_store:
+        return importlib.import_module("sglang_simm.local_store")
     return import_real_client()
 
 
@@ -86,12 +86,12 @@ def client_flags(config: SiMMConfig, *, log_file: str) -> dict[str, str]:
     """The flags to set before ``Store()``, operator passthrough last so an
     explicit ``client_flags`` entry always wins."""
     flags: dict[str, str] = {}
-    if config.is_embedded:
-        # the store counts our warm-up round trips apart (it knows no key prefix of its own)
-        flags["local_store_warmup_key_prefix"] = WARMUP_KEY_PREFIX
-        flags["cm_primary_node_ip"] = config.embedded_name
-        flags["local_store_scope"] = config.embedded_scope
+    if config.is_local_store:
+        flags["cm_primary_node_ip"] = config.local_store_name
+        flags["local_store_scope"] = config.local_store_scope
         flags["local_store_capacity_bytes"] = str(config.local_store_capacity_bytes)
+        if config.local_store_dir:
+            flags["local_store_dir"] = config.local_store_dir
     else:
         # The client's port flag is cm_rpc_inter_port; SGLang's in-tree backend
         # sets "cm_primary_node_port", which the client rejects, so its port
@@ -290,10 +290,10 @@ def connect(
     which SGLang sets in each scheduler process before building the cache.
     """
     kv = kv_module if kv_module is not None else load_kv_module(config)
-    embedded = config.is_embedded
-    if embedded:
-        where = "local store" if config.embedded_scope == "host" else "in-process local store"
-        description = f"{where} {config.embedded_name!r}"
+    local = config.is_local_store
+    if local:
+        where = "local store" if config.local_store_scope == "host" else "in-process local store"
+        description = f"{where} {config.local_store_name!r}"
         log_file = ""
     else:
         description = f"SiMM cluster manager {config.manager_address}"
@@ -309,7 +309,7 @@ def connect(
             logger.warning("SiMM found no RDMA device to use: %s", choice.reason)
 
     for name, value in client_flags(config, log_file=log_file).items():
-        if name.startswith(("local_store_", "embedded_")) and not embedded:
+        if name.startswith(("local_store_", "embedded_")) and not local:
             continue
         if not kv.set_flag(name, value):
             logger.warning("the SiMM client rejected flag %s=%r", name, value)

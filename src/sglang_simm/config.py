@@ -41,8 +41,8 @@ from typing import Any
 from sglang_simm.keys import KEY_SCHEMES, KeyScheme
 from sglang_simm.values import InvalidValue, parse_bool, parse_byte_size
 
-from sglang_simm.embedded.admin import NAME_RE as STORE_NAME_RE, NAME_RULE as STORE_NAME_RULE
-from sglang_simm.embedded.admin import RENAMED_FLAGS, both_given, deprecated
+from sglang_simm.local_store.admin import MOVED_FLAGS, MOVED_WHERE, RENAMED_FLAGS, both_given, deprecated
+from sglang_simm.local_store.admin import NAME_RE as STORE_NAME_RE, NAME_RULE as STORE_NAME_RULE
 
 __all__ = [
     "CONFIG_PATH_ENV",
@@ -115,11 +115,12 @@ _HOST_RE = re.compile(r"[A-Za-z0-9._-]+")
 _FLAG_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DEVICE_RE = re.compile(r"[A-Za-z0-9._:-]+")
 _INT_RE = re.compile(r"[+-]?\d+")
-_EMBEDDED_DEFAULT_NAME = "default"
-#: Local store address forms -> where its server lives (the store's
-#: ``embedded_scope``, client flag ``local_store_scope``): one store process
-#: per name per host, or this process.
-_EMBEDDED_FORMS = {"local": "host", "inprocess": "process"}
+_LOCAL_STORE_DEFAULT_NAME = "default"
+#: Local store address forms -> where its store runs (client flag
+#: ``local_store_scope``): one store process per name per host, or a thread
+#: of this process (``inprocess``, deprecated: a store a server's ranks
+#: cannot share; read until the next minor release).
+_LOCAL_STORE_FORMS = {"local": "host", "inprocess": "process"}
 GIB = 1024**3
 
 class FlagMap(Mapping[str, str]):
@@ -194,9 +195,14 @@ class SiMMConfig:
     """Raw SiMM client flags, passed to ``set_flag`` as given (values as text)."""
 
     local_store_capacity_bytes: int = 4 * GIB
-    """Capacity of the local store (``local``, ``inprocess``) when this process
-    starts it; accepts ``"512MiB"`` etc. Formerly ``embedded_capacity_bytes``,
-    still read until the next minor release."""
+    """Capacity of the local store when this process starts it; accepts
+    ``"512MiB"`` etc. Formerly ``embedded_capacity_bytes``, still read until
+    the next minor release."""
+
+    local_store_dir: str | None = None
+    """The local store's directory: any local filesystem, memory (tmpfs) or a
+    disk; None: ``$SGLANG_SIMM_STORE_DIR``, else ``/dev/shm/sglang-simm-<uid>``.
+    On a disk the store is kept across restarts and may exceed RAM."""
 
     key_scheme: KeyScheme = "namespaced"
     """``namespaced``: keys carry model and layout; ``legacy``: the in-tree keys."""
@@ -268,18 +274,18 @@ class SiMMConfig:
         return self.local_store_capacity_bytes
 
     @property
-    def is_embedded(self) -> bool:
+    def is_local_store(self) -> bool:
         """True for ``local``/``inprocess`` addresses (the local store): no cluster."""
         return _parse_address(self.manager_address)[0] != "cluster"
 
     @property
-    def embedded_scope(self) -> str | None:
+    def local_store_scope(self) -> str | None:
         """``"host"`` (``local``), ``"process"`` (``inprocess``), None for a cluster."""
         kind = _parse_address(self.manager_address)[0]
         return None if kind == "cluster" else kind
 
     @property
-    def embedded_name(self) -> str | None:
+    def local_store_name(self) -> str | None:
         """The local store's name (``default`` when none is given); None for a cluster."""
         kind, name, _port = _parse_address(self.manager_address)
         return None if kind == "cluster" else name
@@ -741,12 +747,24 @@ def _parse_log_file(value: Any) -> str | None:
     return value.strip()
 
 
+def _parse_store_dir(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidValue("is not a directory path", "a directory of this user's on a local filesystem (tmpfs: "
+                           "memory; a disk: kept across restarts, bigger than RAM), or null for the default")
+    return os.path.abspath(os.path.expanduser(value.strip()))
+
+
 def parse_client_flags(value: Any, *, where: str | None = None, warn: bool = True) -> dict[str, str]:
     """A flag dict (or a JSON object string) -> ``{name: text}``, the local
     store's old flag names (``RENAMED_FLAGS``) read as the new ones, each
     warned about (``warn``) naming the new one; an old and a new name of one
     flag together are refused."""
     flags = _raw_client_flags(value)
+    moved = sorted(MOVED_FLAGS & set(flags))
+    if moved:
+        raise InvalidValue(f"holds {', '.join(moved)}, which the local store no longer reads", MOVED_WHERE)
     for old, new in RENAMED_FLAGS.items():
         if old not in flags:
             continue
@@ -816,8 +834,7 @@ def _parse_key_scheme(value: Any) -> str:
 
 _ADDRESS_FORMS = (
     '"host:port" (e.g. "10.0.0.1:30001"), "[ipv6]:port" (e.g. "[fd00::1]:30001"), '
-    '"local" or "local://NAME" (the local store, shared by every process on this host), or '
-    f'"inprocess" / "inprocess://NAME" (the in-process local store, inside one process); NAME: {STORE_NAME_RULE}'
+    f'or "local" / "local://NAME" (the local store, shared by every process on this host); NAME: {STORE_NAME_RULE}'
 )
 
 
@@ -828,12 +845,12 @@ def _parse_address(value: Any) -> tuple[str, str, int | None]:
         raise InvalidValue(f"is not a string ({type(value).__name__})", _ADDRESS_FORMS)
     text = value.strip()
     scheme, sep, name = text.partition("://")
-    if scheme in _EMBEDDED_FORMS and (sep or not name):
+    if scheme in _LOCAL_STORE_FORMS and (sep or not name):
         if not sep:
-            name = _EMBEDDED_DEFAULT_NAME
+            name = _LOCAL_STORE_DEFAULT_NAME
         if not STORE_NAME_RE.match(name):
             raise InvalidValue(f"has a malformed local store name {name!r}", _ADDRESS_FORMS)
-        return (_EMBEDDED_FORMS[scheme], name, None)
+        return (_LOCAL_STORE_FORMS[scheme], name, None)
     if "://" in text:
         raise InvalidValue("has a URL scheme; give the bare address", _ADDRESS_FORMS)
     if text.startswith("["):
@@ -866,11 +883,18 @@ def _parse_address(value: Any) -> tuple[str, str, int | None]:
     return ("cluster", host, port)
 
 
+_warned_inprocess: set[str] = set()
+
+
 def _parse_manager_address(value: Any) -> str:
     kind, name_or_host, port = _parse_address(value)
     if kind != "cluster":
-        form = next(f for f, scope in _EMBEDDED_FORMS.items() if scope == kind)
-        return form if name_or_host == _EMBEDDED_DEFAULT_NAME else f"{form}://{name_or_host}"
+        form = next(f for f, scope in _LOCAL_STORE_FORMS.items() if scope == kind)
+        if form == "inprocess" and form not in _warned_inprocess:
+            _warned_inprocess.add(form)
+            logger.warning("SiMM config: %s", deprecated('manager_address "inprocess"', '"local" (with '
+                           "local_store_dir for a store of this process's own)"))
+        return form if name_or_host == _LOCAL_STORE_DEFAULT_NAME else f"{form}://{name_or_host}"
     host = f"[{name_or_host}]" if ":" in name_or_host else name_or_host
     return f"{host}:{port}"
 
@@ -888,6 +912,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "log_file": _parse_log_file,
     "client_flags": lambda v: FlagMap(parse_client_flags(v)),
     "local_store_capacity_bytes": parse_byte_size,
+    "local_store_dir": lambda v: _parse_store_dir(v),
     "key_scheme": _parse_key_scheme,
     "warmup": parse_bool,
     "breaker_enabled": parse_bool,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 # SiMM's codes, names and limits are the local store's to define (it returns
 # them); this package reads the one table, re-exported here for its modules.
-from sglang_simm.embedded.simm_rules import (  # noqa: F401 (re-exported)
+from sglang_simm.simm_rules import (  # noqa: F401 (re-exported)
     ADD_CHANNELS_FAILED,
     BUILD_CONNECTION_FAILED,
     CODE_NAMES,

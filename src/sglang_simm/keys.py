@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal, Sequence
 
 from sglang_simm.errors import MAX_KEY_BYTES, UnsupportedPoolError
-from sglang_simm.embedded.simm_rules import key_fits, keys_fit  # noqa: F401 (SiMM's key rule, re-exported)
+from sglang_simm.simm_rules import key_fits, keys_fit  # noqa: F401 (SiMM's key rule, re-exported)
 
 KeyScheme = Literal["namespaced", "legacy"]
 KEY_SCHEMES: tuple[str, ...] = ("namespaced", "legacy")

@@ -1,6 +1,6 @@
 """One contract suite, run against both local stores and a real SiMM client.
 
-``kv`` is the ``simm.kv`` module under test: ``sglang_simm.embedded`` with
+``kv`` is the ``simm.kv`` module under test: ``sglang_simm.local_store`` with
 its server in this process (``inprocess``) or in the local store's process
 (``host``: one store process per test, in a private directory), both
 marked ``embedded``; or the real ``simm.kv`` (mark ``real``), which runs
@@ -25,8 +25,8 @@ MANAGER_ENV = "SGLANG_SIMM_TEST_MANAGER"
 #: The SiMM release a real cluster's client is built from ("head" or "v0.1.0.post1").
 RELEASE_ENV = "SGLANG_SIMM_TEST_SIMM_RELEASE"
 
-# Flags the embedded fixture changes or a test may change; restored after each test.
-_EMBEDDED_FLAGS = (
+# Flags the local store's fixture changes or a test may change; restored after each test.
+_STORE_FLAGS = (
     "cm_primary_node_ip",
     "local_store_scope",
     "local_store_dir",
@@ -34,12 +34,6 @@ _EMBEDDED_FLAGS = (
     "local_store_simm_release",
     "local_store_get_bound",
     "local_store_capacity_bytes",
-    "local_store_error_rate",
-    "local_store_error_code",
-    "local_store_latency_us",
-    "local_store_down",
-    "local_store_corrupt_reads",
-    "local_store_seed",
 )
 
 _real_kv = None
@@ -61,7 +55,7 @@ def _load_real_kv():
         from simm import kv
     except ImportError as exc:
         pytest.skip(f"{MANAGER_ENV} is set but SiMM's client (simm.kv) does not import: {exc}")
-    if getattr(kv, "__simm_embedded__", False):
+    if getattr(kv, "__simm_local_store__", False):
         pytest.skip("simm.kv is aliased to the local store, not SiMM's client")
     missing = [name for name in ("Store", "BlockView", "register_mr") if not hasattr(kv, name)]
     if missing:
@@ -77,8 +71,8 @@ def _load_real_kv():
 
 @pytest.fixture(
     params=[
-        pytest.param("inprocess", marks=pytest.mark.embedded),
-        pytest.param("host", marks=[pytest.mark.embedded, pytest.mark.host]),
+        pytest.param("inprocess", marks=pytest.mark.local_store),
+        pytest.param("host", marks=[pytest.mark.local_store, pytest.mark.host]),
         pytest.param("real", marks=pytest.mark.real),
     ]
 )
@@ -87,36 +81,35 @@ def kv(request):
     if request.param == "real":
         yield _load_real_kv()
         return
-    from sglang_simm import embedded
+    from sglang_simm import local_store
+    from sglang_simm.local_store._flags import FLAGS
 
-    from sglang_simm.embedded._flags import FLAGS
-
-    saved = {name: embedded.get_flag(name) for name in _EMBEDDED_FLAGS}
-    servers_before = set(embedded.server_names())
+    saved = {name: local_store.get_flag(name) for name in _STORE_FLAGS}
+    servers_before = set(local_store.server_names())
     # Every test starts from the store's defaults, whatever earlier tests of
     # this process set (a backend's attach sets the capacity flag, for one).
-    for name in _EMBEDDED_FLAGS:
-        assert embedded.set_flag(name, FLAGS[name].default)
+    for name in _STORE_FLAGS:
+        assert local_store.set_flag(name, FLAGS[name].default)
     if request.param == "host":
-        embedded.set_flag("local_store_scope", "host")
-        embedded.set_flag("local_store_dir", request.getfixturevalue("host_store_dir"))
+        local_store.set_flag("local_store_scope", "host")
+        local_store.set_flag("local_store_dir", request.getfixturevalue("host_store_dir"))
     # A fresh, uniquely named server per test.
-    embedded.set_flag("cm_primary_node_ip", f"contract-{uuid.uuid4().hex[:12]}")
+    local_store.set_flag("cm_primary_node_ip", f"contract-{uuid.uuid4().hex[:12]}")
     try:
-        yield embedded
+        yield local_store
     finally:
-        for name in reversed(_EMBEDDED_FLAGS):  # the server name last
-            assert embedded.set_flag(name, saved[name])
+        for name in reversed(_STORE_FLAGS):  # the server name last
+            assert local_store.set_flag(name, saved[name])
         # Forget the servers this test made, and only those.
-        embedded.reset_servers(*(set(embedded.server_names()) - servers_before))
+        local_store.reset_servers(*(set(local_store.server_names()) - servers_before))
 
 
 @pytest.fixture
 def store(kv):
-    """A client: a new ``Store()`` on the test's server (embedded), or the one
+    """A client: a new ``Store()`` on the test's server (local store), or the one
     per-process ``Store()`` (real; one per process is the norm there)."""
     global _real_store
-    if getattr(kv, "__simm_embedded__", False):
+    if getattr(kv, "__simm_local_store__", False):
         return kv.Store()
     if _real_store is None:
         _real_store = kv.Store()
@@ -126,42 +119,44 @@ def store(kv):
 @pytest.fixture
 def server(kv):
     """The local store behind ``store`` (local store only)."""
-    if not getattr(kv, "__simm_embedded__", False):
+    if not getattr(kv, "__simm_local_store__", False):
         pytest.skip("needs the local store's server")
     return kv.get_server(kv.get_flag("cm_primary_node_ip"))
 
 
 class Faults:
-    """The simulated network between this process and one local store
-    (``configure_faults``), and what it injected so far."""
+    """The simulated network between this process and one local store (the
+    test instrument ``sglang_simm_dev.faults``), and what it injected so far."""
 
-    def __init__(self, kv, name: str) -> None:
-        self._kv = kv
+    def __init__(self, name: str) -> None:
         self.name = name
 
     def configure(self, **changes):
-        return self._kv.configure_faults(self.name, **changes)
+        from sglang_simm_dev.faults import configure_faults
+
+        return configure_faults(self.name, **changes)
 
     @property
     def settings(self):
-        return self._kv.configure_faults(self.name)
+        return self.configure()
 
     @property
     def injected(self) -> int:
-        return self._kv.get_server(self.name).stats()["injected_errors"]
+        from sglang_simm_dev.faults import injected
 
-    @property
-    def corrupted(self) -> int:
-        server = self._kv.get_server(self.name)
-        return server.corrupted if isinstance(server, self._kv.FaultyServer) else 0
+        return injected(self.name)
 
 
 @pytest.fixture
 def faults(kv):
-    """The simulated network of the test's local store."""
-    if not getattr(kv, "__simm_embedded__", False):
+    """The simulated network of the test's local store; taken away after the test."""
+    if not getattr(kv, "__simm_local_store__", False):
         pytest.skip("fault injection needs the local store")
-    return Faults(kv, kv.get_flag("cm_primary_node_ip"))
+    faults = Faults(kv.get_flag("cm_primary_node_ip"))
+    yield faults
+    from sglang_simm_dev.faults import FaultSettings
+
+    faults.configure(**vars(FaultSettings()))
 
 
 @pytest.fixture(params=["head", "v0.1.0.post1"])
@@ -170,7 +165,7 @@ def release(request, kv):
     and the tag differ. The local store follows either
     (``local_store_simm_release``); a real cluster's client is what it was
     built from (``SGLANG_SIMM_TEST_SIMM_RELEASE``, "head" by default)."""
-    if getattr(kv, "__simm_embedded__", False):
+    if getattr(kv, "__simm_local_store__", False):
         assert kv.set_flag("local_store_simm_release", request.param)
     elif os.environ.get(RELEASE_ENV, "head") != request.param:
         pytest.skip(f"the real client is {os.environ.get(RELEASE_ENV, 'head')} ({RELEASE_ENV})")
@@ -178,19 +173,11 @@ def release(request, kv):
 
 
 @pytest.fixture
-def embedded_only(kv):
+def local_store_only(kv):
     """For behaviour the real client leaves undefined (e.g. RDMA outside a
     registered region): checked on the local store only."""
-    if not getattr(kv, "__simm_embedded__", False):
+    if not getattr(kv, "__simm_local_store__", False):
         pytest.skip("undefined on the real client; pinned down on the local store only")
-
-
-@pytest.fixture
-def inprocess_only(kv, embedded_only):
-    """For behaviour only a server inside this process can have (two live
-    servers of one name, one forgotten)."""
-    if kv.get_flag("local_store_scope") != "process":
-        pytest.skip("a local store has one live server per name")
 
 
 @pytest.fixture

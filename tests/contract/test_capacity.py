@@ -181,7 +181,7 @@ def test_overwrite_accounts_bytes(server, store, mem, key, rand):
     assert server.used_bytes == 0
 
 
-def test_capacity_flag_applies_when_a_server_is_created(kv, embedded_only):
+def test_capacity_flag_applies_when_a_server_is_created(kv, local_store_only):
     assert kv.set_flag("local_store_capacity_bytes", str(123_456))
     assert kv.set_flag("cm_primary_node_ip", "capacity-flag-test")
     assert kv.Store().server.capacity_bytes == 123_456
@@ -191,7 +191,7 @@ def test_capacity_flag_applies_when_a_server_is_created(kv, embedded_only):
 
 
 def test_default_capacity_is_4gib_capped_at_a_quarter_of_ram(kv, server):
-    from sglang_simm.embedded._client import physical_memory_bytes
+    from sglang_simm.local_store._kv import physical_memory_bytes
 
     ram = physical_memory_bytes()
     expected = min(4 << 30, ram // 4) if ram else 4 << 30
@@ -217,7 +217,7 @@ def test_stats_count_the_data_path(server, store, mem, key, rand):
         "bytes_out": 500,
         "deletes": 1,
     }
-    assert stats["evictions"] == 0 and stats["injected_errors"] == 0 and stats["objects"] == 0
+    assert stats["evictions"] == 0 and stats["objects"] == 0
 
 
 def test_repr_shows_name_usage_and_count(server, store, mem, key, rand):

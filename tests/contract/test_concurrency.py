@@ -45,7 +45,7 @@ def test_threads_with_distinct_and_shared_keys(kv, store, key, rand, make_memory
         rng = random.Random(tid)
         mem = memories[tid]
         # embedded: half share one client, half have their own (the real client wants one per process)
-        client = kv.Store() if tid % 2 and getattr(kv, "__simm_embedded__", False) else store
+        client = kv.Store() if tid % 2 and getattr(kv, "__simm_local_store__", False) else store
         try:
             start.wait()
             for rnd in range(ROUNDS):

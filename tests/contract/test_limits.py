@@ -114,7 +114,7 @@ def test_value_over_max_size_is_invalid(store, key):
     assert store.exists(k) is False
 
 
-def test_empty_value_is_stored(kv, store, mem, key, embedded_only):
+def test_empty_value_is_stored(kv, store, mem, key, local_store_only):
     # Nothing in SiMM refuses it; whether the real 0-byte RDMA read succeeds
     # is up to SiCL (closed source), so this is pinned down here only.
     _, chunk = mem.view(8)

@@ -34,17 +34,17 @@ def test_register_mr_counts_bytes_not_elements(kv, store, key, rand):
 
 
 @pytest.mark.parametrize("thing", [b"bytes", [1, 2, 3], None], ids=["bytes", "list", "None"])
-def test_register_mr_needs_a_tensor(kv, embedded_only, thing):
+def test_register_mr_needs_a_tensor(kv, local_store_only, thing):
     with pytest.raises(TypeError):
         kv.register_mr(thing)
 
 
-def test_register_mr_needs_a_host_tensor(kv, embedded_only):
+def test_register_mr_needs_a_host_tensor(kv, local_store_only):
     with pytest.raises(TypeError):
         kv.register_mr(torch.empty(16, dtype=torch.uint8, device="meta"))
 
 
-def test_register_empty_tensor_returns_none(kv, embedded_only):
+def test_register_empty_tensor_returns_none(kv, local_store_only):
     assert kv.register_mr(torch.empty(0, dtype=torch.uint8)) is None
 
 
@@ -78,14 +78,14 @@ def test_block_view_as_ref_aliases_the_block(store):
     assert ref.numel() == 64 and bool((ref == 9).all())
 
 
-def test_view_outside_registered_region_fails(kv, store, mem, key, rand, embedded_only):
+def test_view_outside_registered_region_fails(kv, store, mem, key, rand, local_store_only):
     loose = rand(256)  # never registered
     view = kv.BlockView.from_buffer(loose.data_ptr(), 256, mem.mr)
     assert store.put(key(), view) == REGISTER_MR_FAILED
     assert store.get(key(), view) == REGISTER_MR_FAILED
 
 
-def test_view_overrunning_its_region_fails(kv, store, key, rand, embedded_only):
+def test_view_overrunning_its_region_fails(kv, store, key, rand, local_store_only):
     tensor = rand(4096)
     mr = kv.register_mr(tensor)
     try:
@@ -97,7 +97,7 @@ def test_view_overrunning_its_region_fails(kv, store, key, rand, embedded_only):
         kv.deregister_mr(mr)
 
 
-def test_view_in_another_region_than_its_mr_fails(kv, store, key, rand, embedded_only):
+def test_view_in_another_region_than_its_mr_fails(kv, store, key, rand, local_store_only):
     a, b = rand(1024, seed=1), rand(1024, seed=2)
     mr_a, mr_b = kv.register_mr(a), kv.register_mr(b)
     try:
@@ -107,7 +107,7 @@ def test_view_in_another_region_than_its_mr_fails(kv, store, key, rand, embedded
         kv.deregister_mr(mr_b)
 
 
-def test_views_after_deregister_mr(kv, store, key, rand, embedded_only):
+def test_views_after_deregister_mr(kv, store, key, rand, local_store_only):
     tensor = rand(1024)
     mr = kv.register_mr(tensor)
     before = kv.BlockView.from_tensor(tensor, mr)
@@ -133,7 +133,7 @@ def test_view_from_deregistered_mr_is_invalid_argument(kv, store, key, rand):
     assert store.put(key(), view) == INVALID_ARGUMENT
 
 
-def test_bad_region_fails_only_its_entry_of_a_batch(kv, store, mem, key, rand, embedded_only):
+def test_bad_region_fails_only_its_entry_of_a_batch(kv, store, mem, key, rand, local_store_only):
     loose = rand(64)
     keys = [key("a"), key("b"), key("c")]
     views = [
@@ -147,7 +147,7 @@ def test_bad_region_fails_only_its_entry_of_a_batch(kv, store, mem, key, rand, e
     assert store.mget(keys, dsts) == [64, REGISTER_MR_FAILED, 64]
 
 
-def test_registered_memory_outlives_the_callers_reference(kv, store, key, embedded_only):
+def test_registered_memory_outlives_the_callers_reference(kv, store, key, local_store_only):
     tensor = torch.full((4096,), 42, dtype=torch.uint8)
     mr = kv.register_mr(tensor)
     view = kv.BlockView.from_tensor(tensor, mr)
@@ -160,7 +160,7 @@ def test_registered_memory_outlives_the_callers_reference(kv, store, key, embedd
     assert kv.deregister_mr(mr)
 
 
-def test_region_bound_writes_past_the_view_like_simm(kv, store, mem, key, rand, embedded_only):
+def test_region_bound_writes_past_the_view_like_simm(kv, store, mem, key, rand, local_store_only):
     """``local_store_get_bound=region``: SiMM's client bounds a get by the view's
     registered region, not by the view, so a longer object runs over the
     memory after the view and get answers the object's length."""
@@ -177,7 +177,7 @@ def test_region_bound_writes_past_the_view_like_simm(kv, store, mem, key, rand, 
     assert torch.equal(chunk, data[:1024]) and torch.equal(tail, data[1024:])  # overwritten
 
 
-def test_region_bound_stops_at_the_regions_end(kv, store, key, rand, embedded_only):
+def test_region_bound_stops_at_the_regions_end(kv, store, key, rand, local_store_only):
     region = torch.zeros(2048, dtype=torch.uint8)
     mr = kv.register_mr(region)
     k = key()

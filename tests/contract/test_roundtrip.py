@@ -1,6 +1,6 @@
 """put / get / exists / delete and their batch and async forms: bytes and codes.
 
-Codes are the real client's, per call path (see ``sglang_simm.embedded._client``):
+Codes are the real client's, per call path (see ``sglang_simm.local_store._kv``):
 sync get reports any server-side failure as GET_OBJECT_FAILED; async get,
 delete and exists pass the data server's code through; only sync put
 overwrites.

@@ -90,7 +90,7 @@ def test_set_flag_non_str_raises_type_error(kv, name, value):
     [("true", "true"), ("TRUE", "true"), ("1", "true"), ("yes", "true"), ("f", "false"), ("No", "false")],
     ids=lambda v: v,
 )
-def test_bool_flag_spellings(kv, embedded_only, value, canonical):
+def test_bool_flag_spellings(kv, local_store_only, value, canonical):
     assert kv.set_flag("clnt_syncreq_enable_retry", value)
     assert kv.get_flag("clnt_syncreq_enable_retry") == canonical
     kv.set_flag("clnt_syncreq_enable_retry", "false")
@@ -99,38 +99,38 @@ def test_bool_flag_spellings(kv, embedded_only, value, canonical):
 @pytest.mark.parametrize(
     ("name", "value", "accepted"),
     [
-        ("local_store_error_rate", "0.25", True),
-        ("local_store_error_rate", "1.5", False),
-        ("local_store_error_rate", "-0.1", False),
-        ("local_store_error_code", "-1901", True),
-        ("local_store_error_code", "0", False),
-        ("local_store_error_code", "7", False),
-        ("local_store_latency_us", "150", True),
-        ("local_store_latency_us", "-1", False),
-        ("local_store_latency_us", "nan", False),
-        ("local_store_down", "false", True),
-        ("local_store_down", "sometimes", False),
-        ("local_store_seed", "42", True),
-        ("local_store_seed", "", True),
-        ("local_store_seed", "x", False),
         ("local_store_capacity_bytes", "1048576", True),
         ("local_store_capacity_bytes", "0", False),
         ("local_store_capacity_bytes", "1 GiB", False),
+        ("local_store_idle_exit_s", "0", True),
+        ("local_store_idle_exit_s", "-1", False),
+        ("local_store_idle_exit_s", "nan", False),
+        ("local_store_eviction", "LRU", True),
+        ("local_store_eviction", "random", False),
+        ("local_store_get_bound", "region", True),
+        ("local_store_get_bound", "page", False),
     ],
     ids=lambda v: str(v),
 )
-def test_embedded_flag_values(kv, embedded_only, name, value, accepted):
+def test_local_store_flag_values(kv, local_store_only, name, value, accepted):
     before = kv.get_flag(name)
     assert kv.set_flag(name, value) is accepted
     if not accepted:
         assert kv.get_flag(name) == before
+    kv.set_flag(name, before)
 
 
-def test_get_flag_unknown_is_none(kv, embedded_only):
+@pytest.mark.parametrize("name", ["local_store_error_rate", "local_store_down", "embedded_corrupt_reads"])
+def test_fault_flags_are_refused_naming_the_instrument(kv, local_store_only, name, caplog):
+    assert kv.set_flag(name, "1") is False
+    assert "sglang_simm_dev.faults" in caplog.text
+
+
+def test_get_flag_unknown_is_none(kv, local_store_only):
     assert kv.get_flag("no_such_flag_anywhere") is None
 
 
-@pytest.mark.embedded
+@pytest.mark.local_store
 def test_package_root_import_does_not_import_torch():
     code = "import sys, sglang_simm; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

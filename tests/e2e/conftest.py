@@ -70,8 +70,9 @@ SERVERS: dict[str, Callable[[str], ServerConfig]] = {
     # the control: every successful L3 read comes back with flipped bytes
     # (a fault of its own client, so l3-threshold, sharing its store, reads
     # true bytes); no warm-up round trip (it would see them and refuse to start)
-    "corrupt-reads": _server("corrupt-reads", "simm",
-                             {"warmup": False, "client_flags": {"local_store_corrupt_reads": "1"}}),
+    # every read's bytes flipped after the copy, by the test instrument's faulty network
+    "corrupt-reads": _server("corrupt-reads", "simm", {"warmup": False},
+                             env={"SGLANG_SIMM_FAULTS": '{"e2e-corrupt-reads": {"corrupt_rate": 1}}'}),
 }
 
 #: (name, seconds to healthy, log) of every server started, for the summary

@@ -65,7 +65,7 @@ def server_config(model: str, name: str, *, breaker: bool = True, env: dict | No
 
 def store_pid(server) -> int:
     """The pid of the server's local store process (from its pid file)."""
-    from sglang_simm.embedded._paths import STORE_DIR_ENV, StorePaths, read_pid, store_dir
+    from sglang_simm.local_store._paths import STORE_DIR_ENV, StorePaths, read_pid, store_dir
     from sglang_simm_dev import l3_counts
 
     name = l3_counts.host_store_name(server.config.extra_config)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the figures here as JSON")
     args = parser.parse_args(argv)
 
-    from sglang_simm.embedded._paths import STORE_DIR_ENV, private_store_dir
+    from sglang_simm.local_store._paths import STORE_DIR_ENV, private_store_dir
     from sglang_simm_dev.sglang_server import SGLangServer
     from sglang_simm_dev.tiny_model import write_model
 

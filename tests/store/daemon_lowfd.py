@@ -5,7 +5,7 @@ of descriptors (EMFILE), as under systemd's default of 1024."""
 import resource
 import sys
 
-from sglang_simm.embedded import _daemon
+from sglang_simm.local_store import _daemon
 
 n = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))

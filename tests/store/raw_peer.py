@@ -11,9 +11,9 @@ import subprocess
 import sys
 from typing import Any
 
-from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._paths import StorePaths
-from sglang_simm.embedded._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
+from sglang_simm.local_store import _protocol as wire
+from sglang_simm.local_store._paths import StorePaths
+from sglang_simm.local_store._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
 from polling import until
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
@@ -27,7 +27,7 @@ def env() -> dict[str, str]:
 
 
 class StoreProc:
-    """``python -m sglang_simm.embedded._daemon`` as a child of the test."""
+    """``python -m sglang_simm.local_store._server`` as a child of the test."""
 
     def __init__(self, root: str, name: str, *, capacity: int = 16 << 20, limits: dict | None = None,
                  idle_exit: float = 0.0, policy: str = "fifo", nofile: int | None = None,
@@ -38,7 +38,7 @@ class StoreProc:
         if nofile:
             cmd = [sys.executable, LOWFD, str(nofile), *args]
         else:
-            cmd = [sys.executable, "-m", "sglang_simm.embedded._daemon", *args]
+            cmd = [sys.executable, "-m", "sglang_simm.local_store._server", *args]
         self.proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         until(lambda: os.path.exists(self.paths.pid) or self.proc.poll() is not None, what="the store to start")
         if self.proc.poll() is not None:

@@ -2,7 +2,7 @@
 
     python store_child.py MODE '{"root": ..., "name": ..., ...}'
 
-Talks to the store through ``HostServer`` with plain ctypes buffers (no
+Talks to the store through ``StoreHandle`` with plain ctypes buffers (no
 torch, so a child starts fast). Object contents are self-checking: the first
 8 bytes hold a version, every other byte is ``pattern(key, version)``, so a
 reader can tell a whole object from a torn or foreign one.
@@ -25,8 +25,8 @@ import sys
 import time
 import zlib
 
-from sglang_simm.embedded._host import HostServer
-from sglang_simm.embedded._protocol import Op, encode_keys, pack_ints
+from sglang_simm.local_store._handle import StoreHandle
+from sglang_simm.local_store._protocol import Op, encode_keys, pack_ints
 from sglang_simm.errors import OK
 
 
@@ -49,8 +49,8 @@ def check(buf, key: str, size: int) -> str | None:
     return None
 
 
-def handle(args) -> HostServer:
-    server = HostServer(args["name"], root=args["root"], capacity=args.get("capacity", 256 << 20),
+def handle(args) -> StoreHandle:
+    server = StoreHandle(args["name"], root=args["root"], capacity=args.get("capacity", 256 << 20),
                         timeout_s=args.get("timeout_s", 5.0))
     server.open()
     return server

@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 
-from sglang_simm.embedded import _host
-from sglang_simm.embedded._host import HostServer, StoreUnreachable
-from sglang_simm.embedded._protocol import Op
+from sglang_simm.local_store import _host
+from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
+from sglang_simm.local_store._protocol import Op
 from sglang_simm.errors import DS_DATA_ALREADY_EXISTS, DS_KEY_NOT_FOUND, OK, SEND_RPC_FAILED
 
 from raw_peer import Peer, StoreProc, env
@@ -37,8 +37,8 @@ def store(host_store_dir):
     s.stop()
 
 
-def client_of(store: StoreProc, timeout_s: float = 10.0) -> HostServer:
-    c = HostServer(store.paths.name, root=store.paths.root, capacity=1, spawn=False, timeout_s=timeout_s)
+def client_of(store: StoreProc, timeout_s: float = 10.0) -> StoreHandle:
+    c = StoreHandle(store.paths.name, root=store.paths.root, capacity=1, spawn=False, timeout_s=timeout_s)
     c.open()
     return c
 
@@ -93,9 +93,9 @@ def test_a_busy_python_thread_is_held_back_for_a_small_part_of_a_backup_or_a_res
 #: read back whole.
 _BUSY = """
 import ctypes, sys, threading, time
-from sglang_simm.embedded._host import HostServer
+from sglang_simm.local_store._handle import StoreHandle
 root, name, size, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-client = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=30.0)
+client = StoreHandle(name, root=root, capacity=1, spawn=False, timeout_s=30.0)
 client.open()
 src = [ctypes.create_string_buffer(bytes([i % 251 + 1]) * size, size) for i in range(n)]
 dst = [ctypes.create_string_buffer(size) for _ in range(n)]
@@ -227,8 +227,8 @@ def test_a_put_without_overwrite_still_gets_the_commits_code(store, monkeypatch)
 
 CHILD_LOOKUP = """
 import sys
-from sglang_simm.embedded._host import HostServer
-c = HostServer(sys.argv[1], root=sys.argv[2], capacity=1, spawn=False, timeout_s=10)
+from sglang_simm.local_store._handle import StoreHandle
+c = StoreHandle(sys.argv[1], root=sys.argv[2], capacity=1, spawn=False, timeout_s=10)
 c.open()
 print("ready", flush=True)
 for line in sys.stdin:
@@ -335,7 +335,7 @@ def test_a_put_faults_in_only_its_own_pages_and_the_committed_rest_is_faulted_in
     pages it writes."""
     import numpy as np
 
-    from sglang_simm.embedded._arena import COMMIT_STEP_MAX, HELD_FAULT_MAX
+    from sglang_simm.local_store._segments import COMMIT_STEP_MAX, HELD_FAULT_MAX
 
     s = StoreProc(host_store_dir, f"pop-{uuid.uuid4().hex[:8]}", capacity=2 << 30)  # steps of 64 MiB
     client = client_of(s)
@@ -391,7 +391,7 @@ def test_a_client_connecting_to_a_full_store_does_not_wait_for_the_arena_to_faul
     thread when it attached. It is faulted in behind now."""
     import numpy as np
 
-    from sglang_simm.embedded import _arena
+    from sglang_simm.local_store import _arena
 
     s = StoreProc(host_store_dir, f"conn-{uuid.uuid4().hex[:8]}", capacity=1 << 30)
     first = client_of(s)

@@ -18,9 +18,9 @@ import uuid
 
 import pytest
 
-from sglang_simm.embedded import _host
-from sglang_simm.embedded._host import HostServer, StoreUnreachable, pid_alive
-from sglang_simm.embedded._paths import StoreAccessError, StorePaths, check_name, read_pid
+from sglang_simm.local_store import _host
+from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable, pid_alive
+from sglang_simm.local_store._paths import StoreAccessError, StorePaths, check_name, read_pid
 from sglang_simm.errors import BUILD_CONNECTION_FAILED, OK, OUT_OF_MEMORY, SEND_RPC_FAILED
 from polling import until
 
@@ -78,7 +78,7 @@ class Buf:
 
 @pytest.fixture
 def store(host_store_dir):
-    server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=64 << 20, timeout_s=5.0)
+    server = StoreHandle(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=64 << 20, timeout_s=5.0)
     server.open()
     yield server
     server.stop()
@@ -101,14 +101,14 @@ def test_first_client_starts_the_store_and_it_outlives_its_clients(host_store_di
     name = f"ht-{uuid.uuid4().hex[:10]}"
     paths = StorePaths(host_store_dir, name)
     assert not os.path.exists(paths.socket)
-    first = HostServer(name, root=host_store_dir, capacity=16 << 20)
+    first = StoreHandle(name, root=host_store_dir, capacity=16 << 20)
     first.open()
     pid = first.pid
     assert pid_alive(pid) and pid != os.getpid()
     assert put(first, "k", Buf(4096, fill=7)) == OK
     first.close()
     assert pid_alive(pid)  # no client left: the store lives on
-    second = HostServer(name, root=host_store_dir, capacity=16 << 20)
+    second = StoreHandle(name, root=host_store_dir, capacity=16 << 20)
     second.open()
     assert second.pid == pid
     assert get(second, "k", 4096) == (4096, b"\x07" * 4096)  # a restarted client finds its pages
@@ -123,8 +123,8 @@ def test_another_process_reads_what_one_wrote(store):
     assert store.put_from([(k, data.ptr, data.size) for k in keys], True) == [OK] * 8
     script = (
         "import ctypes, json, sys\n"
-        "from sglang_simm.embedded._host import HostServer\n"
-        "s = HostServer(sys.argv[1], root=sys.argv[2], capacity=1 << 20); s.open()\n"
+        "from sglang_simm.local_store._handle import StoreHandle\n"
+        "s = StoreHandle(sys.argv[1], root=sys.argv[2], capacity=1 << 20); s.open()\n"
         "bufs = [ctypes.create_string_buffer(65536) for _ in range(8)]\n"
         "got = s.get_into([(f'k{i}', ctypes.addressof(b), 65536) for i, b in enumerate(bufs)])\n"
         "print(json.dumps([got, [b.raw.count(b'Z') for b in bufs]]))\n"
@@ -139,14 +139,14 @@ def test_two_clients_starting_at_once_get_one_store(host_store_dir):
     name = f"ht-{uuid.uuid4().hex[:10]}"
     script = (
         "import sys\n"
-        "from sglang_simm.embedded._host import HostServer\n"
-        "s = HostServer(sys.argv[1], root=sys.argv[2], capacity=1 << 20); s.open(); print(s.pid)\n"
+        "from sglang_simm.local_store._handle import StoreHandle\n"
+        "s = StoreHandle(sys.argv[1], root=sys.argv[2], capacity=1 << 20); s.open(); print(s.pid)\n"
     )
     procs = [subprocess.Popen([sys.executable, "-c", script, name, host_store_dir], stdout=subprocess.PIPE,
                               text=True, env=child_env()) for _ in range(4)]
     pids = {p.communicate(timeout=60)[0].strip() for p in procs}
     assert len(pids) == 1
-    HostServer(name, root=host_store_dir, capacity=1 << 20, spawn=False).stop()
+    StoreHandle(name, root=host_store_dir, capacity=1 << 20, spawn=False).stop()
 
 
 # -- faults -------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def test_a_store_this_process_started_and_that_died_is_started_again_by_the_next
     os.kill(old_pid, signal.SIGKILL)
     until(lambda: not pid_alive(old_pid), what="the store process to die")
     codes = []
-    with caplog.at_level("WARNING", logger="sglang_simm.embedded"):
+    with caplog.at_level("WARNING", logger="sglang_simm.local_store"):
         while BUILD_CONNECTION_FAILED not in codes and len(codes) < 3:  # the first finds the connection lost
             with pytest.raises(StoreUnreachable) as exc:
                 store.lookup(["x"])
@@ -267,7 +267,7 @@ def test_a_store_this_process_started_and_that_died_is_started_again_by_the_next
 
 
 def test_a_stalled_store_times_out_and_the_client_reconnects(store, host_store_dir):
-    client = HostServer(store.name, root=host_store_dir, capacity=64 << 20, timeout_s=0.3)
+    client = StoreHandle(store.name, root=host_store_dir, capacity=64 << 20, timeout_s=0.3)
     client.open()
     assert client.pid == store.pid  # a second client of the same store process
     os.kill(store.pid, signal.SIGSTOP)
@@ -312,13 +312,13 @@ def _stop_all(root: str) -> None:
     for entry in os.listdir(root):
         if entry.endswith(".sock"):
             try:
-                HostServer(entry[:-5], root=root, capacity=1, spawn=False).stop()
+                StoreHandle(entry[:-5], root=root, capacity=1, spawn=False).stop()
             except (StoreUnreachable, OSError):
                 pass
 
 
 def test_shared_memory_full_fails_puts_with_out_of_memory_and_nothing_else_breaks(small_tmpfs):
-    server = HostServer("full", root=small_tmpfs, capacity=256 << 20, timeout_s=5.0)
+    server = StoreHandle("full", root=small_tmpfs, capacity=256 << 20, timeout_s=5.0)
     server.open()
     data = Buf(1 << 20, fill=4)
     codes = [put(server, f"k{i}", data) for i in range(40)]
@@ -348,7 +348,7 @@ def test_a_directory_open_to_others_is_refused(tmp_path):
     root.mkdir(mode=0o755)
     os.chmod(root, 0o755)
     with pytest.raises(StoreAccessError, match="lets other users in"):
-        HostServer("x", root=str(root), capacity=1 << 20)
+        StoreHandle("x", root=str(root), capacity=1 << 20)
 
 
 def test_another_users_directory_is_refused_with_the_fix(tmp_path):
@@ -358,7 +358,7 @@ def test_another_users_directory_is_refused_with_the_fix(tmp_path):
     root.mkdir(mode=0o700)
     os.chown(root, 12345, 12345)
     with pytest.raises(StoreAccessError) as exc:
-        HostServer("x", root=str(root), capacity=1 << 20)
+        StoreHandle("x", root=str(root), capacity=1 << 20)
     assert "uid 12345" in str(exc.value) and "SGLANG_SIMM_STORE_DIR" in str(exc.value)
 
 
@@ -420,13 +420,13 @@ def test_a_socket_path_too_long_for_unix_is_refused_before_any_process_starts(ho
     deep = os.path.join(host_store_dir, "d" * 40)
     name = "n" * 64
     with pytest.raises(ValueError, match=r"socket path .* is \d+ bytes.*at most 107.*shorter store name"):
-        HostServer(name, root=deep, capacity=1 << 20)
+        StoreHandle(name, root=deep, capacity=1 << 20)
     assert not os.path.exists(deep)
     assert len(StorePaths(deep, "n" * 8).socket) <= 107  # a short name in the same place is fine
 
 
 def test_a_store_nobody_runs_is_reported_without_starting_one(host_store_dir):
-    server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20, spawn=False)
+    server = StoreHandle(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20, spawn=False)
     with pytest.raises(StoreUnreachable, match="did not answer") as exc:
         server.open(wait_s=0.2)
     assert exc.value.code == BUILD_CONNECTION_FAILED
@@ -473,7 +473,7 @@ def test_a_store_process_slow_to_start_is_waited_for(host_store_dir, tmp_path, m
     # On a host whose cores are all busy a Python process can take seconds
     # to start: the client waits for the one it started, past its own limit.
     monkeypatch.setattr(_host.sys, "executable", _launcher(tmp_path, f'sleep 2; exec {sys.executable} "$@"'))
-    server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20)
+    server = StoreHandle(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20)
     try:
         server.open(wait_s=0.5)
         assert put(server, "k", Buf(4096, fill=3)) == OK
@@ -489,10 +489,10 @@ def test_a_store_slow_after_its_launcher_exits_is_not_started_twice(host_store_d
     # from before the fork, so the client never takes the launcher's exit
     # for a death and starts a second one (it did, under load).
     slow_child = ("import os, runpy, sys, time; os.register_at_fork(after_in_child=lambda: time.sleep(2)); "
-                  "sys.argv = ['_daemon', *sys.argv[1:]]; runpy.run_module('sglang_simm.embedded._daemon', "
+                  "sys.argv = ['_daemon', *sys.argv[1:]]; runpy.run_module('sglang_simm.local_store._server', "
                   "run_name='__main__')")
     monkeypatch.setattr(_host.sys, "executable", _launcher(tmp_path, f'shift 2; exec {sys.executable} -c "{slow_child}" "$@"'))
-    server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20)
+    server = StoreHandle(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20)
     try:
         server.open(wait_s=0.5)
         assert put(server, "k", Buf(4096, fill=5)) == OK
@@ -503,7 +503,7 @@ def test_a_store_slow_after_its_launcher_exits_is_not_started_twice(host_store_d
 
 def test_a_store_process_that_dies_starting_is_started_again_then_reported(host_store_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(_host.sys, "executable", _launcher(tmp_path, "exit 1"))
-    server = HostServer(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20)
+    server = StoreHandle(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=1 << 20)
     with pytest.raises(StoreUnreachable, match=r"started a store process 3 time\(s\).*it is not running") as exc:
         server.open(wait_s=3.5)
     assert exc.value.code == BUILD_CONNECTION_FAILED

@@ -27,11 +27,11 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from sglang_simm.embedded._allocator import aligned
-from sglang_simm.embedded._arena import LEASE_WORDS
-from sglang_simm.embedded._index import StoreIndex, lease_records
-from sglang_simm.embedded._limits import StoreLimits
-from sglang_simm.embedded._table import Recovered
+from sglang_simm.local_store._allocator import aligned
+from sglang_simm.local_store._segments import LEASE_WORDS
+from sglang_simm.local_store._index import StoreIndex, lease_records
+from sglang_simm.local_store._limits import StoreLimits
+from sglang_simm.local_store._table import Recovered
 from sglang_simm.errors import OK
 
 MAX_LEASES = 24

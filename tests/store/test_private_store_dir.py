@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from sglang_simm.embedded._host import HostServer, pid_alive
-from sglang_simm.embedded._paths import STORE_DIR_ENV, StorePaths, private_store_dir, stop_store_processes
+from sglang_simm.local_store._handle import StoreHandle, pid_alive
+from sglang_simm.local_store._paths import STORE_DIR_ENV, StorePaths, private_store_dir, stop_store_processes
 
 pytestmark = pytest.mark.host
 
@@ -23,7 +23,7 @@ def test_a_store_started_inside_is_stopped_and_its_files_removed_at_the_end(host
         assert os.environ[STORE_DIR_ENV] == root
         assert os.path.dirname(root) == host_store_dir  # under the directory stores would use
         assert os.stat(root).st_mode & 0o777 == 0o700
-        server = HostServer(name, capacity=16 << 20)  # its directory from the environment, as a server's is
+        server = StoreHandle(name, capacity=16 << 20)  # its directory from the environment, as a server's is
         server.open()
         pid = server.pid
         assert pid_alive(pid) and os.path.exists(StorePaths(root, name).lock)

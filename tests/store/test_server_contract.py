@@ -13,17 +13,17 @@ import uuid
 
 import pytest
 
-from sglang_simm import embedded
-from sglang_simm.embedded import _client
-from sglang_simm.embedded._faults import FaultSettings, FaultyServer
-from sglang_simm.embedded._host import HostServer, StoreUnreachable
-from sglang_simm.embedded._index import StoreIndex
-from sglang_simm.embedded._limits import MAX_WARMUP_PREFIXES
-from sglang_simm.embedded._server import EmbeddedServer
-from sglang_simm.embedded.contract import StoreServer
-from sglang_simm.embedded.simm_rules import MAX_KEY_BYTES, OK
+from sglang_simm import local_store
+from sglang_simm.local_store import _client
+from sglang_simm.local_store._faults import FaultSettings, FaultyServer
+from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
+from sglang_simm.local_store._index import StoreIndex
+from sglang_simm.local_store._limits import MAX_WARMUP_PREFIXES
+from sglang_simm.local_store._server import EmbeddedServer
+from sglang_simm.local_store.contract import StoreServer
+from sglang_simm.simm_rules import MAX_KEY_BYTES, OK
 
-SERVERS = (EmbeddedServer, HostServer, FaultyServer)
+SERVERS = (EmbeddedServer, StoreHandle, FaultyServer)
 
 
 def members(protocol: type) -> dict[str, str]:
@@ -74,11 +74,11 @@ def instances(host_store_dir):
     """One of each server; the host store's handle connects to nothing."""
     made = {
         EmbeddedServer: EmbeddedServer(f"contract-{uuid.uuid4().hex[:8]}", 1 << 20),
-        HostServer: HostServer(f"contract-{uuid.uuid4().hex[:8]}", root=host_store_dir, capacity=1, spawn=False),
+        StoreHandle: StoreHandle(f"contract-{uuid.uuid4().hex[:8]}", root=host_store_dir, capacity=1, spawn=False),
     }
     made[FaultyServer] = FaultyServer(made[EmbeddedServer], FaultSettings(down=True))
     yield made
-    made[HostServer].close()
+    made[StoreHandle].close()
 
 
 @pytest.mark.parametrize("cls", SERVERS, ids=lambda c: c.__name__)
@@ -169,7 +169,7 @@ def test_a_host_store_counts_apart_what_its_clients_declare_and_hears_it_again_a
 
     name = f"contract-host-{uuid.uuid4().hex[:8]}"
     store = StoreProc(host_store_dir, name, capacity=1 << 20)
-    client = HostServer(name, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
+    client = StoreHandle(name, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
     try:
         client.open()
         _put_and_get(client, ["w/1", "page/1"])
@@ -178,7 +178,7 @@ def test_a_host_store_counts_apart_what_its_clients_declare_and_hears_it_again_a
         _put_and_get(client, ["w/2", "page/2"])
         stats = client.stats()
         assert (stats["puts"], stats["warmup_puts"], stats["hits"], stats["warmup_hits"]) == (4, 1, 4, 1)
-        other = HostServer(name, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
+        other = StoreHandle(name, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
         other.open()
         _put_and_get(other, ["w/3"])  # one client's prefix counts for every client's keys
         assert other.stats()["warmup_puts"] == 2

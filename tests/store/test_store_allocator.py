@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from sglang_simm.embedded._allocator import ALIGN, ExtentAllocator, aligned
+from sglang_simm.local_store._allocator import ALIGN, ExtentAllocator, aligned
 
 
 def check_invariants(a: ExtentAllocator, allocated: dict[int, int]) -> None:

@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from sglang_simm.embedded import _arena
-from sglang_simm.embedded._arena import ArenaFile, ArenaMap
+from sglang_simm.local_store import _arena
+from sglang_simm.local_store._segments import ArenaFile, ArenaMap
 
 STEP = 4 << 20
 
@@ -66,7 +66,7 @@ def test_a_commit_ahead_the_filesystem_refuses_is_quiet_and_the_put_that_needs_i
         return real(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", full_past_one_step)
-    with caplog.at_level(logging.WARNING, logger="sglang_simm.embedded"):
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.local_store"):
         assert arena.commit(STEP) == STEP
         arena.wait_ahead(10)
         assert arena.committed == STEP and not arena._ahead_ok

@@ -25,8 +25,8 @@ import torch
 
 from pages import fill_random, hashes, page, slots, tiny
 from sglang_simm.breaker import CLOSED, OPEN
-from sglang_simm.embedded import get_server
-from sglang_simm.embedded._paths import pid_alive
+from sglang_simm.local_store import get_server
+from sglang_simm.local_store._paths import pid_alive
 from polling import until
 
 #: the store's answers get 0.3 s (the store's own tests use the same)

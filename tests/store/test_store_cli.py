@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("rich")
 
 from sglang_simm.tools.cli import main  # noqa: E402
-from sglang_simm.embedded._host import HostServer, pid_alive  # noqa: E402
-from sglang_simm.embedded._paths import StorePaths  # noqa: E402
+from sglang_simm.local_store._handle import StoreHandle, pid_alive  # noqa: E402
+from sglang_simm.local_store._paths import StorePaths  # noqa: E402
 
 pytestmark = pytest.mark.host
 
@@ -49,7 +49,7 @@ def test_stop_and_clear_of_an_unknown_store_say_so_and_fail(capsys, host_store_d
 def test_start_status_clear_stop(capsys, host_store_dir, name):
     code, out = store(capsys, "start", name, "--capacity", "64MiB", "--eviction", "lru", "--dir", host_store_dir)
     assert code == 0 and "64.0 MiB" in out and "lru" in out
-    client = HostServer(name, root=host_store_dir, capacity=1 << 20, spawn=False)
+    client = StoreHandle(name, root=host_store_dir, capacity=1 << 20, spawn=False)
     client.open()
     buf = ctypes.create_string_buffer(4096)
     assert client.put_from([("a", ctypes.addressof(buf), 4096), ("b", ctypes.addressof(buf), 4096)], True) == [0, 0]
@@ -85,7 +85,7 @@ def test_stop_all(capsys, host_store_dir):
     root = os.path.join(host_store_dir, f"all-{uuid.uuid4().hex[:6]}")
     pids = []
     for n in ("one", "two"):
-        s = HostServer(n, root=root, capacity=1 << 20)
+        s = StoreHandle(n, root=root, capacity=1 << 20)
         s.open()
         pids.append(s.pid)
         s.close()
@@ -108,7 +108,7 @@ def test_the_list_keeps_every_value_whole_when_piped(capsys, host_store_dir, mon
     else:
         monkeypatch.setenv("COLUMNS", columns)
     root = os.path.join(host_store_dir, f"wide-{uuid.uuid4().hex[:6]}")
-    stores = [HostServer(n, root=root, capacity=64 << 20) for n in ("short", "a-store-name-as-long-as-operators-write-them")]
+    stores = [StoreHandle(n, root=root, capacity=64 << 20) for n in ("short", "a-store-name-as-long-as-operators-write-them")]
     for s in stores:
         s.open()
     try:
@@ -124,7 +124,7 @@ def test_the_list_keeps_every_value_whole_when_piped(capsys, host_store_dir, mon
 
 def test_status_lists_every_store_a_line_each(capsys, host_store_dir):
     root = os.path.join(host_store_dir, f"many-{uuid.uuid4().hex[:6]}")
-    stores = [HostServer(n, root=root, capacity=1 << 20) for n in ("live1", "live2", "killed")]
+    stores = [StoreHandle(n, root=root, capacity=1 << 20) for n in ("live1", "live2", "killed")]
     for s in stores:
         s.open()
     try:

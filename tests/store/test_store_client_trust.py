@@ -15,10 +15,10 @@ import uuid
 
 import pytest
 
-from sglang_simm.embedded import _host
-from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._host import HostServer, StoreUnreachable
-from sglang_simm.embedded._protocol import Op, Reader, frame, pack_ints, pack_json
+from sglang_simm.local_store import _host
+from sglang_simm.local_store import _protocol as wire
+from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
+from sglang_simm.local_store._protocol import Op, Reader, frame, pack_ints, pack_json
 from sglang_simm.errors import INTERNAL_ERROR, SEND_RPC_FAILED
 
 from raw_peer import StoreProc, env
@@ -38,7 +38,7 @@ def store(host_store_dir):
 
 
 def test_every_call_on_a_stopped_store_keeps_the_time_limit(store, monkeypatch):
-    client = HostServer(store.paths.name, root=store.paths.root, capacity=16 << 20, timeout_s=0.3)
+    client = StoreHandle(store.paths.name, root=store.paths.root, capacity=16 << 20, timeout_s=0.3)
     client.open()
     limits = []
     real = _host._Connection.exchange
@@ -78,7 +78,7 @@ def test_a_client_starts_no_store_while_one_holds_the_lock(store):
     os.kill(store.pid, signal.SIGSTOP)
     try:
         os.unlink(store.paths.socket)  # as if it were gone, though its process holds the name
-        client = HostServer(store.paths.name, root=store.paths.root, capacity=16 << 20, timeout_s=0.3)
+        client = StoreHandle(store.paths.name, root=store.paths.root, capacity=16 << 20, timeout_s=0.3)
         with pytest.raises(StoreUnreachable):
             client.open(wait_s=0.5)
         assert client._spawned == []
@@ -153,9 +153,9 @@ class FakeStore:
 
 CLIENT = """
 import ctypes, json, sys
-from sglang_simm.embedded._host import HostServer, StoreUnreachable
+from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
 name, root, op = sys.argv[1:4]
-c = HostServer(name, root=root, capacity=1, spawn=False, timeout_s=5)
+c = StoreHandle(name, root=root, capacity=1, spawn=False, timeout_s=5)
 c.open(wait_s=5)
 buf = ctypes.create_string_buffer(1 << 20)
 try:

@@ -9,8 +9,8 @@ import urllib.error
 import urllib.request
 import uuid
 
-from sglang_simm.embedded._host import HostServer
-from sglang_simm.embedded._http import PORT_ENV, store_metrics_from_env
+from sglang_simm.local_store._handle import StoreHandle
+from sglang_simm.local_store._metrics import PORT_ENV, store_metrics_from_env
 
 from raw_peer import StoreProc  # noqa: E402
 from polling import until
@@ -40,7 +40,7 @@ def test_store_serves_its_metrics_over_http(host_store_dir, monkeypatch):
     monkeypatch.setenv(PORT_ENV, str(port))  # the store process inherits it
     store = StoreProc(host_store_dir, n)
     try:
-        client = HostServer(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
+        client = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
         client.open()
         buf = ctypes.create_string_buffer(4096)
         client.put_from([("a", ctypes.addressof(buf), 4096)], True)

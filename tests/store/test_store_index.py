@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from sglang_simm.embedded._index import StoreIndex
+from sglang_simm.local_store._index import StoreIndex
 from sglang_simm.errors import (
     DS_CACHE_POOL_ALLOC_FAILED,
     DS_DATA_ALREADY_EXISTS,
@@ -233,15 +233,15 @@ def test_random_operations_keep_the_books(seed):
 
 
 def _table_index(tmp_path, arena=1 << 20):
-    from sglang_simm.embedded._table import IndexTable
+    from sglang_simm.local_store._table import IndexTable
 
     table = IndexTable(str(tmp_path / "t.index"), 1000, arena)
     return table, StoreIndex(capacity=100_000, arena_bytes=arena, data_start=4096, table=table)
 
 
 def test_committed_objects_come_back_and_a_live_writers_grant_stays_out_of_use(tmp_path):
-    from sglang_simm.embedded._index import lease_records
-    from sglang_simm.embedded._table import IndexTable
+    from sglang_simm.local_store._index import lease_records
+    from sglang_simm.local_store._table import IndexTable
 
     table, index = _table_index(tmp_path)
     words = index._lease_words

@@ -19,11 +19,11 @@ import uuid
 
 import pytest
 
-from sglang_simm.embedded import _host
-from sglang_simm.embedded import _protocol as wire
-from sglang_simm.embedded._arena import LEASE_WORDS, ArenaMap
-from sglang_simm.embedded._host import HostServer
-from sglang_simm.embedded._protocol import Op
+from sglang_simm.local_store import _host
+from sglang_simm.local_store import _protocol as wire
+from sglang_simm.local_store._segments import LEASE_WORDS, ArenaMap
+from sglang_simm.local_store._handle import StoreHandle
+from sglang_simm.local_store._protocol import Op
 from sglang_simm.errors import (
     DS_CACHE_POOL_ALLOC_FAILED,
     DS_KEY_NOT_FOUND,
@@ -61,20 +61,20 @@ def restarted(store: StoreProc) -> StoreProc:
     return again
 
 
-def client_of(store: StoreProc, **kw) -> HostServer:
-    c = HostServer(store.paths.name, root=store.paths.root, capacity=1, spawn=False, timeout_s=10, **kw)
+def client_of(store: StoreProc, **kw) -> StoreHandle:
+    c = StoreHandle(store.paths.name, root=store.paths.root, capacity=1, spawn=False, timeout_s=10, **kw)
     c.open()
     return c
 
 
-def put_pattern(client: HostServer, keys: list[str], size: int, version: int = 1) -> list[int]:
+def put_pattern(client: StoreHandle, keys: list[str], size: int, version: int = 1) -> list[int]:
     bufs = [ctypes.create_string_buffer(size) for _ in keys]
     for key, buf in zip(keys, bufs):
         fill(buf, key, version)
     return client.put_from([(k, ctypes.addressof(b), size) for k, b in zip(keys, bufs)], True)
 
 
-def wrong_objects(client: HostServer, keys: list[str], size: int) -> tuple[int, int]:
+def wrong_objects(client: StoreHandle, keys: list[str], size: int) -> tuple[int, int]:
     """``(objects read back whole, objects read back with wrong bytes)``."""
     out = ctypes.create_string_buffer(size)
     whole = wrong = 0
@@ -95,7 +95,7 @@ def late_copy(arena: ArenaMap, offsets: list[int], size: int) -> None:
 
 
 def others_kept_past_a_late_copy(store: StoreProc, arena: ArenaMap, offsets: list[int], size: int,
-                                 n: int) -> HostServer:
+                                 n: int) -> StoreHandle:
     """Another writer stores ``n`` objects, then the first writer's late
     copy lands at ``offsets``: every one of the other's objects reads back
     whole. The other writer's client, still open."""
@@ -192,7 +192,7 @@ def _dropped_while_copying(store: StoreProc, why: str) -> None:
     try:
         other = others_kept_past_a_late_copy(store, arena, offsets, size, 40)
         s = store.status()
-        assert s["closed_leases"] == 1 and s["closed_held_bytes"] == 8 * size and s[f"refused_{why}"] == 1
+        assert s["closed_leases"] == 1 and s["closed_files_bytes"] == 8 * size and s[f"refused_{why}"] == 1
         # the client's next connection says its copies are over
         with Peer(store.paths) as again:
             again.fence(info["epoch"], info["conn"])
@@ -422,9 +422,9 @@ def test_a_disconnect_between_a_put_reply_and_its_copy_frees_nothing_under_it(st
 
 CLOSER = """
 import ctypes, sys, threading, time
-from sglang_simm.embedded import _host
-from sglang_simm.embedded._host import HostServer
-c = HostServer(sys.argv[1], root=sys.argv[2], capacity=1, spawn=False, timeout_s=10)
+from sglang_simm.local_store import _host
+from sglang_simm.local_store._handle import StoreHandle
+c = StoreHandle(sys.argv[1], root=sys.argv[2], capacity=1, spawn=False, timeout_s=10)
 c.open()
 real = _host._in_arena
 started, go = threading.Event(), threading.Event()

@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from sglang_simm.embedded._host import HostServer, StoreUnreachable
-from sglang_simm.embedded._protocol import HEADER, PROTOCOL_VERSION, Op, encode_keys, frame, pack_ints, pack_json
+from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
+from sglang_simm.local_store._protocol import HEADER, PROTOCOL_VERSION, Op, encode_keys, frame, pack_ints, pack_json
 from sglang_simm.errors import INVALID_ARGUMENT, MAX_VALUE_BYTES, OK, TARGET_UNAVAILABLE
 
 from raw_peer import Peer, StoreProc
@@ -86,7 +86,7 @@ def test_connections_past_max_connections_get_a_code(spawn_store):
         body = json.loads(s.recv(length))
         assert op == Op.ERROR and body["code"] == TARGET_UNAVAILABLE and "max_connections" in body["error"]
         s.close()
-        client = HostServer(store.paths.name, root=store.paths.root, capacity=1 << 20, spawn=False, timeout_s=5)
+        client = StoreHandle(store.paths.name, root=store.paths.root, capacity=1 << 20, spawn=False, timeout_s=5)
         with pytest.raises(StoreUnreachable) as exc:
             client.open(wait_s=1)
         assert exc.value.code == TARGET_UNAVAILABLE and "max_connections" in str(exc.value)
@@ -171,7 +171,7 @@ def test_sizes_outside_simms_limit_are_refused(spawn_store, size):
 
 def test_index_memory_is_bounded_by_the_object_cap(spawn_store):
     store = spawn_store(capacity=64 << 20, limits={"max_objects": 20_000})
-    client = HostServer(store.paths.name, root=store.paths.root, capacity=1, spawn=False, timeout_s=10)
+    client = StoreHandle(store.paths.name, root=store.paths.root, capacity=1, spawn=False, timeout_s=10)
     client.open()
     buf = ctypes.create_string_buffer(1)
     before = store.rss_kib()
@@ -203,7 +203,7 @@ def test_a_batch_past_max_batch_is_refused_with_a_code(spawn_store):
 
 def test_the_client_splits_batches_at_the_stores_max_batch(spawn_store):
     store = spawn_store(limits={"max_batch": 100})
-    client = HostServer(store.paths.name, root=store.paths.root, capacity=1, spawn=False, timeout_s=10)
+    client = StoreHandle(store.paths.name, root=store.paths.root, capacity=1, spawn=False, timeout_s=10)
     client.open()
     buf = ctypes.create_string_buffer(b"x" * 8)
     items = [(f"s{i}", ctypes.addressof(buf), 8) for i in range(250)]

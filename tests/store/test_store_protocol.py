@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_simm.embedded._protocol import (
+from sglang_simm.local_store._protocol import (
     HEADER,
     Op,
     ProtocolError,

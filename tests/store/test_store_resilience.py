@@ -16,11 +16,11 @@ import uuid
 import numpy as np
 import pytest
 
-from sglang_simm.embedded import _host
-from sglang_simm.embedded._host import HostServer, StoreUnreachable
-from sglang_simm.embedded._paths import StorePaths
-from sglang_simm.embedded._protocol import Op, Reader, encode_keys
-from sglang_simm.embedded._table import ENTRY, HEADER_BYTES
+from sglang_simm.local_store import _host
+from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
+from sglang_simm.local_store._paths import StorePaths
+from sglang_simm.local_store._protocol import Op, Reader, encode_keys
+from sglang_simm.local_store._table import ENTRY, HEADER_BYTES
 from sglang_simm.errors import INVALID_ARGUMENT, OK
 
 from raw_peer import Peer, StoreProc, env
@@ -50,20 +50,20 @@ def stores(host_store_dir):
         s.stop()
 
 
-def _client(root: str, n: str) -> HostServer:
-    c = HostServer(n, root=root, capacity=1, spawn=False, timeout_s=10)
+def _client(root: str, n: str) -> StoreHandle:
+    c = StoreHandle(n, root=root, capacity=1, spawn=False, timeout_s=10)
     c.open()
     return c
 
 
-def _put(client: HostServer, count: int, size: int = SIZE) -> None:
+def _put(client: StoreHandle, count: int, size: int = SIZE) -> None:
     bufs = [ctypes.create_string_buffer(bytes([i % 251 + 1]) * size, size) for i in range(count)]
     codes = client.put_from([(f"k{i}", ctypes.addressof(b), size) for i, b in enumerate(bufs)], True)
     assert codes == [OK] * count
     assert client.lookup([f"k{i}" for i in range(count)]) == [OK] * count  # the commit is in
 
 
-def _read_all(client: HostServer, size: int = SIZE) -> tuple[int, int]:
+def _read_all(client: StoreHandle, size: int = SIZE) -> tuple[int, int]:
     """(objects read, wrong bytes) over every key the store lists."""
     out = ctypes.create_string_buffer(size)
     keys = client.keys()
@@ -111,7 +111,7 @@ def test_a_capacity_no_host_can_back_is_refused_at_start_with_the_figures(host_s
     n = name()
     paths = StorePaths(host_store_dir, n)
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_simm.embedded._daemon", "--dir", host_store_dir, "--name", n,
+        [sys.executable, "-m", "sglang_simm.local_store._server", "--dir", host_store_dir, "--name", n,
          "--capacity", str(100 << 40), "--started-by", "operator"],
         env=env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1
@@ -264,13 +264,13 @@ def test_a_client_backs_off_a_store_that_fails_to_start_and_names_its_log(host_s
     real = subprocess.Popen
 
     def failing(cmd, *a, **kw):
-        if "sglang_simm.embedded._daemon" in cmd:
+        if "sglang_simm.local_store._server" in cmd:
             launches.append(time.monotonic())
             return real([sys.executable, "-c", "import sys; sys.exit(1)"])
         return real(cmd, *a, **kw)
 
     monkeypatch.setattr(_host.subprocess, "Popen", failing)
-    client = HostServer(n, root=host_store_dir, capacity=8 << 20, timeout_s=2)
+    client = StoreHandle(n, root=host_store_dir, capacity=8 << 20, timeout_s=2)
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable) as err:
         client.open(wait_s=15)
@@ -303,7 +303,7 @@ def test_one_client_process_runs_one_launcher_at_a_time(host_store_dir, monkeypa
         return real([sys.executable, "-c", "import time; time.sleep(1)"])
 
     monkeypatch.setattr(_host.subprocess, "Popen", slow_launch)
-    handles = [HostServer(n, root=host_store_dir, capacity=8 << 20) for _ in range(4)]
+    handles = [StoreHandle(n, root=host_store_dir, capacity=8 << 20) for _ in range(4)]
     go = threading.Barrier(len(handles))
 
     def spawn(h):
@@ -334,7 +334,7 @@ def test_a_removed_lock_file_lets_no_second_store_take_over_a_live_arena(stores,
     _put(c, 40)
     os.unlink(store.paths.lock)  # an operator's cleanup, a tmp cleaner
     second = subprocess.run(
-        [sys.executable, "-m", "sglang_simm.embedded._daemon", "--dir", host_store_dir, "--name", n,
+        [sys.executable, "-m", "sglang_simm.local_store._server", "--dir", host_store_dir, "--name", n,
          "--capacity", str(32 << 20)], env=env(), capture_output=True, text=True, timeout=60)
     assert second.returncode == 0
     assert store.alive() and os.path.exists(store.paths.socket)  # nothing of the live store's removed
@@ -377,7 +377,7 @@ def test_a_log_planted_as_a_symlink_is_refused_with_a_message(host_store_dir):
         f.write("precious\n")
     os.symlink(victim, paths.log)
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_simm.embedded._daemon", "--dir", host_store_dir, "--name", n,
+        [sys.executable, "-m", "sglang_simm.local_store._server", "--dir", host_store_dir, "--name", n,
          "--capacity", str(8 << 20)], env=env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "symlink" in proc.stderr, proc.stderr
     with open(victim) as f:
@@ -447,7 +447,7 @@ def test_the_slot_pool_hands_slots_out_as_the_list_did():
     from the end); now a counter and the slots given back, in the same order."""
     from array import array
 
-    from sglang_simm.embedded._table import SlotPool
+    from sglang_simm.local_store._table import SlotPool
 
     pool, old = SlotPool(50), array("q", range(49, -1, -1))
     steps = [("pop", 3), ("give", [1, 0]), ("take", 4), ("give", [7]), ("pop", 2), ("take", 10)]

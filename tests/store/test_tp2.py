@@ -72,7 +72,7 @@ def results(tmp_path_factory):
     try:
         yield dict(zip(("mla", "mha", "mla-inprocess"), run_ranks(tmp_path_factory.mktemp("tp2"), runs)))
     finally:
-        from sglang_simm.embedded._host import forget
+        from sglang_simm.local_store._handle import forget
 
         forget(f"{name}-mla", f"{name}-mha")
 

@@ -10,7 +10,7 @@ Four measurements over real SGLang host pools on the CPU:
    * the **null client** (``sglang_simm_dev.nullkv``), which answers every batch
      call at once without touching memory, so only the backends' own work is
      timed (keys, pointers, views, result handling);
-   * the **local store** (``local``, ``sglang_simm.embedded``), the whole data path.
+   * the **local store** (``local``, ``sglang_simm.local_store``), the whole data path.
 
    Keys follow serving (``overhead``): ``set`` and ``exists`` on new keys
    every call, ``get`` after a ``batch_exists`` of the same keys, and
@@ -282,7 +282,7 @@ def run_bench(console: Any, args: Any) -> int:
 
     Goals are reported, not enforced (a noisy machine should not fail a run).
     """
-    from sglang_simm.embedded.admin import private_store_dir
+    from sglang_simm.local_store.admin import private_store_dir
 
     # the local stores it starts (and its servers' stores) live and go with it
     with private_store_dir("sglang-simm-bench-"):

@@ -31,8 +31,8 @@ def load_intree_class(kv_module: Any) -> type:
     """
     saved = sys.modules.pop(INTREE_MODULE, None)
     try:
-        if getattr(kv_module, "__simm_embedded__", False):
-            from sglang_simm.embedded import alias_as_simm_kv
+        if getattr(kv_module, "__simm_local_store__", False):
+            from sglang_simm.local_store import alias_as_simm_kv
         else:
             from sglang_simm_dev.nullkv import alias_as_simm_kv as _alias
 
@@ -82,7 +82,7 @@ def make_ours(pool: Any, geom: ModelGeometry, client: str, *, capacity: int | No
     if capacity:
         extra["local_store_capacity_bytes"] = int(capacity)
     sc = _storage_config(geom, extra)
-    with _quiet("sglang_simm.backend", "sglang_simm.embedded"):
+    with _quiet("sglang_simm.backend", "sglang_simm.local_store"):
         if client == "null":
             from sglang_simm_dev import nullkv
             from sglang_simm.client import KVClient
@@ -98,7 +98,7 @@ def make_intree(pool: Any, geom: ModelGeometry, client: str) -> Any:
     if client == "null":
         from sglang_simm_dev import nullkv as kv_module
     else:
-        from sglang_simm import embedded as kv_module
+        from sglang_simm import local_store as kv_module
     cls = load_intree_class(kv_module)
     sc = _storage_config(geom, {"manager_address": f"{EMBEDDED_NAME}:0"})
     with _quiet(INTREE_MODULE):
@@ -111,7 +111,7 @@ def make_intree(pool: Any, geom: ModelGeometry, client: str) -> Any:
 def embedded_server(capacity: int) -> Iterator[Any]:
     """A fresh local store ``EMBEDDED_NAME`` (its store process started
     here); flags restored, and the store process stopped, after."""
-    from sglang_simm import embedded
+    from sglang_simm import local_store
 
     names = ("cm_primary_node_ip", "local_store_capacity_bytes", "local_store_scope")
     saved = {n: embedded.get_flag(n) for n in names}

@@ -44,7 +44,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-from sglang_simm.embedded.admin import private_store_dir
+from sglang_simm.local_store.admin import private_store_dir
 
 DEFAULT_SIZES = (1, 4, 8, 32, 128)
 OPS = ("backup", "restore")
@@ -121,7 +121,7 @@ def _plugin_root() -> str:
 def _install_counters(server: Any, counts: Counts) -> Callable[[], None]:
     """Count the GIL releases of ``server``'s connection and of the copies;
     returns what undoes it."""
-    from sglang_simm.embedded import _copy, _host
+    from sglang_simm.local_store import _copy, _host
 
     conn = server._current()
     real_sock = conn.sock

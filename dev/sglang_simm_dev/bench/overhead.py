@@ -155,7 +155,7 @@ class OverheadRig:
 
     def check_clients(self, checks: Checks) -> None:
         """Both backends talk to the client under test through the ``simm.kv`` surface."""
-        expected = "sglang_simm_dev.nullkv" if self.client == "null" else "sglang_simm.embedded._client"
+        expected = "sglang_simm_dev.nullkv" if self.client == "null" else "sglang_simm.local_store._kv"
         for name, store in (("ours", self.backends["ours"].client.store),
                             ("in-tree", self.backends["in-tree"].store)):
             module = type(store).__module__

@@ -249,12 +249,12 @@ class Environment:
         which took 751 s side by side in run 1, it would have emptied the
         L3 the restart is meant to find again. The bench's connection keeps
         it a client; if the bench dies, the idle exit still frees it."""
-        from sglang_simm.embedded.admin import DEFAULT_IDLE_EXIT_S, HostServer
+        from sglang_simm.local_store.admin import DEFAULT_IDLE_EXIT_S, StoreHandle
 
         store = self.ours_store
         if store in self.held:
             return
-        handle = HostServer(store, capacity=shape.l3_bytes, timeout_s=REQUEST_TIMEOUT_MS / 1000,
+        handle = StoreHandle(store, capacity=shape.l3_bytes, timeout_s=REQUEST_TIMEOUT_MS / 1000,
                             idle_exit_s=DEFAULT_IDLE_EXIT_S if idle_exit_s is None else idle_exit_s)
         handle.open()
         self.held[store] = handle
@@ -301,11 +301,11 @@ class Environment:
         if self.master is not None:
             self.master.stop()
             self.master = None
-        from sglang_simm.embedded.admin import HostServer, StoreUnreachable
+        from sglang_simm.local_store.admin import StoreHandle, StoreUnreachable
 
         for store in self.stores:
             try:
-                (self.held.pop(store, None) or HostServer(store, capacity=1, spawn=False, fault_in=False)).stop()
+                (self.held.pop(store, None) or StoreHandle(store, capacity=1, spawn=False, fault_in=False)).stop()
             except (StoreUnreachable, OSError):
                 pass
         shutil.rmtree(self.file_dir, ignore_errors=True)

@@ -13,7 +13,7 @@ a timer for the run, so one call gives the time spent in every layer:
   ``transfer.py``, ``binding.py``: keys, views, answers, counters);
 * ``client``: ``Store.mput`` (``embedded/_client.py``: argument and region
   checks; no fault code runs while no fault is set);
-* ``handle``: ``HostServer.put_from`` (``embedded/_host.py``: framing and
+* ``handle``: ``StoreHandle.put_from`` (``embedded/_host.py``: framing and
   parsing, outside the requests below);
 * ``put``: the PUT request (send, the store process reserves room, reply);
 * ``populate``: faulting in the arena's pages (once per new high mark);
@@ -44,13 +44,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from sglang_simm.embedded.admin import private_store_dir
+from sglang_simm.local_store.admin import private_store_dir
 
 #: the layers, outermost first, each with what it covers
 LAYERS = {
     "backend": "HiCacheSiMM.batch_set_v1 less Store.mput (backend, transfer, binding)",
-    "client": "Store.mput less HostServer.put_from (embedded/_client.py)",
-    "handle": "HostServer.put_from less its requests and copy (embedded/_host.py)",
+    "client": "Store.mput less StoreHandle.put_from (embedded/_client.py)",
+    "handle": "StoreHandle.put_from less its requests and copy (embedded/_host.py)",
     "put": "PUT round trip (store process reserves)",
     "populate": "arena pages faulted in",
     "copy": "copy_many into the arena",
@@ -161,7 +161,7 @@ def _backend(pages_in_pool: int, name: str) -> Iterator[tuple[Any, Any]]:
 
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    from sglang_simm import embedded
+    from sglang_simm import local_store
     from sglang_simm.plugin import register
     from sglang_simm_dev.bench.pages import fill_pool
     from sglang_simm_dev.pools import ModelGeometry, build_host_pool, storage_config
@@ -218,8 +218,8 @@ def busy_thread(on: bool, spins: list[int] | None = None) -> Iterator[None]:
 def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = False) -> dict[str, Any]:
     """Per size, each layer's own microseconds (p10 / median / p90);
     ``busy``: beside a thread running Python (``busy_thread``)."""
-    from sglang_simm.embedded import _arena, _host
-    from sglang_simm.embedded._protocol import Op
+    from sglang_simm.local_store import _arena, _host
+    from sglang_simm.local_store._protocol import Op
     from sglang_simm_dev.bench.pages import host_indices, page_keys
 
     pool_pages = max(sizes) * 8

@@ -89,7 +89,7 @@ def _simm_backend(manager: str, geom: Any, host: Any, capacity: int) -> Iterator
         yield backend
     finally:
         backend.close()
-        from sglang_simm.embedded import reset_servers
+        from sglang_simm.local_store import reset_servers
 
         reset_servers(manager.split("://", 1)[-1])
 
@@ -300,9 +300,9 @@ def render(console: Any, results: dict[str, Any]) -> None:
 
 
 def _host_store(name: str, capacity: int, **kw: Any) -> Any:
-    from sglang_simm.embedded.admin import HostServer
+    from sglang_simm.local_store.admin import StoreHandle
 
-    server = HostServer(name, capacity=capacity, timeout_s=kw.pop("timeout_s", 10.0), **kw)
+    server = StoreHandle(name, capacity=capacity, timeout_s=kw.pop("timeout_s", 10.0), **kw)
     server.open()
     return server
 
@@ -342,9 +342,9 @@ def measure_fold(repeat: int = 30, object_bytes: int = 4096) -> dict[str, Any]:
 
 _HAMMER = """
 import ctypes, sys, time
-from sglang_simm.embedded.admin import HostServer
+from sglang_simm.local_store.admin import StoreHandle
 name, n, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-c = HostServer(name, capacity=1, spawn=False, timeout_s=30)
+c = StoreHandle(name, capacity=1, spawn=False, timeout_s=30)
 c.open()
 buf = ctypes.create_string_buffer(64)
 keys = [f"hammer{i}" for i in range(n)]
@@ -415,7 +415,7 @@ def measure_stalled(calls: int = 5, timeout_ms: int = 1000) -> dict[str, Any]:
     the next ones on their reconnect's handshake."""
     import signal
 
-    from sglang_simm.embedded.admin import StoreUnreachable
+    from sglang_simm.local_store.admin import StoreUnreachable
 
     name = f"bench-stall-{uuid.uuid4().hex[:8]}"
     server = _host_store(name, 16 << 20, idle_exit_s=30.0, timeout_s=timeout_ms / 1000)
@@ -440,9 +440,9 @@ def measure_stalled(calls: int = 5, timeout_ms: int = 1000) -> dict[str, Any]:
 
 _CRASH_WRITER = """
 import ctypes, sys
-from sglang_simm.embedded.admin import HostServer
+from sglang_simm.local_store.admin import StoreHandle
 name, size = sys.argv[1], int(sys.argv[2])
-c = HostServer(name, capacity=1, spawn=False, timeout_s=30)
+c = StoreHandle(name, capacity=1, spawn=False, timeout_s=30)
 c.open()
 bufs = [ctypes.create_string_buffer(bytes([i + 1]) * size, size) for i in range(251)]
 i = 0
@@ -463,7 +463,7 @@ def measure_crash(capacity: int = 1 << 30, object_bytes: int = 1 << 20) -> dict[
     import subprocess
     import sys
 
-    from sglang_simm.embedded.admin import HostServer, pid_alive
+    from sglang_simm.local_store.admin import StoreHandle, pid_alive
 
     name = f"bench-crash-{uuid.uuid4().hex[:8]}"
     server = _host_store(name, capacity, idle_exit_s=0.0)
@@ -487,7 +487,7 @@ def measure_crash(capacity: int = 1 << 30, object_bytes: int = 1 << 20) -> dict[
         writer.wait()
     server.close()
     t0 = time.perf_counter()
-    again = HostServer(name, capacity=1 << 20, timeout_s=30.0)  # starts the next store process
+    again = StoreHandle(name, capacity=1 << 20, timeout_s=30.0)  # starts the next store process
     again.open()
     status = again.status()
     first_answer_s = time.perf_counter() - t0

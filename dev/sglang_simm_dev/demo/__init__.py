@@ -34,7 +34,7 @@ def run_demo(console: Any, args: Any, extra: dict[str, Any]) -> int:
     if not names_own_store(extra):
         return _run(console, opts, extra)
     from sglang_simm.config import client_flag, with_client_flag
-    from sglang_simm.embedded.admin import private_store_dir
+    from sglang_simm.local_store.admin import private_store_dir
 
     # the demo's own store lives in, and goes with, a directory of this run's
     # (under the one a config names, and named to the store in its place)

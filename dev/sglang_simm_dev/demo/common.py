@@ -378,11 +378,11 @@ def names_own_store(extra: dict[str, Any]) -> bool:
 def own_embedded_store(config: Any) -> Iterator[None]:
     """Drop the local store named by ``config`` at the end, its memory
     with it, when the run is what created it."""
-    from sglang_simm.embedded import reset_servers, server_names
+    from sglang_simm.local_store import reset_servers, server_names
 
     if config.embedded_scope == "host":
-        from sglang_simm.embedded.admin import pid_alive
-        from sglang_simm.embedded.admin import StorePaths, read_pid, store_dir
+        from sglang_simm.local_store.admin import pid_alive
+        from sglang_simm.local_store.admin import StorePaths, read_pid, store_dir
 
         # a store process already serving that name is someone else's
         root = store_dir(config.client_flags.get("local_store_dir") or None)

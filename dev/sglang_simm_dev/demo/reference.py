@@ -40,7 +40,7 @@ def memcpy_reference(src_ptr: int, src_bytes: int, object_bytes: int, *, shared:
     """GB/s of the store's copy routine over ``min(limit, src_bytes)`` bytes
     at ``src_ptr``, in objects of ``object_bytes``: into new memory, then
     into the same memory again."""
-    from sglang_simm.embedded._copy import copy_many
+    from sglang_simm.local_store._copy import copy_many
 
     nbytes = max(object_bytes, min(limit, src_bytes) // object_bytes * object_bytes)
     mm = _new_memory(nbytes, shared)

@@ -111,9 +111,9 @@ def address_only(extra: dict[str, Any]) -> Any:
 
 
 def _store_description(config: Any) -> str:
-    if config.embedded_scope == "host":
-        return f"local store {config.embedded_name!r} (one store process shared by this host's processes, no cluster)"
-    return f"in-process local store {config.embedded_name!r} (inside one process, no cluster)"
+    if config.local_store_scope == "host":
+        return f"local store {config.local_store_name!r} (one store process shared by this host's processes, no cluster)"
+    return f"in-process local store {config.local_store_name!r} (inside one process, no cluster)"
 
 
 def _quiet_config_log() -> Any:
@@ -188,7 +188,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     table = _grid("SiMM client")
     table.add_column("check")
     table.add_column("result")
-    if target is not None and target.is_embedded:
+    if target is not None and target.is_local_store:
         table.add_row("client", _text(_store_description(target)))
     else:
         from sglang_simm.client import import_real_client
@@ -229,7 +229,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     if not devices:
         table.add_row("(none)", "-", "-", "-")
     console.print(table)
-    if config is not None and not config.is_embedded:
+    if config is not None and not config.is_local_store:
         choice = select_nics(config, sysfs_root=sysfs_root)
         if choice.devices:
             console.print(f"NICs this process would use: [bold]{_text(','.join(choice.devices))}[/bold] ({_text(choice.reason)})")
@@ -263,7 +263,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
 
     # 5. a round trip
     if config is not None and not report.problems:
-        if config.embedded_scope == "host":
+        if config.local_store_scope == "host":
             _host_round_trip(console, extra, config, report)
         else:
             _round_trip(console, config, report)
@@ -321,16 +321,19 @@ def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: R
     that doctor never leaves a store of its own choosing behind for the
     next server to find."""
     from sglang_simm.config import client_flag, load_config, with_client_flag
-    from sglang_simm.embedded.admin import (
+    from sglang_simm.local_store import get_flag, set_flag
+    from sglang_simm.local_store.admin import (
         StorePaths,
         StoreUnreachable,
+        capacity_problem,
         human_bytes,
         private_store_dir,
         running_status,
         store_dir,
     )
 
-    name, parent = config.embedded_name, client_flag(extra, "local_store_dir")
+    name = config.local_store_name
+    parent = client_flag(extra, "local_store_dir") or config.local_store_dir
     root = store_dir(parent)
     running = None
     if os.path.exists(StorePaths(root, name).socket):
@@ -352,21 +355,26 @@ def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: R
                 "the servers")
         _round_trip(console, config, report)
         return
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    refusal, warning = capacity_problem(root, config.local_store_capacity_bytes)
+    if refusal:
+        report.problems.append(f"local_store_capacity_bytes: no store in {root} can start with it: {refusal}")
+        return
+    if warning:
+        report.warnings.append(f"local_store_capacity_bytes: {warning}")
     console.print(f"no local store {name!r} is running in {root}: the first server starts it with capacity "
                   f"{human_bytes(config.local_store_capacity_bytes)}; the round trip below runs on a store of "
                   "doctor's own, stopped after it")
-    from sglang_simm import embedded
-
-    # the embedded client's flags are process-global, as SiMM's are: the
-    # private directory's flag must not outlive this round trip
-    saved = embedded.get_flag("local_store_dir")
+    # the client's flags are process-global, as SiMM's are: the private
+    # directory's flag must not outlive this round trip
+    saved = get_flag("local_store_dir")
     try:
         with private_store_dir("sglang-simm-doctor-", parent=parent) as private:
             with _quiet_config_log():
                 own = load_config(with_client_flag(extra, "local_store_dir", private)).config
             _round_trip(console, own, report)
     finally:
-        embedded.set_flag("local_store_dir", saved)
+        set_flag("local_store_dir", saved)
 
 
 def _round_trip(console: Any, config: Any, report: Report, *, size: int = 1 << 20, rounds: int = 5) -> None:

@@ -341,12 +341,12 @@ def store_of(extra: dict[str, Any]) -> tuple[str, str] | None:
         config = cfg.SiMMConfig(manager_address=extra.get("manager_address", ""))
     except (ValueError, TypeError):
         return None
-    if config.embedded_scope != "host":
+    if config.local_store_scope != "host":
         return None
     from sglang_simm.config import client_flag
-    from sglang_simm.embedded.admin import store_dir
+    from sglang_simm.local_store.admin import store_dir
 
-    return store_dir(client_flag(extra, "local_store_dir")), config.embedded_name
+    return store_dir(client_flag(extra, "local_store_dir")), config.local_store_name
 
 
 #: a namespaced key's prefix: optional tag, then s<version>.<16 hex>/
@@ -499,7 +499,7 @@ def _store_findings(extra: dict[str, Any]) -> list[Finding]:
         return [Finding("block", f"the cluster manager {config.host}:{config.port} is unreachable from here ({why})",
                         "manager_address, the manager process, the firewall")]
     root, name = where
-    from sglang_simm.embedded.admin import StoreUnreachable, open_running
+    from sglang_simm.local_store.admin import StoreUnreachable, open_running
     from sglang_simm.tools.store import _status_of
 
     status = _status_of(root, name)

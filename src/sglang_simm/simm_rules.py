@@ -1,11 +1,10 @@
 """SiMM's rules, as its client applies them: the return codes and their
 names, the key and value limits, and what makes a key.
 
-The local store returns exactly these codes and enforces exactly these
-limits, so that code written against ``simm.kv`` sees the same answers on
-either. Anything that speaks SiMM's codes (a backend counting faults, an
-operator's tool) reads them here: one table, no copies. Standard library
-only; no I/O.
+The backend, the operator's tools and the local store all read them here:
+the local store returns exactly these codes and enforces exactly these
+limits, so code written against ``simm.kv`` sees the same answers on
+either. Standard library only; no I/O.
 """
 
 from __future__ import annotations
@@ -38,6 +37,11 @@ ADD_CHANNELS_FAILED = -2302
 DS_KEY_NOT_FOUND = -4003
 DS_DATA_ALREADY_EXISTS = -4005
 DS_CACHE_POOL_ALLOC_FAILED = -4006
+
+#: Codes of a request that never got the data server's answer (lost, timed
+#: out, not sent): the real client passes them through on every path, while
+#: it maps the data server's own refusals per path.
+TRANSPORT_CODES = frozenset({TIMEOUT, SEND_RPC_FAILED, BUILD_CONNECTION_FAILED, ADD_CHANNELS_FAILED})
 
 #: The client's name of every code above, for counters and logs.
 CODE_NAMES: dict[int, str] = {

@@ -23,11 +23,10 @@ from its documentation, the code wins. Line numbers below are HEAD's:
   ``python/simm/kv/__init__.py:182,234``). ``delete`` passes it at HEAD
   (-4003 for a missing key, ``clnt_messenger.cc:926-928``) and answers 0 on
   every path at the tag.
-* Transport failures (``local_store_down``, injected errors, a local store
-  that is gone) pass through unchanged on every path: SendRPCFailed (-2300) by
-  default, as HEAD reports a lost or timed-out request; the client never
-  produces Timeout (-1002). Only the store's own refusals are mapped per
-  path; the simulated network (``_faults``) keeps its answers apart.
+* Transport failures (a local store that is gone or stalled) pass through
+  unchanged on every path: SendRPCFailed (-2300), as HEAD reports a lost or
+  timed-out request; the client never produces Timeout (-1002). Only the
+  store's own refusals are mapped per path.
 * Get's bound is the view (``local_store_get_bound=view``, the default, safe);
   ``region`` reproduces the real client, which sends the registered region's
   size as the bound (``clnt_messenger.cc:799-801``), so an object longer
@@ -48,14 +47,12 @@ then put), and ``exists`` answering True while a put is still copying
 (``kv_rpc_service.cc:855-860``): here objects appear only when whole.
 
 Local-store-only extras, absent from the real client (probe with ``hasattr``):
-``get_flag``, ``configure_faults``, ``Store.server``, ``Store.delete_prefix``
-and ``Store.mput_absent`` (a batch put that skips keys already stored and
+``get_flag``, ``Store.server``, ``Store.close``, ``Store.delete_prefix`` and
+``Store.mput_absent`` (a batch put that skips keys already stored and
 answers which, in one request: a backup without the ``mexists`` before it).
 
-Flags are parsed once, when set (``_flags``); the store reads typed
-settings. Clients of one store share its ``_faults.Link``: while no fault
-is set a call goes to the store itself, and while one is, through the
-``FaultyServer`` in front of it.
+Flags are parsed once, when set (``_flags``). Every ``Store()`` of a name
+shares this process's handle on that store (``_handle.StoreHandle``).
 
 Checks done before the network, per the real client: batch-wide key and value
 limits, then per entry the view's memory region: a view made from a
@@ -73,20 +70,18 @@ import itertools
 import logging
 import operator
 import os
+import tempfile
 import threading
 from collections.abc import Sequence
 
 import torch
 
-from sglang_simm.embedded import _flags, _host, _server
-from sglang_simm.embedded._copy import human_bytes, wrap_memory
-from sglang_simm.embedded._faults import FaultSettings, InjectedCode, Link
-from sglang_simm.embedded._flags import HEAD, LocalStoreSettings
-from sglang_simm.embedded._host import StoreUnreachable
-from sglang_simm.embedded._paths import store_dir
-from sglang_simm.embedded._server import EmbeddedServer
-from sglang_simm.embedded.contract import StoreServer
-from sglang_simm.embedded.simm_rules import (
+from sglang_simm.local_store import _flags, _handle
+from sglang_simm.local_store._copy import human_bytes, wrap_memory
+from sglang_simm.local_store._flags import HEAD
+from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
+from sglang_simm.local_store._paths import store_dir
+from sglang_simm.simm_rules import (
     DS_DATA_ALREADY_EXISTS,
     GET_OBJECT_FAILED,
     INVALID_ARGUMENT,
@@ -94,15 +89,12 @@ from sglang_simm.embedded.simm_rules import (
     OK,
     PUT_OBJECT_FAILED,
     REGISTER_MR_FAILED,
-    SEND_RPC_FAILED,
-    code_name,
+    TRANSPORT_CODES,
     key_fits,
     keys_fit,
 )
 
-logger = logging.getLogger("sglang_simm.embedded")
-
-# -- flags (``_flags``: each parsed once, typed) -------------------------------------
+logger = logging.getLogger("sglang_simm.local_store")
 
 DEFAULT_SERVER_NAME = "default"
 DEFAULT_CAPACITY_BYTES = 4 << 30
@@ -111,30 +103,11 @@ get_flag = _flags.get_flag
 
 
 def set_flag(name: str, value: str) -> bool:
-    """Set a process-global client flag; True if it was accepted (an
-    unknown name or a value that does not parse: False, nothing changed).
-
-    The local store's fault flags (``local_store_error_rate``,
-    ``local_store_error_code``, ``local_store_latency_us``,
-    ``local_store_down``, ``local_store_corrupt_reads``, ``local_store_seed``)
-    also apply at once to the store named by ``cm_primary_node_ip`` if this
-    process has it, in either scope: every client of it sees them on its
-    next call. Every ``local_store_*`` flag applies to a store when this
-    process makes or opens it. An old ``embedded_*`` name sets its new flag,
-    with a warning.
-    """
-    accepted = _flags.set_value(name, value)
-    if accepted is None:
-        return False
-    name, typed = accepted
-    field = _flags.FAULT_FIELDS.get(name)
-    if field is not None:
-        server_name = _flags.server_name() or DEFAULT_SERVER_NAME
-        for key in (_process_key(server_name), _host_key(server_name, _flags.local_settings())):
-            link = _links.get(key)
-            if link is not None:
-                link.configure(**{field: typed})
-    return True
+    """Set a process-global client flag; True if it was accepted (an unknown
+    name or a value that does not parse: False, nothing changed). The
+    ``local_store_*`` flags apply to a store when this process starts or
+    opens it; ``simm_release`` and ``get_bound`` on every call."""
+    return _flags.set_value(name, value) is not None
 
 
 def physical_memory_bytes() -> int | None:
@@ -162,58 +135,33 @@ def default_capacity_bytes() -> int:
     return min(DEFAULT_CAPACITY_BYTES, ram // 4) if ram else DEFAULT_CAPACITY_BYTES
 
 
-# -- servers, and this process's links to them ----------------------------------------
+# -- stores ---------------------------------------------------------------------------------
 
-#: (scope, store directory or "", name) -> the link to that store: what every
-#: client of it reaches it through (``_faults.Link``)
-_links: dict[tuple[str, str, str], Link] = {}
-_links_lock = threading.Lock()
-
-
-def _process_key(name: str) -> tuple[str, str, str]:
-    return ("process", "", name)
+_clients: dict[StoreHandle, int] = {}  # open ``Store()`` clients per handle
+_clients_lock = threading.Lock()
+_private_root: str | None = None  # the ``process`` scope's directory, this process's own
 
 
-def _host_key(name: str, settings: LocalStoreSettings) -> tuple[str, str, str]:
-    return ("host", store_dir(settings.dir), name)
-
-
-def _capacity(settings: LocalStoreSettings) -> int:
-    return default_capacity_bytes() if settings.capacity_bytes is None else settings.capacity_bytes
-
-
-def _make_server(name: str) -> EmbeddedServer:
-    settings = _flags.local_settings()
-    return EmbeddedServer(name, _capacity(settings), settings.eviction)
-
-
-def _link(name: str) -> Link:
-    """The link to the local store ``name`` in the current scope; the store
-    is made (in-process) or opened (host) on first use, and a store new to
-    this process gets a new link with the fault flags as they are now."""
-    settings = _flags.local_settings()
+def _root(settings: _flags.LocalStoreSettings) -> str:
+    """Where this process's stores live: the ``host`` scope's directory, or for
+    ``process`` a private one made on first use (a store on a thread of this
+    process, gone with it)."""
+    global _private_root
     if settings.scope == "host":
-        key = _host_key(name, settings)
-        server: StoreServer = _host.get_or_open(
-            name,
-            root=settings.dir,
-            capacity=_capacity(settings),
-            policy=settings.eviction,
-            timeout_s=settings.request_timeout_s,
-            idle_exit_s=settings.idle_exit_s,
-        )
-    else:
-        key = _process_key(name)
-        server = _server.get_or_create(name, _make_server)
-    link = _links.get(key)
-    if link is not None and link.store is server:
-        return link
-    with _links_lock:
-        link = _links.get(key)
-        if link is None or link.store is not server:  # a store new to this process
-            link = Link(server, _flags.fault_settings())
-            _links[key] = link
-        return link
+        return store_dir(settings.dir)
+    if _private_root is None or not os.path.isdir(_private_root):
+        parent = store_dir(settings.dir)
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        _private_root = tempfile.mkdtemp(prefix=f"inprocess-{os.getpid()}-", dir=parent)
+    return _private_root
+
+
+def _handle_for(name: str) -> StoreHandle:
+    settings = _flags.local_settings()
+    capacity = settings.capacity_bytes if settings.capacity_bytes is not None else default_capacity_bytes()
+    return _handle.get_or_open(name, root=_root(settings), capacity=capacity, policy=settings.eviction,
+                               timeout_s=settings.request_timeout_s, idle_exit_s=settings.idle_exit_s,
+                               in_thread=settings.scope == "process")
 
 
 def _checked_name(name: object) -> str:
@@ -222,48 +170,27 @@ def _checked_name(name: object) -> str:
     return name or DEFAULT_SERVER_NAME
 
 
-def get_server(name: str) -> StoreServer:
-    """The local store called ``name`` in the current ``local_store_scope``:
-    in this process (created on first use with the current ``local_store_*``
-    flags), or this process's handle on the local store process of that name
-    (started on first use); while faults are set for it, the
-    ``_faults.FaultyServer`` in front of it, as its clients see it. A local
-    store process that cannot be reached raises ``StoreUnreachable`` (a
-    ``ConnectionError``)."""
-    return _link(_checked_name(name)).server
-
-
-def configure_faults(name: str, **changes: object) -> FaultSettings:
-    """Change the simulated network between this process and the local
-    store ``name`` (current scope; made or opened on first use): fields of
-    ``FaultSettings`` (TypeError for an unknown one, TypeError or ValueError
-    for a bad value: then nothing changes). Every client of that store sees
-    the change on its next call; settings that inject nothing take the
-    ``FaultyServer`` away. Returns the store's fault settings now (with no
-    change: as they are). Local store only; the flags do the same for the
-    store named by ``cm_primary_node_ip``."""
-    return _link(_checked_name(name)).configure(**changes)
+def get_server(name: str) -> StoreHandle:
+    """This process's handle on the local store ``name`` (started on first use
+    with the current ``local_store_*`` flags); ``StoreUnreachable`` (a
+    ``ConnectionError``) when it cannot be reached."""
+    return _handle_for(_checked_name(name))
 
 
 def reset_servers(*names: str) -> None:
-    """Forget the named servers (every one when no name is given), so a new
-    ``Store()`` of such a name gets a fresh, empty server. In-process
-    servers are dropped from the registry (clients holding one keep using
-    it); local stores this process opened are stopped."""
-    with _links_lock:
-        for key in [key for key in _links if not names or key[2] in names]:
-            del _links[key]
-    _server.reset_servers(*names)
-    _host.forget(*names)
+    """Stop the named stores of this process's handles (every one when no
+    name is given), discarding their objects: a new ``Store()`` of such a
+    name gets a fresh, empty store."""
+    _handle.forget(*names)
 
 
 def server_names() -> list[str]:
-    """Names of the servers this process knows (in-process and host), sorted."""
-    return sorted(set(_server.server_names()) | set(_host.handle_names()))
+    """Names of the stores this process has a handle on, sorted."""
+    return _handle.handle_names()
 
 
 def current_server_name() -> str:
-    """The server a new ``Store()`` joins: ``cm_primary_node_ip`` or "default"."""
+    """The store a new ``Store()`` joins: ``cm_primary_node_ip`` or "default"."""
     return _flags.server_name() or DEFAULT_SERVER_NAME
 
 
@@ -477,47 +404,38 @@ def _release() -> str:
 
 
 class Store:
-    """A client of the local store named by the ``cm_primary_node_ip``
-    flag when it is made (created on first use). Stores of one name share
-    their objects, like clients of one cluster, and the link to the store
-    (``_faults.Link``): each call reaches the store through ``link.server``,
-    the store itself, or the ``FaultyServer`` in front of it while faults
-    are set."""
+    """A client of the local store named by the ``cm_primary_node_ip`` flag
+    when it is made (started on first use). Stores of one name share their
+    objects, like clients of one cluster, and this process's handle on it."""
 
-    __slots__ = ("_link", "_open")
+    __slots__ = ("_handle", "_open")
 
     def __init__(self) -> None:
         try:
-            link = _link(current_server_name())
+            handle = _handle_for(current_server_name())
         except (StoreUnreachable, OSError) as exc:
             raise RuntimeError(f"Init client messenger failed: {exc}") from exc
-        if link.faults.down:
-            raise RuntimeError(
-                f"Init client messenger failed: {code_name(SEND_RPC_FAILED)} "
-                f"(local store {link.store.name!r} is down)"
-            )
-        self._link = link
-        warmups = _flags.local_settings().warmup_key_prefix
-        if warmups:
-            link.store.add_warmup_prefix(warmups)
-        link.join()
+        with _clients_lock:
+            _clients[handle] = _clients.get(handle, 0) + 1
+        self._handle = handle
         self._open = True
 
     def close(self) -> None:
-        """This client is done (SiMM's ``Store`` has none: its connections
-        go with the last reference). The last client of a local store
-        process in this process drops the connection; calls after it
-        connect again. Idempotent."""
-        if self._open:
-            self._open = False
-            self._link.leave()
+        """This client is done (SiMM's ``Store`` has none: its connections go
+        with the last reference). The last client of a store in this process
+        drops the connection; calls after it connect again. Idempotent."""
+        if not self._open:
+            return
+        self._open = False
+        with _clients_lock:
+            left = _clients[self._handle] = _clients[self._handle] - 1
+        if not left:
+            self._handle.disconnect()
 
     @property
-    def server(self) -> StoreServer:
-        """The local store behind this client, as this client reaches it:
-        the ``FaultyServer`` in front of it while faults are set (local
-        store only)."""
-        return self._link.server
+    def server(self) -> StoreHandle:
+        """The local store behind this client (local store only)."""
+        return self._handle
 
     def allocate(self, block_size: int) -> Block:
         size = operator.index(block_size)
@@ -550,7 +468,7 @@ class Store:
         if not key_fits(key, empty_ok=True):
             return INVALID_ARGUMENT
         try:
-            return self._link.server.delete(key)
+            return self._handle.delete(key)
         except StoreUnreachable as exc:  # transport codes pass through
             return exc.code
 
@@ -562,7 +480,7 @@ class Store:
         if not prefix:
             raise ValueError("delete_prefix() needs a non-empty prefix")
         try:
-            return self._link.server.delete_prefix(prefix)
+            return self._handle.delete_prefix(prefix)
         except StoreUnreachable:
             return 0
 
@@ -612,9 +530,8 @@ class Store:
     # -- the pipeline: checks, then the store ---------------------------------
     #
     # The store's own refusals are mapped per path, as the real client maps
-    # its data server's; what the network answered in its place passes
-    # through on every path: a whole batch (``StoreUnreachable``: a host
-    # store out of reach, an outage) or an entry (an ``InjectedCode``).
+    # its data server's; a transport failure passes through on every path:
+    # a whole batch (``StoreUnreachable``) or an entry (``TRANSPORT_CODES``).
 
     @staticmethod
     def _admit(views: list[BlockView], results: list[int]) -> tuple[list[int], list[_Region]]:
@@ -646,7 +563,7 @@ class Store:
         if not live:
             return results
         try:
-            codes = self._link.server.put_from([(keys[i], views[i]._ptr, views[i]._size) for i in live], overwrite)
+            codes = self._handle.put_from([(keys[i], views[i]._ptr, views[i]._size) for i in live], overwrite)
         except StoreUnreachable as exc:
             for i in live:
                 results[i] = exc.code
@@ -654,7 +571,7 @@ class Store:
         for i, code in zip(live, codes):
             # the sync client reports any store refusal but "already exists"
             # as PutObjectFailed (clnt_messenger.cc, ClientMessenger::Put)
-            if code < 0 and not passthrough and code != DS_DATA_ALREADY_EXISTS and not isinstance(code, InjectedCode):
+            if code < 0 and not passthrough and code != DS_DATA_ALREADY_EXISTS and code not in TRANSPORT_CODES:
                 code = PUT_OBJECT_FAILED
             results[i] = code
         return results
@@ -671,7 +588,7 @@ class Store:
             return results
         bound = _region_bound if _flags.local_settings().get_bound == "region" else _view_bound
         try:
-            codes = self._link.server.get_into([(keys[i], views[i]._ptr, bound(views[i])) for i in live])
+            codes = self._handle.get_into([(keys[i], views[i]._ptr, bound(views[i])) for i in live])
         except StoreUnreachable as exc:
             for i in live:
                 results[i] = exc.code
@@ -679,7 +596,7 @@ class Store:
         for i, code in zip(live, codes):
             # the sync client reports every store-side get failure as
             # GetObjectFailed (clnt_messenger.cc, ClientMessenger::Get)
-            if code < 0 and not passthrough and not isinstance(code, InjectedCode):
+            if code < 0 and not passthrough and code not in TRANSPORT_CODES:
                 code = GET_OBJECT_FAILED
             results[i] = code
         return results
@@ -691,12 +608,12 @@ class Store:
         if not n:
             return []
         try:
-            return list(self._link.server.lookup(keys))
+            return list(self._handle.lookup(keys))
         except StoreUnreachable as exc:
             return [exc.code] * n
 
     def __repr__(self) -> str:
-        return f"<Store local_store={self._link.store.name!r}>"
+        return f"<Store local_store={self._handle.name!r}>"
 
 
 async def _in_executor(fn, *args):

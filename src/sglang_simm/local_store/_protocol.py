@@ -1,21 +1,19 @@
-"""Wire format between host-store clients and the store process.
+"""The wire format between clients and the store process.
 
 Control messages only, one request per batch: keys, sizes and offsets,
-never object bytes (clients copy those through the shared arena). A frame
-is a header ``<u32 body length><u8 op>`` and a body. Requests and replies
-alternate on a connection in order, except ``RELEASE``, ``ABORT`` and
-``FENCE``, which get no reply: each says the client is done with memory,
-and nothing it does next depends on when the store reads it.
+never object bytes (clients copy those through the segments). A frame is
+``<u32 body length><u8 op>`` and a body made of parts:
 
-Bodies are made of:
-* key lists: ``<u32 n><u32 bytes><keys joined by NUL>``, UTF-8 with
-  surrogates passed (the real client takes any ``str``). The real client
-  sends a key's ``c_str()``, so a key ends at its first NUL there; it does
-  here too, which is what makes NUL a safe separator;
+* key lists: ``<u32 n><u32 bytes><keys joined by NUL>`` (UTF-8, surrogates
+  passed). The real client sends a key's ``c_str()``, so a key ends at its
+  first NUL there; it does here too, which makes NUL a safe separator;
 * int lists: ``<u32 n><i64 x n>``;
-* JSON objects, for the handshake and the operator commands.
+* JSON objects (the handshake, the operator's commands).
 
-Pure functions, no I/O.
+Requests and replies alternate on a connection, except ``ABORT`` and
+``RELEASE``, which get no reply: each says the client is done with memory,
+and nothing it does next depends on when the store reads it. The HELLO
+reply carries the segments' descriptors (``SCM_RIGHTS``). Pure functions.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from enum import IntEnum
 from typing import Any, Sequence
 
 #: Bumped on any change a client and a store process must agree on.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 HEADER = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
@@ -35,22 +33,20 @@ _I64 = struct.Struct("<q")
 
 
 class Op(IntEnum):
-    HELLO = 1  # JSON -> JSON
+    HELLO = 1  # JSON -> JSON, with the segments' descriptors
     LOOKUP = 2  # keys -> codes
-    PUT = 3  # u8 overwrite, keys, sizes -> lease, codes, offsets, committed end
-    COMMIT = 4  # lease -> codes (one per reserved entry, entry order)
-    ABORT = 5  # lease -> (no reply)
-    GET = 6  # keys, capacities -> [lease, lease slot], sizes or codes, offsets
-    RELEASE = 7  # lease -> (no reply)
+    PUT = 3  # u8 overwrite, keys, sizes -> [grant, committed end], codes, offsets
+    COMMIT = 4  # i64 grant, checksums -> codes (one per granted entry, in entry order)
+    ABORT = 5  # i64 grant -> (no reply)
+    GET = 6  # keys, capacities -> [grant], sizes or codes, segments, offsets, checksums to verify
+    RELEASE = 7  # i64 grant, entries whose checksum failed -> (no reply)
     DELETE = 8  # keys (one) -> codes
-    DELETE_PREFIX = 9  # keys (one prefix) -> ints [count]
-    ADMIN = 10  # JSON -> JSON (stats, clear, keys, set_capacity, stop)
-    FENCE = 13  # i64 epoch, i64 connection -> (no reply): this process is done with that connection's leases
+    DELETE_PREFIX = 9  # keys (one prefix) -> [count]
+    ADMIN = 10  # JSON -> JSON
     ERROR = 255  # reply: JSON {"error": text, "code": SiMM code}
 
 
-#: Ops whose request gets no reply.
-ONE_WAY = frozenset({Op.ABORT, Op.RELEASE, Op.FENCE})
+ONE_WAY = frozenset({Op.ABORT, Op.RELEASE})
 
 
 class ProtocolError(Exception):
@@ -63,18 +59,11 @@ def frame(op: Op, *parts: bytes) -> bytes:
 
 
 def encode_keys(keys: Sequence[str]) -> bytes:
-    """The key-list part of a body (one join and one encode for a batch)."""
     joined = "\0".join(keys)
-    if joined.count("\0") > max(len(keys) - 1, 0):  # a key holds a NUL
+    if joined.count("\0") > max(len(keys) - 1, 0):  # a key holds a NUL: it ends there
         joined = "\0".join(k.split("\0", 1)[0] for k in keys)
     blob = joined.encode("utf-8", "surrogatepass")
     return _U32.pack(len(keys)) + _U32.pack(len(blob)) + blob
-
-
-def pack_keys(raw: Sequence[bytes]) -> bytes:
-    """The key-list part from keys already in bytes (without NULs)."""
-    blob = b"\0".join(raw)
-    return _U32.pack(len(raw)) + _U32.pack(len(blob)) + blob
 
 
 def pack_i64(value: int) -> bytes:
@@ -87,6 +76,11 @@ def pack_ints(values: Sequence[int]) -> bytes:
 
 def pack_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def whole_frame(buf: bytes | bytearray) -> bool:
+    """Whether ``buf`` starts with a whole frame."""
+    return len(buf) >= HEADER.size and len(buf) >= HEADER.size + HEADER.unpack_from(buf)[0]
 
 
 class Reader:
@@ -102,7 +96,7 @@ class Reader:
         end = self._pos + n
         if n < 0 or end > len(self._buf):
             raise ProtocolError(f"frame ends {end - len(self._buf)} bytes early")
-        part = self._buf[self._pos : end]
+        part = self._buf[self._pos:end]
         self._pos = end
         return part
 

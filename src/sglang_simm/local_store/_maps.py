@@ -1,0 +1,232 @@
+"""A client's side of the segments: reading and writing objects, and saying
+how many copies it has in flight.
+
+The store hands a client each segment as an open descriptor (``SCM_RIGHTS``):
+a path could be removed or replaced under it. On memory (tmpfs) the client
+maps the segment whole and copies with ``memmove``; on a disk it reads and
+writes through the descriptor (``pread``/``pwrite``, the GIL let go), so
+its memory does not grow with the store and a full disk is an error code,
+never a SIGBUS. No mapping is inherited by a forked child (``MADV_DONTFORK``).
+
+``Busy`` is this process's row of a store process's client table: the
+copies it has in flight under that store process's grants. It counts a
+copy from before the request that grants its memory to after the copy, so
+the store never hands that memory to anyone else meanwhile, whatever
+happens to the connection (docs/local-store-design.md).
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+
+from sglang_simm.local_store._copy import HELD_COPY_MAX, copy_many, memory, released_libc
+from sglang_simm.local_store._segments import BUSY, COMMITTED_AT, EPOCH_AT, HEADER_BYTES, PAGE, ROW_WORDS, page_up
+
+#: Linux 5.14+: fault pages in, writable, without touching their bytes.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+#: A client faults the committed segment in on a thread of its own, this
+#: much at a time, so its puts take no page fault per 4 KiB; a put that gets
+#: ahead of it faults in only its own pages.
+POPULATE_CHUNK = 2 << 20
+_madvise = released_libc("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+#: Mappings a forked child inherited the Python objects of but not the memory
+#: (``MADV_DONTFORK``): kept alive for good, since unmapping them would unmap
+#: whatever the child maps at those addresses since.
+_INHERITED: list[object] = []
+
+
+class SegmentMap:
+    """One segment, as this process reaches it. ``users`` counts copies in
+    flight: a map retired (its store gone, or the handle closed) is unmapped
+    once the last copy ends."""
+
+    def __init__(self, fd: int, gen: str, size: int, data_start: int, memory_medium: bool) -> None:
+        if os.fstat(fd).st_size < size:
+            raise OSError(f"segment {gen} holds {os.fstat(fd).st_size} bytes, the store announced {size}")
+        self.gen, self.size, self.data_start, self.memory = gen, size, data_start, memory_medium
+        self._mm = mmap.mmap(fd, size if memory_medium else data_start, mmap.MAP_SHARED,
+                             mmap.PROT_READ | mmap.PROT_WRITE)
+        self._mm.madvise(mmap.MADV_DONTFORK)
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.base = ctypes.addressof(self._anchor)
+        self.fd = fd  # closed with the mapping
+        self._lock = threading.Lock()
+        self.users, self.retired = 0, False
+        self._populated, self._behind = 0, False
+
+    def holds(self, offset: int, size: int) -> bool:
+        return self.data_start <= offset and size >= 0 and offset + size <= self.size
+
+    # -- copies -----------------------------------------------------------------
+
+    def write(self, copies: list[tuple[int, int, int]]) -> None:
+        """``(offset, src, size)``: into the segment; OSError (a full disk) fails them."""
+        if self.memory:
+            lo, hi = min(c[0] for c in copies), max(c[0] + c[2] for c in copies)
+            if lo < self._populated or hi - lo > 2 * sum(c[2] for c in copies) + POPULATE_CHUNK:
+                pass  # faulted in behind already, or scattered: the copies fault their pages in
+            else:
+                self._fault(lo, hi, hold=hi - lo <= HELD_COPY_MAX)
+            copy_many([(self.base + off, src, size) for off, src, size in copies])
+            return
+        for off, src, size in copies:
+            view = memory(src, size)
+            while view:
+                n = os.pwrite(self.fd, view, off)
+                view, off = view[n:], off + n
+
+    def read(self, copies: list[tuple[int, int, int]]) -> None:
+        """``(dst, offset, size)``: out of the segment; OSError fails them."""
+        if self.memory:
+            copy_many([(dst, self.base + off, size) for dst, off, size in copies])
+            return
+        for _, off, size in copies:  # read ahead the whole batch, then read
+            os.posix_fadvise(self.fd, off, size, os.POSIX_FADV_WILLNEED)
+        for dst, off, size in copies:
+            if os.preadv(self.fd, [memory(dst, size)], off) != size:
+                raise OSError(f"segment {self.gen}: a short read at {off}")
+
+    # -- faulting in behind the puts (memory) -----------------------------------------
+
+    def _fault(self, start: int, end: int, *, hold: bool) -> None:
+        start -= start % PAGE
+        end = min(page_up(end), self.size)
+        if start < end and self._anchor is not None:
+            if hold or _madvise is None:
+                with contextlib.suppress(OSError, ValueError):
+                    self._mm.madvise(MADV_POPULATE_WRITE, start, end - start)
+            else:
+                _madvise(self.base + start, end - start, MADV_POPULATE_WRITE)
+
+    def populate_behind(self) -> None:
+        """Fault in what the store has backed, on a thread of its own, a
+        chunk at a time, up to the end the segment's header names; it starts
+        again from the start when the store gave memory back meanwhile."""
+        with self._lock:
+            if not self.memory or self._behind or self.retired:
+                return
+            self._behind = True
+        _thread.start_new_thread(self._fault_in_behind, ())  # Thread.start() waits, letting the GIL go
+
+    def _fault_in_behind(self) -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        epoch = None
+        try:
+            while True:
+                with self._lock:
+                    if self.retired or self._anchor is None:
+                        return
+                    committed = ctypes.c_int64.from_address(self.base + COMMITTED_AT).value
+                    now = ctypes.c_int64.from_address(self.base + EPOCH_AT).value
+                    if now != epoch:  # memory was given back: what was faulted in may be gone
+                        epoch, self._populated = now, 0
+                    start = max(self._populated, self.data_start)
+                    stop = min(committed, start + POPULATE_CHUNK, self.size)
+                    if start >= stop:
+                        return
+                    self.users += 1
+                try:
+                    self._fault(start, stop, hold=False)
+                finally:
+                    self.leave()
+                self._populated = stop
+        finally:
+            self._behind = False
+
+    # -- lifetime -------------------------------------------------------------------
+
+    def enter(self) -> bool:
+        """A copy begins; False once retired."""
+        with self._lock:
+            if self.retired:
+                return False
+            self.users += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.users -= 1
+            done = self.retired and self.users == 0
+        if done:
+            self._unmap()
+
+    def retire(self) -> None:
+        """No new copies; unmapped (and its descriptor closed) after the last."""
+        with self._lock:
+            self.retired = True
+            done = self.users == 0
+        if done:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        anchor, self._anchor = self._anchor, None
+        if anchor is not None:
+            del anchor
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def inherited(self) -> None:
+        """In a forked child: this map's memory did not come along."""
+        _INHERITED.append(self)
+        self._anchor, self.retired, self.fd = None, True, -1
+
+
+class Busy:
+    """This process's copies in flight under one store process's grants,
+    written to its row of that store's client table as they change. Its
+    own mapping of the table lasts while a connection to that store process
+    is open or a copy is in flight: on memory, any mapping of a segment
+    keeps all of its memory."""
+
+    def __init__(self, fd: int, data_start: int, row: int) -> None:
+        self._mm = mmap.mmap(fd, data_start, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._mm.madvise(mmap.MADV_DONTFORK)
+        self._word: ctypes.c_int64 | None = ctypes.c_int64.from_buffer(self._mm, HEADER_BYTES + 8 * (ROW_WORDS * row
+                                                                                                    + BUSY))
+        self.row = row
+        self._lock = threading.Lock()
+        self.count = self.refs = 0
+
+    def enter(self) -> None:
+        with self._lock:
+            self.count += 1
+            self._word.value = self.count  # type: ignore[union-attr]
+
+    def leave(self) -> None:
+        with self._lock:
+            self.count -= 1
+            self._word.value = self.count  # type: ignore[union-attr]
+            self._maybe_unmap()
+
+    def acquire(self) -> None:
+        with self._lock:
+            self.refs += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.refs -= 1
+            self._maybe_unmap()
+
+    @property
+    def mapped(self) -> bool:
+        return self._word is not None
+
+    def _maybe_unmap(self) -> None:
+        if not self.refs and not self.count and self._word is not None:
+            self._word = None
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+
+    def inherited(self) -> None:
+        _INHERITED.append(self)
+        self._word = None
