@@ -43,8 +43,8 @@ def null_rig(pool):
 
 @pytest.fixture(scope="module")
 def embedded_rig(pool):
-    with bench.embedded_server(1 << 30):
-        rig = bench.OverheadRig("embedded", max(PAGES), pool=pool)
+    with bench.local_store_server(1 << 30):
+        rig = bench.OverheadRig("local", max(PAGES), pool=pool)
         checks = bench.Checks()
         rig.check_clients(checks)
         assert checks.ok, checks.failures
@@ -87,7 +87,7 @@ def test_embedded_store(benchmark, embedded_rig, backend, op, n):
 
 @pytest.fixture(scope="module", params=["1mib", "llama3-8b", "deepseek-v3"])
 def bandwidth_rig(request):
-    with bench.embedded_server(2 << 30):
+    with bench.local_store_server(2 << 30):
         rig = bench.BandwidthRig(request.param, bench.BANDWIDTH_CASES[request.param], 16, capacity=2 << 30)
         yield rig
         rig.close()

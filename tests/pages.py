@@ -46,6 +46,6 @@ def region_count() -> int:
     """Host memory regions the local store's client has bound, all backends
     of this process together (its registration table: a test of ours may
     look inside the store)."""
-    from sglang_simm.local_store import _client
+    from sglang_simm.local_store import _kv as _client
 
     return len(_client._regions)

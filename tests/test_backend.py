@@ -9,7 +9,8 @@ import torch
 
 from pages import fill_random, hashes, page, raw, slots, tiny, tiny_mla
 from sglang_simm import errors
-from sglang_simm.local_store import configure_faults, get_server
+from sglang_simm.local_store import get_server
+from sglang_simm_dev.faults import configure_faults
 
 
 CASES = [

@@ -25,7 +25,8 @@ import torch
 
 from pages import fill_random, hashes, page, raw, slots, tiny
 from sglang_simm.breaker import CLOSED, OPEN
-from sglang_simm.local_store import configure_faults, get_server
+from sglang_simm.local_store import get_server
+from sglang_simm_dev.faults import configure_faults
 from polling import until
 
 #: a breaker that opens after two faults and probes 50 ms later, no jitter

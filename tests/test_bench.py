@@ -62,7 +62,7 @@ def test_json_structure(tiny_run):
     assert {"cpu", "cores", "torch", "sglang", "python"} <= set(m)
     assert m["cpu"] and m["cores"] >= 1
     rows = {(r["client"], r["op"], r["pages"]): r for r in result["overhead"]}
-    assert set(rows) == {(c, op, n) for c in ("null", "embedded") for op in bench.OPS for n in (1, 8)}
+    assert set(rows) == {(c, op, n) for c in ("null", "local") for op in bench.OPS for n in (1, 8)}
     for r in rows.values():
         assert r["ours_us"] > 0 and r["intree_us"] > 0 and r["samples"] == 2
         assert r["clock"] == ("thread_time" if r["client"] == "null" else "perf_counter")
@@ -72,7 +72,7 @@ def test_json_structure(tiny_run):
     assert bw["case"] == "small" and bw["pages"] == 2
     for key in ("set_gbps", "get_gbps", "torch_gbps", "set_ratio", "get_ratio"):
         assert bw[key] > 0
-    assert set(result["scaling"]) == {"null", "embedded"}
+    assert set(result["scaling"]) == {"null", "local"}
     gil = {(r["op"], r["pages"]): r for r in result["gil"]["rows"]}
     assert set(gil) == {(op, n) for op in bench.OPS for n in (1, 8)}
     for r in gil.values():
@@ -91,13 +91,13 @@ def test_results_were_verified(tiny_run):
     checks = result["checks"]
     assert checks["ok"] and not checks["failures"]
     verified = checks["verified"]
-    for client in ("null", "embedded"):
+    for client in ("null", "local"):
         for backend in ("ours", "in-tree"):
             # each backend reached the client under test through simm.kv
             assert verified[f"{client}/{backend}/client"] is True
             for op in bench.OPS:
                 assert verified[f"{client}/{backend}/{op}"] is True
-    assert verified["embedded/bytes"] is True
+    assert verified["local/bytes"] is True
     assert verified["bandwidth/small/set"] and verified["bandwidth/small/get"]
     assert verified["bandwidth/small/bytes"] is True
 
@@ -129,8 +129,8 @@ def test_intree_class_binds_the_given_client():
     assert cls.__init__.__globals__["BlockView"] is nullkv.BlockView
     from sglang_simm import local_store
 
-    cls2 = bench.load_intree_class(embedded)
-    assert cls2.__init__.__globals__["Store"] is embedded.Store
+    cls2 = bench.load_intree_class(local_store)
+    assert cls2.__init__.__globals__["Store"] is local_store.Store
     assert cls2 is not cls
 
 

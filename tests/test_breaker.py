@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+import sglang_simm_dev.faults as faults_instrument
+
 from sglang_simm import errors
 from sglang_simm.breaker import (
     CLOSED,
@@ -753,7 +755,7 @@ def local_store():
     from sglang_simm.client import connect
 
     client = connect(SiMMConfig(manager_address="inprocess://breaker-codes", warmup=False))
-    faults = functools.partial(embedded.configure_faults, "breaker-codes")
+    faults = functools.partial(faults_instrument.configure_faults, "breaker-codes")
     block = client.allocate(64)
     try:
         yield client, faults, block

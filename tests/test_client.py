@@ -6,6 +6,8 @@ import types
 
 import pytest
 
+import sglang_simm_dev.faults as faults_instrument
+
 from sglang_simm import local_store
 from sglang_simm.client import client_flags, connect, import_real_client
 from sglang_simm.config import SiMMConfig
@@ -41,9 +43,9 @@ def test_connect_to_a_cluster_address_sets_flags_then_warms_up(tmp_path, monkeyp
 
     def set_flag(name, value):
         seen.append((name, value))
-        return embedded.set_flag(name, value) or name.startswith(("cm_rpc", "clnt_log"))
+        return local_store.set_flag(name, value) or name.startswith(("cm_rpc", "clnt_log"))
 
-    kv = types.SimpleNamespace(**{n: getattr(embedded, n) for n in ("Store", "BlockView", "register_mr", "deregister_mr")})
+    kv = types.SimpleNamespace(**{n: getattr(local_store, n) for n in ("Store", "BlockView", "register_mr", "deregister_mr")})
     kv.set_flag = set_flag
     config = SiMMConfig.from_mapping({"manager_address": "10.9.9.9:30001", "rdma_devices": "mlx5_0"})
     client = connect(config, kv_module=kv)
@@ -58,10 +60,10 @@ def test_connect_to_a_cluster_address_sets_flags_then_warms_up(tmp_path, monkeyp
 
         assert os.environ["SICL_NET_DEVICES"] == "mlx5_0"
         assert client.description == "SiMM cluster manager 10.9.9.9:30001"
-        assert embedded.get_server("10.9.9.9").keys() == []  # the warm-up cleaned up after itself
+        assert local_store.get_server("10.9.9.9").keys() == []  # the warm-up cleaned up after itself
     finally:
         client.close()
-        embedded.reset_servers("10.9.9.9")
+        local_store.reset_servers("10.9.9.9")
 
 
 def test_missing_real_client_names_the_install_route(monkeypatch):
@@ -81,26 +83,26 @@ def test_a_failed_warm_up_closes_the_store_it_opened():
 
     closed = []
 
-    class Store(embedded.Store):
+    class Store(local_store.Store):
         __slots__ = ()
 
         def close(self):
             closed.append(self)
 
-    kv = types.SimpleNamespace(**{n: getattr(embedded, n) for n in ("BlockView", "register_mr", "deregister_mr", "set_flag")})
+    kv = types.SimpleNamespace(**{n: getattr(local_store, n) for n in ("BlockView", "register_mr", "deregister_mr", "set_flag")})
     kv.Store = Store
     name = f"warm-{uuid.uuid4().hex[:8]}"
-    scope = embedded.get_flag("local_store_scope")
+    scope = local_store.get_flag("local_store_scope")
     try:
-        embedded.set_flag("local_store_scope", "process")
-        embedded.configure_faults(name, error_rate=1.0)
+        local_store.set_flag("local_store_scope", "process")
+        faults_instrument.configure_faults(name, error_rate=1.0)
         config = SiMMConfig.from_mapping({"manager_address": f"inprocess://{name}"})
         with pytest.raises(Exception, match="warm-up"):
             connect(config, kv_module=kv)
         assert len(closed) == 1
     finally:
-        embedded.reset_servers(name)
-        embedded.set_flag("local_store_scope", scope)
+        local_store.reset_servers(name)
+        local_store.set_flag("local_store_scope", scope)
 
 
 def test_a_client_in_simms_layers_is_called_at_its_native_layer():
@@ -132,11 +134,11 @@ def test_a_client_in_simms_layers_is_called_at_its_native_layer():
     half._impl = Partial()
     assert native_layer(nullkv, half) is None
 
-    local = embedded.Store.__new__(embedded.Store)  # no server: only the routing is looked at
-    assert native_layer(embedded, local) is None
+    local = local_store.Store.__new__(local_store.Store)  # no server: only the routing is looked at
+    assert native_layer(local_store, local) is None
 
 
-def test_the_embedded_store_answers_lookups_as_codes_too(store_name):
+def test_the_local_store_answers_lookups_as_codes_too(store_name):
     """``mexists_codes`` is ``mexists`` before its codes become bools: 0
     where the object exists."""
     from sglang_simm.client import KVClient

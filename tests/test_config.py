@@ -461,12 +461,12 @@ ADDRESSES = [
 
 
 @pytest.mark.parametrize(
-    ("given", "normal", "embedded", "name", "host", "port"), ADDRESSES, ids=[a[0].strip() for a in ADDRESSES]
+    ("given", "normal", "local", "name", "host", "port"), ADDRESSES, ids=[a[0].strip() for a in ADDRESSES]
 )
-def test_address_forms(given, normal, embedded, name, host, port):
+def test_address_forms(given, normal, local, name, host, port):
     cfg = load_config({"manager_address": given}, {}).config
     assert cfg.manager_address == normal
-    assert (cfg.is_embedded, cfg.embedded_name, cfg.host, cfg.port) == (embedded, name, host, port)
+    assert (cfg.is_local_store, cfg.local_store_name, cfg.host, cfg.port) == (local, name, host, port)
 
 
 # --------------------------------------------------------------------------

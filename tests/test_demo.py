@@ -26,7 +26,8 @@ from sglang_simm_dev import cli  # noqa: E402
 from sglang_simm_dev import demo  # noqa: E402
 from sglang_simm_dev.demo import common, kv  # noqa: E402
 from sglang_simm.local_store import reset_servers, server_names  # noqa: E402
-from sglang_simm.local_store._server import EmbeddedServer  # noqa: E402
+from sglang_simm.local_store._handle import StoreHandle  # noqa: E402
+from sglang_simm.local_store._maps import SegmentMap  # noqa: E402
 
 pytestmark = pytest.mark.local_store
 
@@ -123,23 +124,19 @@ def test_demo_other_layouts(tmp_path, layout):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_corrupted_store_fails(tmp_path, monkeypatch, path):
-    """One byte of one stored object flipped inside the local store."""
+    """One byte of one stored object flipped inside the local store's segment."""
     corrupted = []
-    put_from = EmbeddedServer.put_from
+    write = SegmentMap.write
 
-    def put_and_corrupt(self, items, overwrite):
-        codes = put_from(self, items, overwrite)
-        if not corrupted:
-            for key, _ptr, _size in items:
-                obj = self._index.objects.get(key.encode())
-                if obj is not None and "warmup" not in key:
-                    byte = ctypes.c_uint8.from_address(self._arena.base + obj.offset + obj.size // 2)
-                    byte.value ^= 0xFF
-                    corrupted.append(key)
-                    break
-        return codes
+    def write_and_corrupt(self, copies):
+        write(self, copies)
+        if not corrupted and len(copies) > 1:  # a batch of pages, not a warm-up's one object
+            offset, _src, size = copies[0]
+            byte = ctypes.c_uint8.from_address(self.base + offset + size // 2)
+            byte.value ^= 0xFF
+            corrupted.append(offset)
 
-    monkeypatch.setattr(EmbeddedServer, "put_from", put_and_corrupt)
+    monkeypatch.setattr(SegmentMap, "write", write_and_corrupt)
     code, data, text = run(tmp_path, "--model", "tiny", "--pages", "8", *path, store="inprocess")
     assert corrupted
     assert code == 1, text
@@ -172,7 +169,7 @@ def test_lost_page_fails(tmp_path, monkeypatch, path):
     """The store loses one object of page 5 right after storing it: the
     cold restore's lookup stops there."""
     seen = []
-    put_from = EmbeddedServer.put_from
+    put_from = StoreHandle.put_from
 
     def put_and_lose(self, items, overwrite):
         codes = put_from(self, items, overwrite)
@@ -183,7 +180,7 @@ def test_lost_page_fails(tmp_path, monkeypatch, path):
                     self.delete(key)
         return codes
 
-    monkeypatch.setattr(EmbeddedServer, "put_from", put_and_lose)
+    monkeypatch.setattr(StoreHandle, "put_from", put_and_lose)
     code, data, text = run(tmp_path, "--model", "tiny", "--pages", "16", *path, store="inprocess")
     assert code == 1, text
     cold = phases(data)["cold restore"]
@@ -306,7 +303,7 @@ def test_demo_on_its_own_store_in_a_configured_directory_leaves_nothing_there(tm
 
 def test_demo_default_store_is_its_own(tmp_path):
     extra, resolved = common.resolve_extra({})
-    assert resolved.config.embedded_scope == "host" and resolved.config.embedded_name.startswith("demo-")
+    assert resolved.config.local_store_scope == "host" and resolved.config.local_store_name.startswith("demo-")
 
 
 @pytest.mark.parametrize("width", [80, 40])

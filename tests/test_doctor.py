@@ -62,7 +62,8 @@ def test_bad_json_is_an_error_not_a_traceback(capsys):
 
 
 def test_down_store_is_reported(capsys, store_name):
-    from sglang_simm.local_store import configure_faults, reset_servers
+    from sglang_simm.local_store import reset_servers
+    from sglang_simm_dev.faults import configure_faults
 
     configure_faults(store_name, down=True)
     try:

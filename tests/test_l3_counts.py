@@ -12,73 +12,8 @@ import pytest
 import torch
 
 from pages import fill_random, hashes, slots, tiny, tiny_mla
-from sglang_simm.local_store._index import StoreIndex, count_warmups
-from sglang_simm.local_store._server import EmbeddedServer
-from sglang_simm.errors import DS_KEY_NOT_FOUND, OK
-from sglang_simm.keys import WARMUP_KEY_PREFIX
 from sglang_simm_dev import l3_counts
 from sglang_simm_dev.sglang_server import SGLangServer, ServerConfig, ServerError
-
-WARM = WARMUP_KEY_PREFIX + "0123abcd"
-
-
-def warmup_keys(keys):
-    """The store's count of warm-up keys, with the backend's prefix declared."""
-    prefix = WARMUP_KEY_PREFIX.encode() if keys and isinstance(keys[0], bytes) else WARMUP_KEY_PREFIX
-    return count_warmups(keys, (prefix,))
-
-
-def test_warm_up_keys_are_those_that_start_with_the_prefix():
-    assert warmup_keys([]) == 0
-    assert warmup_keys([WARM, "s1.ab/p0.k", WARM + "x"]) == 2
-    assert warmup_keys([WARM.encode(), b"s1.ab/p0.k"]) == 1
-    # the prefix inside a key, or across two joined keys, is no warm-up key
-    assert warmup_keys(["tag/" + WARM, "sglang_simm_", "warmup_x"]) == 0
-    assert warmup_keys([b"sglang_simm_", b"warmup_x"]) == 0
-    # SGLang's in-tree backend's warm-up keys are warm-ups too
-    assert warmup_keys(["sglang_simm_warmup_key_42"]) == 1
-
-
-def test_the_store_counts_apart_only_the_prefixes_it_was_told():
-    assert count_warmups([WARM, "s1.ab/p0.k"], ()) == 0  # none declared: nothing is a warm-up
-    assert count_warmups(["a/1", "b/2", "a/3", "c"], ("a/", "b/")) == 3
-    assert count_warmups(["ab/1"], ("a", "ab")) == 1  # a key counts once, whichever prefixes it starts with
-
-
-def _commit(index: StoreIndex, keys: list[bytes], overwrite: bool = True) -> list[int]:
-    lease, codes, _ = index.begin_put(1, keys, [100] * len(keys), overwrite)
-    done = dict(index.commit_put(lease)) if lease else {}
-    return [done.get(i, c) for i, c in enumerate(codes)]
-
-
-def test_the_host_stores_index_counts_warm_up_objects_apart():
-    index = StoreIndex(capacity=10_000, arena_bytes=1 << 20)
-    index.add_warmup_prefix(WARMUP_KEY_PREFIX.encode())
-    warm, pages = WARM.encode(), [b"s1.ab/p0.k", b"s1.ab/p0.v"]
-    assert _commit(index, [warm, *pages]) == [OK] * 3
-    assert _commit(index, [warm], overwrite=False) != [OK]  # refused: not published, not counted
-    assert _commit(index, [warm, pages[0]]) == [OK] * 2  # overwritten: published again
-    stats = index.stats
-    assert (stats["puts"], stats["warmup_puts"]) == (5, 2)
-
-    _, results, _ = index.begin_get(2, [warm, pages[1], b"s1.ab/absent.k"], [100] * 3)
-    assert results[:2] == [100, 100] and results[2] == DS_KEY_NOT_FOUND
-    assert index.delete(warm) == OK
-    index.begin_get(2, [warm], [100])  # a miss is no hit
-    assert (stats["hits"], stats["warmup_hits"], stats["misses"]) == (2, 1, 2)
-    assert {"warmup_puts", "warmup_hits"} <= set(index.snapshot())  # what `store status` sends
-
-
-def test_the_in_process_store_counts_them_the_same_way():
-    server = EmbeddedServer("count-warmups", 1 << 20)
-    server.add_warmup_prefix(WARMUP_KEY_PREFIX)
-    data = torch.zeros(100, dtype=torch.uint8)
-    ptr = data.data_ptr()
-    assert server.put_from([(WARM, ptr, 100), ("s1.ab/p0.k", ptr, 100), ("s1.ab/p0.v", ptr, 100)], True) == [OK] * 3
-    out = torch.empty(100, dtype=torch.uint8)
-    assert server.get_into([(WARM, out.data_ptr(), 100), ("s1.ab/p0.k", out.data_ptr(), 100)]) == [100, 100]
-    stats = server.stats()
-    assert (stats["puts"], stats["warmup_puts"], stats["hits"], stats["warmup_hits"]) == (3, 1, 2, 1)
 
 
 @pytest.mark.parametrize("geom, per_page", [(tiny(), 2), (tiny_mla(), 1)], ids=["mha", "mla"])
@@ -92,10 +27,10 @@ def test_pages_counted_on_a_host_store_are_exact_and_leave_warm_ups_out(attach, 
     try:
         objects = counter.objects()
         # the warm-up is in the store's counters, one object each way, and counted apart
-        assert (objects.puts, objects.warmup_puts, objects.hits, objects.warmup_hits) == (1, 1, 1, 1)
+        assert (objects.puts, objects.hits, objects.warmups) == (1, 1, 1)
         assert (counter.pages_stored(), counter.pages_read()) == (0, 0)
         again, again_host = attach(geom, model_name="another-model")  # a second attach: a second warm-up
-        assert counter.objects().warmup_puts == 2
+        assert counter.objects().warmups == 2
         assert (counter.pages_stored(), counter.pages_read()) == (0, 0)
 
         fill_random(host, seed=3)

@@ -154,10 +154,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_walk_sees_the_package():
-    assert {f"{PACKAGE}.backend", f"{PACKAGE}.binding", f"{PACKAGE}.embedded._client", f"{TOOLS}.cli"} <= set(MODULES)
+    assert {f"{PACKAGE}.backend", f"{PACKAGE}.binding", f"{PACKAGE}.local_store._kv", f"{TOOLS}.cli"} <= set(MODULES)
     assert f"{PACKAGE}.binding" in GRAPH[f"{PACKAGE}.backend"]
-    assert f"{PACKAGE}.embedded._server" in GRAPH[f"{PACKAGE}.embedded._client"]
-    assert f"{PACKAGE}.embedded" in GRAPH[f"{PACKAGE}.client"]  # by importlib, lazily
+    assert f"{PACKAGE}.local_store._handle" in GRAPH[f"{PACKAGE}.local_store._kv"]
+    assert f"{PACKAGE}.local_store" in GRAPH[f"{PACKAGE}.client"]  # by importlib, lazily
 
 
 def test_the_core_imports_no_tool():
@@ -231,20 +231,21 @@ def test_the_doors_into_the_tools_lead_to_the_command_line():
 
 
 #: The local store: a package of its own that implements ``simm.kv``.
-STORE = f"{PACKAGE}.embedded"
-#: Its public modules: the ``simm.kv`` surface (the package), SiMM's rules,
-#: the operator surface and the server contract. Every other module of the
-#: store is private (``_``-prefixed).
-STORE_RULES, STORE_ADMIN, STORE_CONTRACT = f"{STORE}.simm_rules", f"{STORE}.admin", f"{STORE}.contract"
+STORE = f"{PACKAGE}.local_store"
+#: Its public modules: the ``simm.kv`` surface (the package), the operator
+#: surface and the store contract. Every other module of the store is
+#: private (``_``-prefixed).
+STORE_ADMIN, STORE_CONTRACT = f"{STORE}.admin", f"{STORE}.contract"
+#: SiMM's codes, limits and key rule: the plugin's, which the store follows.
+SIMM_RULES = f"{PACKAGE}.simm_rules"
 #: What of the store each module of the backend core may import, and nothing
 #: else of it (``client``: the package, by ``importlib.import_module`` as it
-#: imports ``simm.kv``; ``errors`` and ``keys``: SiMM's codes, limits and key
-#: rule, which they re-export; ``config``: the store naming rule).
+#: imports ``simm.kv``; ``config``: the store naming rule and its settings'
+#: names; ``embedded``: the old name, an alias read until the next minor release).
 CORE_REACHES_THE_STORE = {
     f"{PACKAGE}.client": {STORE},
-    f"{PACKAGE}.errors": {STORE_RULES},
-    f"{PACKAGE}.keys": {STORE_RULES},
     f"{PACKAGE}.config": {STORE_ADMIN},
+    f"{PACKAGE}.embedded": {STORE},
 }
 #: What of the store the operator's commands may import.
 TOOLS_REACH_THE_STORE = {STORE, STORE_ADMIN}
@@ -260,20 +261,19 @@ def _private_to_store(module: str) -> bool:
 
 def test_the_store_imports_nothing_of_the_backend():
     """(a) No module of the store imports a module of this package outside
-    the store: it owns SiMM's codes, name and key rules and its settings."""
-    leaks = {module: sorted(t for t in targets if not _in_store(t))
+    the store but SiMM's rules, which both follow."""
+    leaks = {module: sorted(t for t in targets if not _in_store(t) and t not in (SIMM_RULES, PACKAGE))
              for module, targets in GRAPH.items() if _in_store(module)}
     assert {m: t for m, t in leaks.items() if t} == {}
 
 
 def test_nothing_outside_the_store_imports_a_private_module_of_it():
     """(b) Outside the store, only its public modules are imported:
-    the package, ``simm_rules``, ``admin`` and ``contract``."""
+    the package, ``admin`` and ``contract``."""
     leaks = {module: sorted(t for t in targets if _private_to_store(t))
              for module, targets in GRAPH.items() if not _in_store(module)}
     assert {m: t for m, t in leaks.items() if t} == {}
-    assert {m for m in MODULES if _in_store(m) and not _private_to_store(m)} == {
-        STORE, STORE_RULES, STORE_ADMIN, STORE_CONTRACT}
+    assert {m for m in MODULES if _in_store(m) and not _private_to_store(m)} == {STORE, STORE_ADMIN, STORE_CONTRACT}
 
 
 def test_the_core_reaches_the_store_only_where_it_is_allowed_to():
@@ -284,11 +284,9 @@ def test_the_core_reaches_the_store_only_where_it_is_allowed_to():
     * ``sglang_simm.client`` -> ``sglang_simm.local_store``, by
       ``importlib.import_module`` as it loads ``simm.kv``, never imported
       outright;
-    * ``sglang_simm.errors``, ``sglang_simm.keys`` ->
-      ``sglang_simm.simm_rules`` (SiMM's codes, limits and key
-      rule, re-exported);
     * ``sglang_simm.config`` -> ``sglang_simm.local_store.admin`` (the store
-      naming rule).
+      naming rule, its settings' old and moved names);
+    * ``sglang_simm.embedded``, the old name, -> the package.
 
     The operator's commands (``sglang_simm.tools.*``) import
     ``sglang_simm.local_store`` and ``sglang_simm.local_store.admin`` only."""
@@ -306,15 +304,17 @@ def test_the_core_reaches_the_store_only_where_it_is_allowed_to():
     assert {m: t for m, t in tools.items() if t} == {}
 
 
-#: The instruments that measure the store's insides, and what of it each
-#: may import beside its public modules: the wire protocol's own layers
+#: The instruments that work inside the store, and what of it each may
+#: import beside its public modules: the wire protocol's own layers
 #: (``server_backup``: a request, the copy, the COMMIT, each timed), the
-#: GIL releases of the store's connection and copies (``backup_gil``), and
-#: the store's copy routine as the demo's memcpy reference (``demo.reference``).
+#: GIL releases of the store's connection and copies (``backup_gil``), the
+#: store's copy routine as the demo's memcpy reference (``demo.reference``),
+#: and the faulty network in front of the store's handle (``faults``).
 INSTRUMENTS_OF_THE_STORES_INSIDES = {
-    f"{DEV_PACKAGE}.bench.server_backup": {f"{STORE}._arena", f"{STORE}._host", f"{STORE}._protocol"},
-    f"{DEV_PACKAGE}.bench.backup_gil": {f"{STORE}._copy", f"{STORE}._host"},
+    f"{DEV_PACKAGE}.bench.server_backup": {f"{STORE}._maps", f"{STORE}._protocol"},
+    f"{DEV_PACKAGE}.bench.backup_gil": {f"{STORE}._copy", f"{STORE}._handle"},
     f"{DEV_PACKAGE}.demo.reference": {f"{STORE}._copy"},
+    f"{DEV_PACKAGE}.faults": {f"{STORE}._copy", f"{STORE}._handle", f"{STORE}._kv"},
 }
 
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pages import fill_random, hashes, page, raw, slots, tiny
-from sglang_simm.local_store import _client as embedded_client
+from sglang_simm.local_store import _kv as kv_layer
 
 
 def _live_regions() -> int:
-    return len(embedded_client._regions)
+    return len(kv_layer._regions)
 
 
 def _wait(predicate, seconds: float = 10.0) -> bool:

@@ -125,26 +125,32 @@ def test_the_python_api_takes_the_old_field_for_a_release(caplog):
 
 
 def test_an_old_client_flag_in_the_config_still_works_and_warns(caplog):
-    extra = {"manager_address": "local", "client_flags": {"embedded_down": True, "embedded_store_dir": "/d"}}
+    extra = {"manager_address": "local", "client_flags": {"embedded_eviction": "lru", "embedded_store_dir": "/d"}}
     with caplog.at_level(logging.WARNING, logger="sglang_simm.config"):
         config = load_config(extra, {}).config
-    assert dict(config.client_flags) == {"local_store_down": "true", "local_store_dir": "/d"}
+    assert dict(config.client_flags) == {"local_store_eviction": "lru", "local_store_dir": "/d"}
     texts = warnings_of(caplog, "sglang_simm.config")
-    assert any("embedded_down is deprecated: use local_store_down" in t for t in texts)
+    assert any("embedded_eviction is deprecated: use local_store_eviction" in t for t in texts)
     assert any("embedded_store_dir is deprecated: use local_store_dir" in t for t in texts)
     assert client_flag(extra, "local_store_dir", environ={}) == "/d"
     assert client_flag(extra, "embedded_store_dir", environ={}) == "/d"
     assert with_client_flag(extra, "embedded_store_dir", "/e")["client_flags"] == {
-        "local_store_down": "true", "local_store_dir": "/e"}
+        "local_store_eviction": "lru", "local_store_dir": "/e"}
+
+
+@pytest.mark.parametrize("flag", ["local_store_error_rate", "embedded_down", "local_store_corrupt_reads"])
+def test_a_fault_flag_in_the_config_is_refused_naming_where_fault_injection_went(flag):
+    with pytest.raises(ValueError, match=f"{flag}.*faults.py"):
+        load_config({"manager_address": "local", "client_flags": {flag: "1"}}, {})
 
 
 def test_an_old_and_a_new_client_flag_together_are_refused_naming_both():
-    extra = {"manager_address": "local", "client_flags": {"embedded_down": "true", "local_store_down": "false"}}
+    extra = {"manager_address": "local", "client_flags": {"embedded_eviction": "lru", "local_store_eviction": "fifo"}}
     with pytest.raises(ValueError) as info:
         load_config(extra, {})
-    assert "embedded_down" in str(info.value) and "local_store_down" in str(info.value)
-    env = {"SGLANG_SIMM_CLIENT_FLAGS": json.dumps({"embedded_seed": 1, "local_store_seed": 2})}
-    with pytest.raises(ValueError, match="embedded_seed.*local_store_seed"):
+    assert "embedded_eviction" in str(info.value) and "local_store_eviction" in str(info.value)
+    env = {"SGLANG_SIMM_CLIENT_FLAGS": json.dumps({"embedded_get_bound": "view", "local_store_get_bound": "view"})}
+    with pytest.raises(ValueError, match="embedded_get_bound.*local_store_get_bound"):
         load_config({"manager_address": "local"}, env)
 
 
@@ -152,10 +158,10 @@ def test_an_old_client_flag_reaches_the_local_store(caplog):
     from sglang_simm import local_store
 
     with caplog.at_level(logging.WARNING, logger="sglang_simm.local_store"):
-        assert embedded.set_flag("embedded_get_bound", "region")
-        assert embedded.get_flag("local_store_get_bound") == "region"
-        assert embedded.get_flag("embedded_get_bound") == "region"
-        assert not embedded.set_flag("embedded_get_bound", "nowhere")  # still validated as the new flag
+        assert local_store.set_flag("embedded_get_bound", "region")
+        assert local_store.get_flag("local_store_get_bound") == "region"
+        assert local_store.get_flag("embedded_get_bound") == "region"
+        assert not local_store.set_flag("embedded_get_bound", "nowhere")  # still validated as the new flag
     texts = warnings_of(caplog, "sglang_simm.local_store")
     assert texts and all("embedded_get_bound is deprecated: use local_store_get_bound" in t for t in texts)
 
@@ -164,9 +170,10 @@ def test_the_new_flags_set_quietly(caplog):
     from sglang_simm import local_store
 
     with caplog.at_level(logging.WARNING):
-        assert embedded.set_flag("local_store_error_rate", "0.5")
-        assert embedded.get_flag("local_store_error_rate") == "0.5"
-        load_config({"manager_address": "local", NEW: "1MiB", "client_flags": {"local_store_down": 1}}, {})
+        assert local_store.set_flag("local_store_eviction", "lru")
+        assert local_store.get_flag("local_store_eviction") == "lru"
+        local_store.set_flag("local_store_eviction", "fifo")
+        load_config({"manager_address": "local", NEW: "1MiB", "client_flags": {"local_store_get_bound": "view"}}, {})
     assert [r for r in caplog.records if "deprecated" in r.getMessage()] == []
 
 
@@ -176,12 +183,13 @@ def test_the_new_flags_set_quietly(caplog):
 def test_doctor_lists_old_names_and_writes_launch_lines_with_the_new(tmp_path):
     path = tmp_path / "simm.json"
     path.write_text(json.dumps({"client_flags": {"embedded_eviction": "lru"}}))
-    extra = {"manager_address": "local", OLD: "1GiB", "client_flags": '{"embedded_seed": 3, "a": 1}'}
+    extra = {"manager_address": "local", OLD: "1GiB", "client_flags": '{"embedded_idle_exit_s": 3, "a": 1}'}
     lines = find_deprecated_names(extra, {CONFIG_PATH_ENV: str(path), OLD_VAR: "1GiB"})
     assert len(lines) == 4
-    for old, new in [(OLD, NEW), ("embedded_seed", "local_store_seed"), ("embedded_eviction", "local_store_eviction"),
+    for old, new in [(OLD, NEW), ("embedded_idle_exit_s", "local_store_idle_exit_s"),
+                     ("embedded_eviction", "local_store_eviction"),
                      (OLD_VAR, NEW_VAR)]:
         assert any(f"{old} is deprecated: use {new}" in line for line in lines), old
     assert with_current_names(extra) == {"manager_address": "local", NEW: "1GiB",
-                                         "client_flags": {"local_store_seed": 3, "a": 1}}
+                                         "client_flags": {"local_store_idle_exit_s": 3, "a": 1}}
     assert find_deprecated_names(with_current_names(extra), {}) == []

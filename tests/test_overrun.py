@@ -22,22 +22,22 @@ from sglang_simm import local_store
 @pytest.fixture
 def region_bound():
     """SiMM's own get bound (the registered region) for this test only."""
-    previous = embedded.get_flag("local_store_get_bound")
-    assert embedded.set_flag("local_store_get_bound", "region")
+    previous = local_store.get_flag("local_store_get_bound")
+    assert local_store.set_flag("local_store_get_bound", "region")
     yield
-    embedded.set_flag("local_store_get_bound", previous)
+    local_store.set_flag("local_store_get_bound", previous)
 
 
 def _first_key(store_name: str, page_key: str) -> str:
     """The object key of ``page_key``'s first object (K, or MLA's one)."""
-    keys = sorted(k for k in embedded.get_server(store_name).keys() if page_key in k)
+    keys = sorted(k for k in local_store.get_server(store_name).keys() if page_key in k)
     return next(k for k in keys if k.endswith((".k", "_k", ".kv")))
 
 
 def _put_foreign(store_name: str, key: str, nbytes: int, fill: int) -> None:
     """Another writer stores ``nbytes`` under ``key`` (sync put overwrites)."""
-    embedded.set_flag("cm_primary_node_ip", store_name)
-    store = embedded.Store()
+    local_store.set_flag("cm_primary_node_ip", store_name)
+    store = local_store.Store()
     block = store.allocate(nbytes)
     block.as_ref().fill_(fill)
     assert store.put(key, block.view()) == 0
@@ -111,7 +111,7 @@ def test_an_object_past_the_regions_end_fails_without_an_overrun(attach, store_n
     fill_random(host, 35)
     keys = hashes(1)
     assert all(backend.batch_set_v1(keys, slots(host, 0, 1)))
-    v_key = next(k for k in embedded.get_server(store_name).keys() if keys[0] in k and k.endswith(".v"))
+    v_key = next(k for k in local_store.get_server(store_name).keys() if keys[0] in k and k.endswith(".v"))
     _put_foreign(store_name, v_key, backend.pools.kv.sizes_list[1] * 2, 0x11)
     last = host.size // host.page_size - 1
     before = host.kv_buffer.view(-1).view(torch.uint8).clone()

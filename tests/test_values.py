@@ -39,12 +39,12 @@ def test_the_words_are_disjoint_and_lower_case():
 @pytest.mark.parametrize(("text", "expected"), SPELLINGS, ids=lambda v: repr(v))
 def test_config_and_the_embedded_store_take_the_same_spellings(text, expected):
     assert load_config({"manager_address": "local", "warmup": text}, {}).config.warmup is expected
-    before = embedded.get_flag("clnt_syncreq_enable_retry")
+    before = local_store.get_flag("clnt_syncreq_enable_retry")
     try:
-        assert embedded.set_flag("clnt_syncreq_enable_retry", text) is True
-        assert embedded.get_flag("clnt_syncreq_enable_retry") == ("true" if expected else "false")
+        assert local_store.set_flag("clnt_syncreq_enable_retry", text) is True
+        assert local_store.get_flag("clnt_syncreq_enable_retry") == ("true" if expected else "false")
     finally:
-        embedded.set_flag("clnt_syncreq_enable_retry", before)
+        local_store.set_flag("clnt_syncreq_enable_retry", before)
 
 
 def test_byte_size_errors_name_the_value_and_the_forms():

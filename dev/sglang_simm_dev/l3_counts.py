@@ -1,14 +1,15 @@
 """Pages a server's backend stored in L3 and read back, from its local store's
 own counters (``sglang-simm store status NAME`` shows the same ones).
 
-The store process counts objects: ``puts`` (objects published) and ``hits``
-(get entries that found their object), each with the part under warm-up
-keys apart (``warmup_puts``, ``warmup_hits``: every attach's start-up round
-trip, one object each, however many attaches and retries there were). A
-page is ``objects_per_page`` objects, so::
+The store process counts objects: ``puts`` (objects published), ``hits``
+(get entries that found their object) and ``deletes`` (objects deleted one
+by one). Every attach's start-up round trip puts, reads and deletes one
+object of its own, and the backend deletes nothing else one by one (its
+``clear`` deletes by prefix), so ``deletes`` counts the warm-ups. A page is
+``objects_per_page`` objects, so::
 
-    pages stored = (puts - warmup_puts) // objects_per_page
-    pages read   = (hits - warmup_hits) // objects_per_page
+    pages stored = (puts - deletes) // objects_per_page
+    pages read   = (hits - deletes) // objects_per_page
 
 A write puts every page of the batch, already stored or not (SiMM's ``mput``
 overwrites), so a page written twice counts twice, as the backend's own
@@ -36,22 +37,21 @@ class L3Objects:
 
     puts: int
     hits: int
-    warmup_puts: int
-    warmup_hits: int
+    warmups: int  # objects deleted one by one: the attaches' round trips
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any]) -> L3Objects:
-        return cls(*(int(status[name]) for name in ("puts", "hits", "warmup_puts", "warmup_hits")))
+        return cls(*(int(status[name]) for name in ("puts", "hits", "deletes")))
 
     @property
     def stored(self) -> int:
         """Page objects published (the warm-ups left out)."""
-        return self.puts - self.warmup_puts
+        return self.puts - self.warmups
 
     @property
     def read(self) -> int:
         """Page objects read back (the warm-ups left out)."""
-        return self.hits - self.warmup_hits
+        return self.hits - self.warmups
 
 
 def pages(objects: int, objects_per_page: int) -> int:
@@ -88,7 +88,7 @@ def host_store_name(extra_config: Mapping[str, Any]) -> str | None:
     from sglang_simm.config import SiMMConfig
 
     config = SiMMConfig(manager_address=address)
-    return config.embedded_name if config.embedded_scope == "host" else None
+    return config.local_store_name if config.local_store_scope == "host" else None
 
 
 class StoreCounter:
@@ -112,7 +112,7 @@ class StoreCounter:
 
         if self._handle is None:
             handle = StoreHandle(self.name, root=self.root, capacity=1, spawn=False, timeout_s=self.timeout_s,
-                                fault_in=False)
+                                 data=False)
             handle.open(wait_s=self.timeout_s)
             self._handle = handle
         try:

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from sglang_simm import local_store
-from sglang_simm.local_store import _client
+from sglang_simm.local_store import _kv as _client
 from sglang_simm.local_store._faults import FaultSettings, FaultyServer
 from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
 from sglang_simm.local_store._index import StoreIndex
@@ -138,17 +138,17 @@ def _put_and_get(server: StoreServer, keys: list[str]) -> None:
 
 def test_a_store_made_by_the_client_with_the_flag_counts_that_prefix_apart():
     name = f"contract-flag-{uuid.uuid4().hex[:8]}"
-    assert not embedded.set_flag("local_store_warmup_key_prefix", "x" * (MAX_KEY_BYTES + 1))
-    assert embedded.set_flag("cm_primary_node_ip", name)
-    plain = embedded.Store().server  # no prefix: nothing is counted apart
+    assert not local_store.set_flag("local_store_warmup_key_prefix", "x" * (MAX_KEY_BYTES + 1))
+    assert local_store.set_flag("cm_primary_node_ip", name)
+    plain = local_store.Store().server  # no prefix: nothing is counted apart
     _put_and_get(plain, ["w/1", "page/1"])
     assert (plain.stats()["warmup_puts"], plain.stats()["warmup_hits"]) == (0, 0)
-    assert embedded.set_flag("local_store_warmup_key_prefix", "w/")
-    assert embedded.Store().server is plain  # a Store() joining tells its store
+    assert local_store.set_flag("local_store_warmup_key_prefix", "w/")
+    assert local_store.Store().server is plain  # a Store() joining tells its store
     _put_and_get(plain, ["w/2", "page/2"])
     stats = plain.stats()
     assert (stats["puts"], stats["warmup_puts"], stats["hits"], stats["warmup_hits"]) == (4, 1, 4, 1)
-    embedded.reset_servers(name)
+    local_store.reset_servers(name)
 
 
 def _retry(call, timeout: float = 20.0):

@@ -51,7 +51,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from sglang_simm_dev.bench.backends import INTREE_MODULE, embedded_server, load_intree_class, make_intree, make_ours
+from sglang_simm_dev.bench.backends import INTREE_MODULE, local_store_server, load_intree_class, make_intree, make_ours
 from sglang_simm_dev.bench.bandwidth import BANDWIDTH_CASES, BandwidthRig, measure_bandwidth
 from sglang_simm_dev.bench.checks import Checks, check_result
 from sglang_simm_dev.bench.gil import longest_hold, measure_gil
@@ -90,7 +90,7 @@ __all__ = [
     "Plan",
     "Timed",
     "check_result",
-    "embedded_server",
+    "local_store_server",
     "fill_pool",
     "host_indices",
     "load_intree_class",
@@ -242,9 +242,9 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda s: None) -> dict[st
     bw_bytes = max((BANDWIDTH_CASES[c].page_bytes() * plan.bw_pages for c in plan.bw_cases), default=0)
     overhead_bytes = 4 * max_pages * OVERHEAD_GEOMETRY.page_bytes()
     capacity = max(256 << 20, 2 * (bw_bytes + overhead_bytes))
-    with embedded_server(capacity) as server:
+    with local_store_server(capacity) as server:
         phase("per call, local store")
-        rig = OverheadRig("embedded", max_pages, pool=pool)
+        rig = OverheadRig("local", max_pages, pool=pool)
         try:
             result["overhead"] += measure_overhead(rig, plan.sizes, plan.repeat, checks)
         finally:
@@ -269,7 +269,7 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda s: None) -> dict[st
     phase("")
     gc.unfreeze()
     result["phases_seconds"] = phases
-    for client in ("null", "embedded"):
+    for client in ("null", "local"):
         result["scaling"][client] = scaling(result["overhead"], client)
     result["goals"] = evaluate_goals(result)
     result["checks"] = {"ok": checks.ok, "verified": checks.items, "failures": checks.failures}

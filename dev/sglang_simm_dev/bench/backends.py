@@ -19,7 +19,7 @@ from sglang_simm_dev.pools import ModelGeometry, storage_config
 
 INTREE_MODULE = "sglang.srt.mem_cache.storage.simm.hicache_simm"
 #: The local store of this run: its own name, so two runs never share one.
-EMBEDDED_NAME = f"bench-{os.getpid()}"
+STORE_NAME = f"bench-{os.getpid()}"
 
 
 def load_intree_class(kv_module: Any) -> type:
@@ -78,7 +78,7 @@ def make_ours(pool: Any, geom: ModelGeometry, client: str, *, capacity: int | No
     """Our backend on the null client or the local store ``bench``."""
     from sglang_simm.backend import HiCacheSiMM
 
-    extra: dict[str, Any] = {"manager_address": f"local://{EMBEDDED_NAME}"}
+    extra: dict[str, Any] = {"manager_address": f"local://{STORE_NAME}"}
     if capacity:
         extra["local_store_capacity_bytes"] = int(capacity)
     sc = _storage_config(geom, extra)
@@ -100,7 +100,7 @@ def make_intree(pool: Any, geom: ModelGeometry, client: str) -> Any:
     else:
         from sglang_simm import local_store as kv_module
     cls = load_intree_class(kv_module)
-    sc = _storage_config(geom, {"manager_address": f"{EMBEDDED_NAME}:0"})
+    sc = _storage_config(geom, {"manager_address": f"{STORE_NAME}:0"})
     with _quiet(INTREE_MODULE):
         backend = cls(sc, None)
         backend.register_mem_pool_host(pool)
@@ -108,27 +108,27 @@ def make_intree(pool: Any, geom: ModelGeometry, client: str) -> Any:
 
 
 @contextmanager
-def embedded_server(capacity: int) -> Iterator[Any]:
-    """A fresh local store ``EMBEDDED_NAME`` (its store process started
+def local_store_server(capacity: int) -> Iterator[Any]:
+    """A fresh local store ``STORE_NAME`` (its store process started
     here); flags restored, and the store process stopped, after."""
     from sglang_simm import local_store
 
     names = ("cm_primary_node_ip", "local_store_capacity_bytes", "local_store_scope")
-    saved = {n: embedded.get_flag(n) for n in names}
-    embedded.reset_servers(EMBEDDED_NAME)
-    embedded.set_flag("local_store_scope", "host")
-    embedded.set_flag("cm_primary_node_ip", EMBEDDED_NAME)
-    embedded.set_flag("local_store_capacity_bytes", str(int(capacity)))
-    server = embedded.get_server(EMBEDDED_NAME)
+    saved = {n: local_store.get_flag(n) for n in names}
+    local_store.reset_servers(STORE_NAME)
+    local_store.set_flag("local_store_scope", "host")
+    local_store.set_flag("cm_primary_node_ip", STORE_NAME)
+    local_store.set_flag("local_store_capacity_bytes", str(int(capacity)))
+    server = local_store.get_server(STORE_NAME)
     try:
         yield server
     finally:
         try:
             server.clear()
         finally:
-            embedded.reset_servers(EMBEDDED_NAME)
+            local_store.reset_servers(STORE_NAME)
             for n, v in saved.items():
-                embedded.set_flag(n, v if v is not None else "")
+                local_store.set_flag(n, v if v is not None else "")
 
 
 def set_exists_answer(backend: Any, answer: bool) -> None:

@@ -22,12 +22,12 @@ and times the same calls idle and beside a thread running pure Python
 (``busy``), medians over ``--repeat`` calls per size. Counting runs apart
 from timing (the counters' own ``select`` would be in the figures).
 
-``--before REV[,REV...]`` runs the same bench on the embedded client of
+``--before REV[,REV...]`` runs the same bench on the local store client of
 those git revisions (each one's ``src`` exported to a temporary directory,
 this bench run from this tree), all trees taking turns ``--rounds`` times each, so
 every column shares the machine's load; ``--before none`` measures this
 tree only. Torch's own
-GIL releases in the backend (outside the embedded client) are not counted;
+GIL releases in the backend (outside the local store client) are not counted;
 the busy time shows them with the rest.
 """
 
@@ -121,7 +121,7 @@ def _plugin_root() -> str:
 def _install_counters(server: Any, counts: Counts) -> Callable[[], None]:
     """Count the GIL releases of ``server``'s connection and of the copies;
     returns what undoes it."""
-    from sglang_simm.local_store import _copy, _host
+    from sglang_simm.local_store import _copy, _handle
 
     conn = server._current()
     real_sock = conn.sock
@@ -144,9 +144,9 @@ def _install_counters(server: Any, counts: Counts) -> Callable[[], None]:
 
     wrap(_copy, "_memmove", "releases")  # a CFUNCTYPE call: releases the GIL
     wrap(_copy, "_memmove_held", "held")  # a PyDLL call: keeps it
-    wrap(_host, "_send_held", "held", conn.sock.sent_held)  # MSG_DONTWAIT send through PyDLL: keeps it
-    wrap(_host, "_recv_held", "held")  # MSG_DONTWAIT receive through PyDLL: keeps it
-    wrap(_host, "_ppoll_held", "held", conn.sock.waited_held)  # a short wait for a reply through PyDLL: keeps it
+    wrap(_handle, "_send_held", "held", conn.sock.sent_held)  # MSG_DONTWAIT send through PyDLL: keeps it
+    wrap(_handle, "_recv_held", "held")  # MSG_DONTWAIT receive through PyDLL: keeps it
+    wrap(_handle, "_ppoll_held", "held", conn.sock.waited_held)  # a short wait for a reply through PyDLL: keeps it
 
     def undo() -> None:
         conn.sock = real_sock

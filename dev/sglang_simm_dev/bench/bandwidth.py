@@ -36,7 +36,7 @@ class BandwidthRig:
         host_pages = int(self.pool.size) // geom.page_size
         self.src_pages = list(range(pages))
         self.dst_pages = list(range(pages, min(2 * pages, host_pages)))
-        self.ours = make_ours(self.pool, geom, "embedded", capacity=capacity)
+        self.ours = make_ours(self.pool, geom, "local", capacity=capacity)
         b = self.ours.pools.kv
         self.object_sizes = sorted(set(b.sizes_list))
         self.page_bytes = b.page_bytes

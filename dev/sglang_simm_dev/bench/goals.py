@@ -43,7 +43,7 @@ def evaluate_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "target": f">= {GOAL_BANDWIDTH_FRACTION:.0%}", "value": v, "unit": "%",
                 "met": v >= GOAL_BANDWIDTH_FRACTION,
             })
-    for client in ("null", "embedded"):
+    for client in ("null", "local"):
         sc = result["scaling"].get(client, {})
         for op in OPS:
             s = sc.get(op)

@@ -104,7 +104,7 @@ class Timed:
 
 class OverheadRig:
     """One host pool, ours and the in-tree backend on one client (``null``
-    or ``embedded``, the local store).
+    or ``local``, the local store).
 
     Pages ``src`` (the source of sets) and ``dst`` (where gets land) are
     disjoint and shuffled like a real pool's. Each backend draws its page

@@ -17,7 +17,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise OSError(f"--plot needs matplotlib ({exc}): pip install -e './dev[bench]'") from exc
-    clients = [c for c in ("null", "embedded") if any(r["client"] == c for r in result["overhead"])]
+    clients = [c for c in ("null", "local") if any(r["client"] == c for r in result["overhead"])]
     ncols = len(clients) + (1 if result["bandwidth"] else 0)
     fig, axes = plt.subplots(1, max(1, ncols), figsize=(5.5 * max(1, ncols), 4.2), squeeze=False)
     colors = {"set": "tab:blue", "exists": "tab:green", "get": "tab:orange", "get-cold": "tab:red"}

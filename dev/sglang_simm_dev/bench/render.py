@@ -43,9 +43,9 @@ def render(console: Any, result: dict[str, Any]) -> None:
         console.print("operations: " + "; ".join(f"[bold]{op}[/bold] {what}" for op, what in ops.items()))
     titles = {
         "null": "Own overhead per call, null client (only the backends' work; thread CPU time)",
-        "embedded": "Per call on the local store (backend + store; wall time)",
+        "local": "Per call on the local store (backend + store; wall time)",
     }
-    for client in ("null", "embedded"):
+    for client in ("null", "local"):
         rows = [r for r in result["overhead"] if r["client"] == client]
         if not rows:
             continue

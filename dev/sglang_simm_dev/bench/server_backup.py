@@ -11,9 +11,9 @@ a timer for the run, so one call gives the time spent in every layer:
 
 * ``backend``: ``HiCacheSiMM.batch_set_v1`` itself (``backend.py``,
   ``transfer.py``, ``binding.py``: keys, views, answers, counters);
-* ``client``: ``Store.mput`` (``embedded/_client.py``: argument and region
+* ``client``: ``Store.mput`` (``local_store/_kv.py``: argument and region
   checks; no fault code runs while no fault is set);
-* ``handle``: ``StoreHandle.put_from`` (``embedded/_host.py``: framing and
+* ``handle``: ``StoreHandle.put_from`` (``local_store/_handle.py``: framing and
   parsing, outside the requests below);
 * ``put``: the PUT request (send, the store process reserves room, reply);
 * ``populate``: faulting in the arena's pages (once per new high mark);
@@ -49,8 +49,8 @@ from sglang_simm.local_store.admin import private_store_dir
 #: the layers, outermost first, each with what it covers
 LAYERS = {
     "backend": "HiCacheSiMM.batch_set_v1 less Store.mput (backend, transfer, binding)",
-    "client": "Store.mput less StoreHandle.put_from (embedded/_client.py)",
-    "handle": "StoreHandle.put_from less its requests and copy (embedded/_host.py)",
+    "client": "Store.mput less StoreHandle.put_from (local_store/_kv.py)",
+    "handle": "StoreHandle.put_from less its requests and copy (local_store/_handle.py)",
     "put": "PUT round trip (store process reserves)",
     "populate": "arena pages faulted in",
     "copy": "copy_many into the arena",
@@ -184,7 +184,7 @@ def _backend(pages_in_pool: int, name: str) -> Iterator[tuple[Any, Any]]:
         yield backend, geom
     finally:
         backend.close()
-        embedded.reset_servers(name)
+        local_store.reset_servers(name)
 
 
 @contextmanager
@@ -218,7 +218,7 @@ def busy_thread(on: bool, spins: list[int] | None = None) -> Iterator[None]:
 def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = False) -> dict[str, Any]:
     """Per size, each layer's own microseconds (p10 / median / p90);
     ``busy``: beside a thread running Python (``busy_thread``)."""
-    from sglang_simm.local_store import _arena, _host
+    from sglang_simm.local_store import _maps
     from sglang_simm.local_store._protocol import Op
     from sglang_simm_dev.bench.pages import host_indices, page_keys
 
@@ -231,13 +231,13 @@ def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = Fal
     pings: list[float] = []
     with _backend(pool_pages, name) as (backend, geom):
         server = backend.client.store.server
-        saved = (backend.client.mput_views, _host.copy_many, _arena.ArenaMap.populate)
+        saved = (backend.client.mput_views, _maps.copy_many, _maps.SegmentMap._fault)
         backend.client.mput_views = clock.wrap("mput", backend.client.mput_views)
         server.put_from = clock.wrap("put_from", server.put_from)
         server._request = clock.wrap(lambda op, *a, **k: {Op.PUT: "put", Op.COMMIT: "commit"}.get(op, "other"),
                                      server._request)
-        _host.copy_many = clock.wrap("copy", _host.copy_many)
-        _arena.ArenaMap.populate = clock.wrap("populate", _arena.ArenaMap.populate)
+        _maps.copy_many = clock.wrap("copy", _maps.copy_many)
+        _maps.SegmentMap._fault = clock.wrap("populate", _maps.SegmentMap._fault)
         gc_was = gc.isenabled()
         gc.disable()
         try:
@@ -263,7 +263,7 @@ def measure(sizes: list[int], repeat: int, warmup: int = 20, *, busy: bool = Fal
         finally:
             if gc_was:
                 gc.enable()
-            backend.client.mput_views, _host.copy_many, _arena.ArenaMap.populate = saved
+            backend.client.mput_views, _maps.copy_many, _maps.SegmentMap._fault = saved
             for attr in ("put_from", "_request"):
                 server.__dict__.pop(attr, None)
     page_bytes = geom.page_bytes()

@@ -375,25 +375,25 @@ def names_own_store(extra: dict[str, Any]) -> bool:
 
 
 @contextlib.contextmanager
-def own_embedded_store(config: Any) -> Iterator[None]:
+def own_local_store(config: Any) -> Iterator[None]:
     """Drop the local store named by ``config`` at the end, its memory
     with it, when the run is what created it."""
     from sglang_simm.local_store import reset_servers, server_names
 
-    if config.embedded_scope == "host":
+    if config.local_store_scope == "host":
         from sglang_simm.local_store.admin import pid_alive
         from sglang_simm.local_store.admin import StorePaths, read_pid, store_dir
 
         # a store process already serving that name is someone else's
         root = store_dir(config.client_flags.get("local_store_dir") or None)
-        created = not pid_alive(read_pid(StorePaths(root, config.embedded_name)))
+        created = not pid_alive(read_pid(StorePaths(root, config.local_store_name)))
     else:
-        created = config.is_embedded and config.embedded_name not in set(server_names())
+        created = config.is_local_store and config.local_store_name not in set(server_names())
     try:
         yield
     finally:
         if created:
-            reset_servers(config.embedded_name)
+            reset_servers(config.local_store_name)
 
 
 # ------------------------------------------------------------------ output

@@ -40,7 +40,7 @@ from sglang_simm_dev.demo.common import (
     PagePattern,
     Phase,
     human,
-    own_embedded_store,
+    own_local_store,
     quiet_imports,
     resolve_extra,
     run_command,
@@ -157,7 +157,7 @@ class HybridDemo:
         from sglang_simm_dev import pools
 
         config = self.resolved.config
-        if config.is_embedded and self.resolved.sources.get("local_store_capacity_bytes") == "default":
+        if config.is_local_store and self.resolved.sources.get("local_store_capacity_bytes") == "default":
             self.extra["local_store_capacity_bytes"] = (
                 2 * self.pages * self.page_bytes + (self.nodes + 2) * self.state_bytes + (16 << 20)
             )
@@ -207,7 +207,7 @@ class HybridDemo:
             (self.shared // self.node) * self.node * self.page_bytes + self.state_bytes
         )
         try:
-            with own_embedded_store(self.resolved.config):
+            with own_local_store(self.resolved.config):
                 with quiet_imports():
                     hasher = PageHasher()
                     backend, kv, mamba = self._attach()

@@ -51,7 +51,7 @@ from sglang_simm_dev.demo.common import (
     Phase,
     Progress,
     human,
-    own_embedded_store,
+    own_local_store,
     quiet_imports,
     resolve_extra,
     run_command,
@@ -182,8 +182,8 @@ class Demo:
 
     def _plan_memory(self) -> None:
         host_bytes = self.host_pages * self.page_bytes
-        store_bytes = self.store_pages * self.page_bytes if self.config.is_embedded else 0
-        if self.config.is_embedded and self.resolved.sources.get("local_store_capacity_bytes") == "default":
+        store_bytes = self.store_pages * self.page_bytes if self.config.is_local_store else 0
+        if self.config.is_local_store and self.resolved.sources.get("local_store_capacity_bytes") == "default":
             # Room for every page the demo writes (plus the warm-up object),
             # not the local store's general default.
             self.extra["local_store_capacity_bytes"] = store_bytes + (16 << 20)
@@ -302,7 +302,7 @@ class Demo:
         )
         driver = None
         try:
-            with own_embedded_store(self.config):
+            with own_local_store(self.config):
                 try:
                     with quiet_imports():
                         hasher = PageHasher()
@@ -327,7 +327,7 @@ class Demo:
         buf = driver.host.kv_buffer
         objects = 1 if self.geom.is_mla else 2
         return memcpy_reference(buf.data_ptr(), buf.numel() * buf.element_size(), self.page_bytes // objects,
-                                shared=self.config.embedded_scope == "host")
+                                shared=self.config.local_store_scope == "host")
 
     def _announce(self, driver: Driver, hasher: PageHasher) -> None:
         g, c = self.geom, self.console

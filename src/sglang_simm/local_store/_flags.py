@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sglang_simm.local_store._index import EVICTION_POLICIES
+from sglang_simm.local_store._limits import EVICTION_POLICIES
 
 logger = logging.getLogger("sglang_simm.local_store")
 
@@ -38,8 +38,8 @@ RENAMED_FLAGS["embedded_store_dir"] = "local_store_dir"
 #: now, outside the package (``sglang_simm_dev.faults``).
 MOVED_FLAGS = frozenset(f"{p}_{n}" for p in ("local_store", "embedded") for n in (
     "error_rate", "error_code", "latency_us", "down", "corrupt_reads", "seed"))
-MOVED_WHERE = ("fault injection is a test instrument now: sglang_simm_dev.faults (configure_faults, or "
-               "SGLANG_SIMM_FAULTS in a server's environment), from a clone's dev/")
+MOVED_WHERE = ("fault injection is a test instrument now, outside the wheel: dev/sglang_simm_dev/faults.py in a "
+               "clone (configure_faults, or SGLANG_SIMM_FAULTS in a server's environment)")
 
 
 def deprecated(old: str, new: str) -> str:

@@ -278,20 +278,19 @@ class StoreHandle:
     """This process's handle on the local store ``name`` in ``root``.
     ``capacity`` and ``policy`` apply when it starts the store; a store
     that runs or has run keeps its own. ``data``: whether it moves data (the
-    operator's commands do not: no segment, no row). ``in_thread``: it
-    starts the store on a thread of this process (``inprocess``)."""
+    operator's commands do not: no segment, no row)."""
 
     def __init__(self, name: str, *, root: str | None = None, capacity: int, policy: str = "fifo",
                  timeout_s: float = 1.0, spawn: bool = True, idle_exit_s: float = DEFAULT_IDLE_EXIT_S,
                  started_by: str = "client", limits: dict[str, Any] | None = None, data: bool = True,
-                 force: bool = False, in_thread: bool = False) -> None:
+                 force: bool = False) -> None:
         self.paths = StorePaths(store_dir(root), name)  # a bad name or path fails before anything is made
         self.root = ensure_dir(self.paths.root, create=spawn)
         self.name = name
         self.capacity_requested, self.policy_requested = capacity, policy
         self.timeout_s, self.spawn_allowed, self.idle_exit_s = timeout_s, spawn, idle_exit_s
         self.started_by, self.limits, self.data = started_by, dict(limits or {}), data
-        self.force, self.in_thread = force, in_thread
+        self.force = force
         self._reset()
         self.closed = False
         self.reconnects = 0
@@ -453,14 +452,6 @@ class StoreHandle:
         return True
 
     def _launch(self) -> Any:
-        if self.in_thread:
-            from sglang_simm.local_store._server import StoreRefused, serve_in_thread
-
-            try:
-                serve_in_thread(self.root, self.name, self.capacity_requested, self.policy_requested)
-            except StoreRefused as exc:
-                logger.error("local store %r cannot start: %s", self.name, exc)
-            return _Done()
         cmd = [sys.executable, "-m", "sglang_simm.local_store._server", "--detach", "--dir", self.root, "--name",
                self.name, "--capacity", str(self.capacity_requested), "--policy", self.policy_requested,
                "--idle-exit", str(self.idle_exit_s), "--started-by", self.started_by]
@@ -742,13 +733,6 @@ class StoreHandle:
         return f"<StoreHandle {self.name!r} {usage}>"
 
 
-class _Done:
-    """A launch that is over (the store started on a thread of this process)."""
-
-    def poll(self) -> int:
-        return 0
-
-
 def _ints(r: Reader, n: int) -> list[int]:
     try:
         values = r.ints()
@@ -787,7 +771,7 @@ def wait_gone(paths: StorePaths, pid: int | None, wait_s: float) -> bool:
 
 
 def get_or_open(name: str, *, root: str | None, capacity: int, policy: str, timeout_s: float,
-                idle_exit_s: float = DEFAULT_IDLE_EXIT_S, in_thread: bool = False) -> StoreHandle:
+                idle_exit_s: float = DEFAULT_IDLE_EXIT_S, spawn: bool = True) -> StoreHandle:
     """This process's handle on local store ``name``, connected (the store
     started if needed) on first use."""
     key = (store_dir(root), name)
@@ -796,7 +780,7 @@ def get_or_open(name: str, *, root: str | None, capacity: int, policy: str, time
     if handle is not None and not handle.closed:
         return handle
     handle = StoreHandle(name, root=root, capacity=capacity, policy=policy, timeout_s=timeout_s,
-                         idle_exit_s=idle_exit_s, in_thread=in_thread)
+                         idle_exit_s=idle_exit_s, spawn=spawn)
     handle.open()
     with _LOCK:
         current = _HANDLES.get(key)

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from sglang_simm.local_store._allocator import ALIGN, ExtentAllocator, aligned
-from sglang_simm.local_store._limits import StoreLimits
+from sglang_simm.local_store._limits import EVICTION_POLICIES, StoreLimits, check_policy  # noqa: F401 (EVICTION_POLICIES re-exported)
 from sglang_simm.local_store._table import SlotPool
 from sglang_simm.simm_rules import (
     DS_CACHE_POOL_ALLOC_FAILED,
@@ -57,8 +57,6 @@ from sglang_simm.simm_rules import (
     TARGET_UNAVAILABLE,
 )
 
-EVICTION_POLICIES = ("fifo", "lru")
-
 #: The store's counters.
 STAT_NAMES = (
     "puts",  # objects published
@@ -71,7 +69,8 @@ STAT_NAMES = (
     "already_exists",  # puts refused because the key was there (no overwrite)
     "rejected",  # puts refused for capacity
     "out_of_memory",  # puts refused because the host could back no more
-    "deletes",  # objects deleted
+    "deletes",  # objects deleted one by one (DELETE)
+    "prefix_deletes",  # objects deleted by prefix (DELETE_PREFIX)
     "aborted",  # granted objects never published (aborted, or the writer gone)
     "recovered",  # objects found in earlier segments at start
     "checksum_failures",  # recovered objects whose bytes did not match: dropped, read as misses
@@ -87,12 +86,6 @@ def check_capacity(value: object) -> int:
     if value <= 0:
         raise ValueError(f"capacity_bytes must be > 0, got {value!r}")
     return value
-
-
-def check_policy(policy: object) -> str:
-    if policy not in EVICTION_POLICIES:
-        raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
-    return policy  # type: ignore[return-value]
 
 
 class GrantError(KeyError):
@@ -665,7 +658,7 @@ class StoreIndex:
         slots = self._keys.slots()
         doomed = slots[np.char.startswith(self.table.key[slots], prefix)].tolist() if len(slots) else []
         self._unpublish(doomed)
-        self.stats["deletes"] += len(doomed)
+        self.stats["prefix_deletes"] += len(doomed)
         return len(doomed)
 
     def clear(self) -> int:

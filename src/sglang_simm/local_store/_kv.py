@@ -66,10 +66,12 @@ RDMA access error, not a defined code.)
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import operator
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -80,8 +82,9 @@ from sglang_simm.local_store import _flags, _handle
 from sglang_simm.local_store._copy import human_bytes, wrap_memory
 from sglang_simm.local_store._flags import HEAD
 from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
-from sglang_simm.local_store._paths import store_dir
+from sglang_simm.local_store._paths import StorePaths, lock_held, store_dir
 from sglang_simm.simm_rules import (
+    BUILD_CONNECTION_FAILED,
     DS_DATA_ALREADY_EXISTS,
     GET_OBJECT_FAILED,
     INVALID_ARGUMENT,
@@ -153,15 +156,23 @@ def _root(settings: _flags.LocalStoreSettings) -> str:
         parent = store_dir(settings.dir)
         os.makedirs(parent, mode=0o700, exist_ok=True)
         _private_root = tempfile.mkdtemp(prefix=f"inprocess-{os.getpid()}-", dir=parent)
+        atexit.register(shutil.rmtree, _private_root, True)
     return _private_root
 
 
 def _handle_for(name: str) -> StoreHandle:
     settings = _flags.local_settings()
     capacity = settings.capacity_bytes if settings.capacity_bytes is not None else default_capacity_bytes()
-    return _handle.get_or_open(name, root=_root(settings), capacity=capacity, policy=settings.eviction,
-                               timeout_s=settings.request_timeout_s, idle_exit_s=settings.idle_exit_s,
-                               in_thread=settings.scope == "process")
+    root, host = _root(settings), settings.scope == "host"
+    if not host and not lock_held(StorePaths(root, name)):
+        from sglang_simm.local_store._server import StoreRefused, serve_in_thread
+
+        try:
+            serve_in_thread(root, name, capacity, settings.eviction)
+        except StoreRefused as exc:
+            raise StoreUnreachable(BUILD_CONNECTION_FAILED, str(exc)) from exc
+    return _handle.get_or_open(name, root=root, capacity=capacity, policy=settings.eviction,
+                               timeout_s=settings.request_timeout_s, idle_exit_s=settings.idle_exit_s, spawn=host)
 
 
 def _checked_name(name: object) -> str:

@@ -15,6 +15,15 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+EVICTION_POLICIES = ("fifo", "lru")
+
+
+def check_policy(policy: object) -> str:
+    if policy not in EVICTION_POLICIES:
+        raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
+    return policy  # type: ignore[return-value]
+
+
 #: Why a request or connection was refused: the ``refused_<reason>`` counters.
 REFUSALS = (
     "connections",  # max_connections reached

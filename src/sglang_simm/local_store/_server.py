@@ -48,7 +48,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_simm.local_store._index import EVICTION_POLICIES, GrantError, StoreIndex
+from sglang_simm.local_store._index import GrantError, StoreIndex
+from sglang_simm.local_store._limits import EVICTION_POLICIES
 from sglang_simm.local_store._limits import REFUSALS, RateLimitedLog, StoreLimits
 from sglang_simm.local_store._paths import (
     StoreAccessError,

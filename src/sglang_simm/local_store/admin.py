@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from sglang_simm.local_store import lazy_attributes
 from sglang_simm.local_store._flags import MOVED_FLAGS, MOVED_WHERE, RENAMED_FLAGS, both_given, deprecated
-from sglang_simm.local_store._limits import StoreLimits
+from sglang_simm.local_store._limits import EVICTION_POLICIES, StoreLimits
 from sglang_simm.local_store._paths import (
     NAME_RE,
     NAME_RULE,
@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover (the same names as _LAZY, for readers and 
         running_status,
         wait_gone,
     )
-    from sglang_simm.local_store._index import EVICTION_POLICIES
     from sglang_simm.local_store._metrics import render_metrics
     from sglang_simm.local_store._segments import Backing, capacity_problem
     from sglang_simm.local_store._server import lock_name, remove_files
@@ -49,7 +48,6 @@ _LAZY = {
     "open_running": "_handle",  # a handle on a running store that never starts one and moves no data
     "running_status": "_handle",  # a running store's status with what its files hold
     "wait_gone": "_handle",  # wait until a stopped store's process is gone
-    "EVICTION_POLICIES": "_index",
     "Backing": "_segments",  # what can back a store in a directory (medium, size, free)
     "capacity_problem": "_segments",  # why a capacity cannot be, or a warning, before anything starts
     "remove_files": "_server",  # a stopped store's files removed (``store stop --discard``)
@@ -58,6 +56,6 @@ _LAZY = {
     "human_bytes": "_copy",
 }
 __getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
-__all__ = sorted([*_LAZY, "MOVED_FLAGS", "MOVED_WHERE", "NAME_RE", "NAME_RULE", "RENAMED_FLAGS", "STORE_DIR_ENV",
+__all__ = sorted([*_LAZY, "EVICTION_POLICIES", "MOVED_FLAGS", "MOVED_WHERE", "NAME_RE", "NAME_RULE", "RENAMED_FLAGS", "STORE_DIR_ENV",
                   "StoreLimits", "StorePaths", "both_given", "check_name", "deprecated", "lock_held",
                   "pid_alive", "private_store_dir", "read_pid", "store_dir", "store_names"])
