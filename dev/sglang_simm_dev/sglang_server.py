@@ -24,6 +24,8 @@ import ctypes
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -211,11 +213,20 @@ def free_port(attempts: int = 64) -> int:
 
 def server_env(config: ServerConfig, workdir: str) -> dict[str, str]:
     """The server's environment: the CPU engine, no CUDA device, the stand-ins'
-    ``sitecustomize`` first on ``PYTHONPATH``, no hub access, logs and build
-    caches under ``workdir`` or the venv."""
+    ``sitecustomize`` first on ``PYTHONPATH``, no hub access, logs, temporary
+    files and build caches under ``workdir`` or the venv. Every path is
+    absolute: the server runs in ``workdir``, where a relative one would
+    name another place."""
+    workdir = os.path.abspath(workdir)
     env = dict(os.environ)
     site_dir = cpu_standins.write_sitecustomize(os.path.join(workdir, "site"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, *config.pythonpath, env.get("PYTHONPATH", "")) if p)
+    paths = (site_dir, *(os.path.abspath(p) for p in config.pythonpath), env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    # SGLang names its IPC sockets and its metrics' multiprocess folder with
+    # tempfile (and leaves them behind when it ends by a signal): a folder of
+    # this server's own, removed when it stops (``SGLangServer.stop``)
+    env["TMPDIR"] = server_tmpdir(workdir)
+    os.makedirs(env["TMPDIR"], exist_ok=True)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["HF_HUB_OFFLINE"] = "1"
@@ -232,6 +243,34 @@ def server_env(config: ServerConfig, workdir: str) -> dict[str, str]:
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(prefix, "torch_extensions")
     env.update(config.env)
     return env
+
+
+def server_tmpdir(workdir: str) -> str:
+    """The server's ``TMPDIR``, inside its working folder."""
+    return os.path.join(os.path.abspath(workdir), "tmp")
+
+
+#: the last line of a Python traceback: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?::\s.*)?$")
+#: what SGLang's launcher raises after a child died, which names no cause: the child's traceback does
+_SECONDARY = ("scheduler is dead", "Initialization failed", "please see the error messages above",
+              "check if there are relevant logs")
+
+
+def failure_reason(log: str) -> str | None:
+    """Why a server did not start, as its log says: uvicorn's line when the
+    port was taken, else the last line of the first traceback that names a
+    cause (SGLang's launcher adds one of its own after a child died, which
+    names none; its child's comes first), else None."""
+    lines = log.splitlines()
+    for line in lines:
+        if BIND_FAILED in line:
+            return line.strip()
+    found = [line.strip() for line in lines if _EXCEPTION_LINE.match(line.strip())]
+    for line in found:
+        if not any(words.lower() in line.lower() for words in _SECONDARY):
+            return line
+    return found[-1] if found else None
 
 
 @dataclass
@@ -296,7 +335,8 @@ class SGLangServer:
 
     def __init__(self, config: ServerConfig, workdir: str | os.PathLike, *, name: str = "server") -> None:
         self.config = config
-        self.workdir = os.fspath(workdir)
+        # absolute: the server runs in it, and a relative path would name a folder inside it
+        self.workdir = os.path.abspath(os.fspath(workdir))
         os.makedirs(self.workdir, exist_ok=True)
         self.name = name
         self.log_path = os.path.join(self.workdir, f"{name}.log")
@@ -371,11 +411,9 @@ class SGLangServer:
                 next_report += every_s
             code = self.proc.poll()
             if code is not None:
-                raise ServerError(
-                    f"{self.name} exited with status {code} while starting; log {self.log_path}:\n{self.log_tail()}"
-                )
+                raise self._start_failed(f"exited with status {code} while starting")
             if BIND_FAILED in self.log_text():  # its launcher waits on its children: it would never exit
-                raise ServerError(f"{self.name} could not bind port {self.port}; log {self.log_path}:\n{self.log_tail()}")
+                raise self._start_failed(f"could not bind port {self.port}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -383,11 +421,16 @@ class SGLangServer:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise ServerError(
-                    f"{self.name} not healthy after {self.config.startup_timeout_s:.0f} s; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
+                raise self._start_failed(f"not healthy after {self.config.startup_timeout_s:.0f} s")
             time.sleep(0.5)
+
+    def _start_failed(self, what: str) -> ServerError:
+        """A failed start: what happened and SGLang's reason on the first
+        line, then the log's path and its last lines (whoever prints one
+        line of it still says why)."""
+        reason = failure_reason(self.log_text())
+        because = f": {reason}" if reason else " (no reason in its log)"
+        return ServerError(f"{self.name} {what}{because}; log {self.log_path}:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 30.0, grace: float = 5.0) -> None:
         """SIGTERM to the server's pid (SGLang then ends its own children),
@@ -418,6 +461,7 @@ class SGLangServer:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        shutil.rmtree(server_tmpdir(self.workdir), ignore_errors=True)  # its processes are gone
         self.proc = None
         counter, self._l3 = self._l3, None
         if counter is not None:
