@@ -153,8 +153,13 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     # 1. configuration
     config = resolved = None
     unknown = find_unknown_keys(extra)
-    report.warnings += [f"configuration: {u.message()}. Rename or remove it: the backend ignores it"
-                        for u in unknown]
+    # a near miss of a name of ours is a setting that silently does not apply:
+    # a problem here (a deployment gate must not pass it), though the server
+    # itself only warns; added after the round trip, which it does not concern
+    typos = [f"configuration: {u.message()} The backend ignores it, so what it was meant to set does not "
+             f"apply: rename it" for u in unknown if u.near_miss]
+    report.warnings += [f"configuration: {u.message()} Remove it: the backend ignores it"
+                        for u in unknown if not u.near_miss]
     # the launch lines carry what the backend reads, not the keys it ignores
     ignored = {u.key for u in unknown if u.source == "extra_config"}
     extra = {k: v for k, v in extra.items() if k not in ignored}
@@ -268,6 +273,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
         else:
             _round_trip(console, config, report)
 
+    report.problems += typos
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {_text(note)}", soft_wrap=True)  # paths stay whole, to copy
     for warning in report.warnings:
