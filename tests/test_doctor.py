@@ -24,6 +24,20 @@ def test_embedded_store_passes_with_a_round_trip(capsys, store_name):
     assert "--hicache-storage-backend simm" in out and '"interface_v1": 1' in out
 
 
+def test_the_launch_lines_carry_the_recommended_settings_each_with_why(capsys, store_name):
+    from sglang_simm.tools.doctor import RECOMMENDED
+
+    code = main(["doctor", "--manager", f"inprocess://{store_name}"])
+    lines = capsys.readouterr().out.split("Launch lines")[1].splitlines()
+    commands = [line for line in lines if line.startswith("python -m sglang.launch_server")]
+    assert code == 0 and len(commands) == 2
+    for flag, _why in RECOMMENDED:
+        assert all(flag in command for command in commands), flag
+        assert any(line.startswith(f"# {flag}: ") for line in lines), flag
+    [ratio] = [line for line in lines if line.startswith("# --hicache-ratio 2: ")]
+    assert "free host memory" in ratio and "Not enough host memory available" in ratio
+
+
 def test_wrong_address_names_the_field_and_fails(capsys):
     code, out = doctor(capsys, "--manager", "10.0.0.1")
     assert code == 1
