@@ -601,3 +601,16 @@ def test_import_is_cheap():
     code = "import sys, sglang_simm.config, sglang_simm.numa; assert 'torch' not in sys.modules and 'sglang' not in sys.modules"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.parametrize(("flags", "environ", "why"), [
+    ({"local_store_dir": "/a"}, {"SGLANG_SIMM_STORE_DIR": "/b"}, "client flag local_store_dir"),
+    ({}, {"SGLANG_SIMM_STORE_DIR": "/b"}, "env SGLANG_SIMM_STORE_DIR"),
+], ids=["flag-over-env", "env"])
+def test_a_local_stores_directory_and_what_chose_it(flags, environ, why):
+    from sglang_simm.config import local_store_place
+
+    config = SiMMConfig(manager_address="local://x", client_flags=flags)
+    assert local_store_place(config, environ) == (flags.get("local_store_dir") or environ["SGLANG_SIMM_STORE_DIR"], why)
+    assert local_store_place(SiMMConfig(manager_address=ADDR), environ) is None
+    assert local_store_place(SiMMConfig(manager_address="inprocess"), environ) is None

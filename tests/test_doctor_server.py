@@ -216,3 +216,89 @@ def test_an_api_key_reaches_every_endpoint_and_a_missing_one_is_named(keyed_serv
     assert "HTTP 401" in out and "--api-key" in out
     assert main(["doctor", "--server", url, "--api-key", "wrong"]) == 1
     assert "not the server's" in " ".join(capsys.readouterr().out.split())
+
+
+# ------------------------------------------------ the server's store, as it reports it
+
+
+@pytest.fixture
+def fake_server():
+    """``fake_server(info, metrics_text)`` -> the URL of an HTTP server on
+    127.0.0.1 that answers /server_info and /metrics as given; stopped at the end."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    started = []
+
+    def serve(info: dict, metrics: str) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                body = {"/server_info": json.dumps(info).encode(), "/metrics": metrics.encode()}.get(self.path)
+                self.send_response(200 if body is not None else 404)
+                self.end_headers()
+                self.wfile.write(body or b"")
+
+            def log_message(self, *args):
+                pass
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        started.append(httpd)
+        return f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    yield serve
+    for httpd in started:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def store_info(store_dir: str, chosen_by: str = "env SGLANG_SIMM_STORE_DIR", address: str = "local://x") -> str:
+    return (f'sglang_simm:l3_store_info{{model_name="m",tp_rank="0",pp_rank="0",dp_rank="",address="{address}",'
+            f'store_dir="{store_dir}",store_dir_from="{chosen_by}"}} 1.0\n')
+
+
+WORKING = ("sglang_simm:l3_pages_hit_total 63\nsglang_simm:l3_pages_written_total 64\n"
+           'sglang:num_requests_total 4\nsglang:prompt_tokens_total 4096\n')
+
+
+def test_doctor_reads_the_store_where_the_server_says_it_lives_and_names_why_its_shell_differs(
+        fake_server, host_store_dir, monkeypatch, capsys):
+    """The server's store lives in a directory its environment's
+    SGLANG_SIMM_STORE_DIR names, which doctor's shell lacks: doctor reads
+    that store (running: nothing blocks), and says where and why the two differ."""
+    import os
+    import uuid
+
+    from sglang_simm.embedded.admin import HostServer
+
+    name, elsewhere = f"t-{uuid.uuid4().hex[:8]}", os.path.join(host_store_dir, "elsewhere")
+    store = HostServer(name, root=elsewhere, capacity=64 << 20)
+    store.open()
+    try:
+        info = server(hicache_storage_backend_extra_config=json.dumps({"manager_address": f"local://{name}"}))
+        url = fake_server(info, WORKING + store_info(elsewhere, address=f"local://{name}"))
+        monkeypatch.delenv("SGLANG_SIMM_STORE_DIR")
+        code = main(["doctor", "--server", url])
+    finally:
+        store.stop()
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0, out
+    assert f"the server's local store '{name}' lives in {elsewhere}, as the server reports" in out
+    assert f"the server's environment sets SGLANG_SIMM_STORE_DIR={elsewhere} and this shell lacks it" in out
+    assert "is not running" not in out
+
+
+def test_where_doctor_cannot_reach_the_store_the_servers_working_l3_wins():
+    """A store doctor cannot reach, while the server's own counters show L3
+    hitting: no block; the finding names where the views differ and why."""
+    status = {"name": "x", "running": False, "why": "no store process is running"}
+    found = ds.reconcile_store("x", "/dev/shm/mine", ("/dev/shm/theirs", "default"), status, None,
+                               ds.parse_metrics(WORKING), shell_dir="/dev/shm/mine")
+    assert levels(found, "block") == []
+    text = " ".join(f.what for f in found)
+    assert "lives in /dev/shm/theirs, as the server reports, not in /dev/shm/mine" in text
+    assert "this shell sets SGLANG_SIMM_STORE_DIR=/dev/shm/mine" in text
+    assert "doctor cannot reach the local store 'x' in /dev/shm/theirs" in text and "63 pages hit" in text
+    # the same store with no sign of L3 at work in the server's counters: it blocks
+    idle = ds.reconcile_store("x", "/dev/shm/mine", None, status, None, None, shell_dir=None)
+    assert len(levels(idle, "block")) == 1 and "--enable-metrics makes the server report where" in idle[0].what

@@ -292,8 +292,15 @@ def connect(
     kv = kv_module if kv_module is not None else load_kv_module(config)
     embedded = config.is_embedded
     if embedded:
-        where = "local store" if config.embedded_scope == "host" else "in-process local store"
-        description = f"{where} {config.embedded_name!r}"
+        from sglang_simm.config import local_store_place
+
+        place = local_store_place(config)
+        if place is None:
+            description = f"in-process local store {config.embedded_name!r}"
+        else:
+            # said where it lives: doctor, run from another shell, may look elsewhere
+            description = f"local store {config.embedded_name!r} in {place[0]}"
+            logger.info("SiMM local store %r lives in %s (%s)", config.embedded_name, *place)
         log_file = ""
     else:
         description = f"SiMM cluster manager {config.manager_address}"

@@ -44,7 +44,7 @@ from sglang_simm.keys import KEY_SCHEMES, KeyScheme
 from sglang_simm.values import InvalidValue, parse_bool, parse_byte_size
 
 from sglang_simm.embedded.admin import NAME_RE as STORE_NAME_RE, NAME_RULE as STORE_NAME_RULE
-from sglang_simm.embedded.admin import RENAMED_FLAGS, STORE_DIR_ENV, both_given, deprecated
+from sglang_simm.embedded.admin import RENAMED_FLAGS, STORE_DIR_ENV, both_given, deprecated, store_dir
 
 __all__ = [
     "CONFIG_PATH_ENV",
@@ -64,6 +64,7 @@ __all__ = [
     "find_deprecated_names",
     "find_unknown_keys",
     "load_config",
+    "local_store_place",
     "log_resolved",
     "parse_byte_size",
     "quiet",
@@ -1031,6 +1032,25 @@ def _cross_field_problems(out: Mapping[str, Any], raw: Mapping[str, tuple[Any, s
             "at least the first wait: raise breaker_backoff_max_ms or lower breaker_backoff_ms"
         )
     return problems
+
+
+# --------------------------------------------------------------------------
+# Where a local store lives
+# --------------------------------------------------------------------------
+
+
+def local_store_place(config: SiMMConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """The directory a ``local`` address's store lives in, as this
+    process's client finds it, and what chose it: ``client flag
+    local_store_dir``, ``env SGLANG_SIMM_STORE_DIR`` or ``default``; None
+    for a cluster or the in-process store. Servers report it (their log,
+    their ``/metrics``), so that ``doctor --server`` reads theirs, not its own."""
+    if config.embedded_scope != "host":
+        return None
+    env = os.environ if environ is None else environ
+    flag, variable = config.client_flags.get("local_store_dir") or "", env.get(STORE_DIR_ENV) or ""
+    why = "client flag local_store_dir" if flag else f"env {STORE_DIR_ENV}" if variable else "default"
+    return store_dir(flag or variable or None), why
 
 
 # --------------------------------------------------------------------------
