@@ -167,3 +167,19 @@ def test_keep_running_names_the_doctor_command_and_lasts_as_long_as_the_server(t
         server.stop(timeout=5, grace=5)
     out = capsys.readouterr().out
     assert f"sglang-simm doctor --server http://127.0.0.1:{server.port}" in out and "Ctrl-C stops it" in out
+
+
+def test_a_working_folder_too_deep_for_sglangs_sockets_gets_a_tmpdir_of_its_own_elsewhere(tmp_path):
+    """SGLang binds unix sockets in TMPDIR (108 bytes at most per path):
+    under a deep working folder the server's TMPDIR is a private folder in
+    the system's temp dir instead, removed all the same."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    probe = "import os, time; print('TMPDIR', os.environ['TMPDIR'], flush=True); time.sleep(600)"
+    server = SGLangServer(StandIn(model_path="unused", code=probe), deep, name="deep")
+    try:
+        [tmpdir] = logged(server.launch(), "TMPDIR")
+        assert len(tmpdir) + len("/tmpXXXXXXXX") <= 107 and os.path.isdir(tmpdir)
+        assert os.path.basename(tmpdir).startswith("sglang-simm-server-")
+    finally:
+        server.stop(timeout=5, grace=5)
+    assert not os.path.exists(tmpdir)

@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -211,7 +212,7 @@ def free_port(attempts: int = 64) -> int:
         return s.getsockname()[1]
 
 
-def server_env(config: ServerConfig, workdir: str) -> dict[str, str]:
+def server_env(config: ServerConfig, workdir: str, tmpdir: str | None = None) -> dict[str, str]:
     """The server's environment: the CPU engine, no CUDA device, the stand-ins'
     ``sitecustomize`` first on ``PYTHONPATH``, no hub access, logs, temporary
     files and build caches under ``workdir`` or the venv. Every path is
@@ -225,8 +226,7 @@ def server_env(config: ServerConfig, workdir: str) -> dict[str, str]:
     # SGLang names its IPC sockets and its metrics' multiprocess folder with
     # tempfile (and leaves them behind when it ends by a signal): a folder of
     # this server's own, removed when it stops (``SGLangServer.stop``)
-    env["TMPDIR"] = server_tmpdir(workdir)
-    os.makedirs(env["TMPDIR"], exist_ok=True)
+    env["TMPDIR"] = tmpdir or make_server_tmpdir(workdir)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["HF_HUB_OFFLINE"] = "1"
@@ -245,9 +245,21 @@ def server_env(config: ServerConfig, workdir: str) -> dict[str, str]:
     return env
 
 
-def server_tmpdir(workdir: str) -> str:
-    """The server's ``TMPDIR``, inside its working folder."""
-    return os.path.join(os.path.abspath(workdir), "tmp")
+#: the longest path a unix socket can bind (``sun_path``: 108 bytes with its NUL)
+_SOCKET_PATH_MAX = 107
+#: what SGLang's IPC socket names add to ``TMPDIR`` (tempfile's ``/tmpXXXXXXXX``)
+_IPC_NAME_LEN = len("/tmpXXXXXXXX")
+
+
+def make_server_tmpdir(workdir: str) -> str:
+    """The server's ``TMPDIR``, made: ``tmp`` in its working folder, or,
+    where that path is too long for the unix sockets SGLang names in it, a
+    folder of its own in the system's temp dir (removed with it all the same)."""
+    path = os.path.join(os.path.abspath(workdir), "tmp")
+    if len(os.fsencode(path)) + _IPC_NAME_LEN > _SOCKET_PATH_MAX:
+        return tempfile.mkdtemp(prefix="sglang-simm-server-")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 #: the last line of a Python traceback: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``
@@ -346,6 +358,8 @@ class SGLangServer:
         self.started_in_s: float | None = None
         self._launched_at = 0.0
         self._l3: l3_counts.StoreCounter | None = None
+        #: the server's ``TMPDIR`` while it runs (``make_server_tmpdir``)
+        self.tmpdir: str | None = None
 
     # -- life cycle -----------------------------------------------------------
 
@@ -366,23 +380,29 @@ class SGLangServer:
         if self.proc is not None:
             raise ServerError(f"{self.name} is already started (pid {self.proc.pid})")
         self.port = free_port()
-        env = server_env(self.config, self.workdir)
-        args = self.config.launch_args(self.port)
-        self._launched_at = time.monotonic()
-        with open(self.log_path, "w", encoding="utf-8") as log:
-            log.write("$ " + " ".join(args) + "\n")
-            log.flush()
-            # Its own session, so that its process group can be ended as a whole.
-            self.proc = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self.workdir,
-                start_new_session=True,
-                preexec_fn=ends_with_launcher(),
-            )
+        self.tmpdir = make_server_tmpdir(self.workdir)
+        try:
+            env = server_env(self.config, self.workdir, self.tmpdir)
+            args = self.config.launch_args(self.port)
+            self._launched_at = time.monotonic()
+            with open(self.log_path, "w", encoding="utf-8") as log:
+                log.write("$ " + " ".join(args) + "\n")
+                log.flush()
+                # Its own session, so that its process group can be ended as a whole.
+                self.proc = subprocess.Popen(
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=self.workdir,
+                    start_new_session=True,
+                    preexec_fn=ends_with_launcher(),
+                )
+        except BaseException:  # no server: its TMPDIR goes at once
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+            raise
         return self
 
     def wait_ready(self, progress: Callable[[float], None] | None = None, every_s: float = 15.0) -> SGLangServer:
@@ -461,7 +481,9 @@ class SGLangServer:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        shutil.rmtree(server_tmpdir(self.workdir), ignore_errors=True)  # its processes are gone
+        if self.tmpdir is not None:  # its processes are gone
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
         self.proc = None
         counter, self._l3 = self._l3, None
         if counter is not None:
