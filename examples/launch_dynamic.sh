@@ -8,16 +8,9 @@ args=(
   --model-path "$MODEL"
   --enable-hierarchical-cache
   --hicache-mem-layout page_first
-  # a host pool twice the GPU KV pool: needs that much free host memory per
-  # server (twice the GPU KV pool's bytes, beyond the 10 GiB SGLang keeps
-  # free), else SGLang refuses to start ("Not enough host memory available");
-  # on a small host lower it or give --hicache-size GB
-  --hicache-ratio 2
-  # a request waits for its L3 read, up to a bound (wait_complete: no bound);
-  # best_effort, the default before SGLang 0.5.23, cuts most L3 reads short
-  --hicache-storage-prefetch-policy timeout
-  # pages go to L3 as soon as they are computed, not when the GPU evicts them
-  --hicache-write-policy write_through
+  --hicache-ratio 2                          # needs twice the GPU KV pool in free host memory, or SGLang refuses to start (launch_plugin.sh)
+  --hicache-storage-prefetch-policy timeout  # wait for L3 reads, up to a bound
+  --hicache-write-policy write_through       # pages go to L3 as soon as they are computed
   --hicache-storage-backend dynamic
   --hicache-storage-backend-extra-config '{"backend_name": "simm", "module_path": "sglang_simm", "class_name": "HiCacheSiMM", "interface_v1": 1, "manager_address": "10.0.0.1:30001"}'
 )

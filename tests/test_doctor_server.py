@@ -171,39 +171,51 @@ def test_cli_server_that_does_not_answer_exits_1(capsys):
 
 
 @pytest.fixture
-def keyed_server():
-    """An HTTP server on 127.0.0.1 that answers SGLang's endpoints only with
-    ``Authorization: Bearer k3y`` (as ``launch_server --api-key k3y`` does)
-    and 401 otherwise; stopped at the end."""
+def fake_server():
+    """``fake_server(info, metrics_text, key=None)`` -> (URL, the
+    Authorization headers seen) of an HTTP server on 127.0.0.1 that answers
+    /server_info and /metrics as given; with ``key``, only requests with
+    ``Authorization: Bearer KEY`` (as ``launch_server --api-key KEY`` does),
+    others 401. Stopped at the end."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    seen: list[str | None] = []
+    started = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            seen.append(self.headers.get("Authorization"))
-            if self.headers.get("Authorization") != "Bearer k3y":
-                self.send_response(401)
+    def serve(info: dict, metrics: str, key: str | None = None) -> tuple[str, list[str | None]]:
+        seen: list[str | None] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                seen.append(self.headers.get("Authorization"))
+                if key is not None and self.headers.get("Authorization") != f"Bearer {key}":
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                body = {"/server_info": json.dumps(info).encode(), "/metrics": metrics.encode()}.get(self.path)
+                self.send_response(200 if body is not None else 404)
                 self.end_headers()
-                return
-            body = {"/server_info": json.dumps(HEALTHY).encode(),
-                    "/metrics": b"sglang_simm:l3_pages_hit_total 0\n"}.get(self.path)
-            self.send_response(200 if body is not None else 404)
-            self.end_headers()
-            self.wfile.write(body or b"")
+                self.wfile.write(body or b"")
 
-        def log_message(self, *args):
-            pass
+            def log_message(self, *args):
+                pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{httpd.server_address[1]}", seen
-    finally:
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        started.append(httpd)
+        return f"http://127.0.0.1:{httpd.server_address[1]}", seen
+
+    yield serve
+    for httpd in started:
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.fixture
+def keyed_server(fake_server):
+    """A server that answers only with ``Authorization: Bearer k3y``."""
+    url, seen = fake_server(HEALTHY, "sglang_simm:l3_pages_hit_total 0\n", key="k3y")
+    return url.removeprefix("http://"), seen
 
 
 def test_an_api_key_reaches_every_endpoint_and_a_missing_one_is_named(keyed_server, capsys):
@@ -219,37 +231,6 @@ def test_an_api_key_reaches_every_endpoint_and_a_missing_one_is_named(keyed_serv
 
 
 # ------------------------------------------------ the server's store, as it reports it
-
-
-@pytest.fixture
-def fake_server():
-    """``fake_server(info, metrics_text)`` -> the URL of an HTTP server on
-    127.0.0.1 that answers /server_info and /metrics as given; stopped at the end."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    started = []
-
-    def serve(info: dict, metrics: str) -> str:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                body = {"/server_info": json.dumps(info).encode(), "/metrics": metrics.encode()}.get(self.path)
-                self.send_response(200 if body is not None else 404)
-                self.end_headers()
-                self.wfile.write(body or b"")
-
-            def log_message(self, *args):
-                pass
-
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        started.append(httpd)
-        return f"http://127.0.0.1:{httpd.server_address[1]}"
-
-    yield serve
-    for httpd in started:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 def store_info(store_dir: str, chosen_by: str = "env SGLANG_SIMM_STORE_DIR", address: str = "local://x") -> str:
@@ -276,7 +257,7 @@ def test_doctor_reads_the_store_where_the_server_says_it_lives_and_names_why_its
     store.open()
     try:
         info = server(hicache_storage_backend_extra_config=json.dumps({"manager_address": f"local://{name}"}))
-        url = fake_server(info, WORKING + store_info(elsewhere, address=f"local://{name}"))
+        url, _seen = fake_server(info, WORKING + store_info(elsewhere, address=f"local://{name}"))
         monkeypatch.delenv("SGLANG_SIMM_STORE_DIR")
         code = main(["doctor", "--server", url])
     finally:
