@@ -283,3 +283,15 @@ def test_where_doctor_cannot_reach_the_store_the_servers_working_l3_wins():
     # the same store with no sign of L3 at work in the server's counters: it blocks
     idle = ds.reconcile_store("x", "/dev/shm/mine", None, status, None, None, shell_dir=None)
     assert len(levels(idle, "block")) == 1 and "--enable-metrics makes the server report where" in idle[0].what
+
+
+@pytest.mark.parametrize(("chosen_by", "shell_dir", "cause"), [
+    ("env SGLANG_SIMM_STORE_DIR", None, "the server's environment sets SGLANG_SIMM_STORE_DIR=/s and this shell lacks it"),
+    ("env SGLANG_SIMM_STORE_DIR", "/m", "the server's environment sets SGLANG_SIMM_STORE_DIR=/s and this shell sets it to /m"),
+    ("default", "/m", "the server uses the default directory, and this shell sets SGLANG_SIMM_STORE_DIR=/m"),
+    ("default", None, "it runs as another user"),
+], ids=["env-unset-here", "env-set-here", "default-there", "another-user"])
+def test_the_likely_cause_of_two_store_directories_is_named(chosen_by, shell_dir, cause):
+    status = {"name": "x", "running": True, "used_bytes": 0, "capacity_bytes": 1 << 30}
+    [apart] = levels(ds.reconcile_store("x", "/m", ("/s", chosen_by), status, None, None, shell_dir), "warn")
+    assert cause in apart, apart

@@ -141,7 +141,10 @@ class HiCacheSiMM(HiCacheStorage):
             )
         self.client: KVClient = client if client is not None else connect(config)
         if self.counters.exporter is not None:  # which store L3 is, for doctor --server
-            self.counters.exporter.describe_store(config.manager_address, local_store_place(config))
+            try:
+                self.counters.exporter.describe_store(config.manager_address, local_store_place(config))
+            except Exception as exc:  # a metric never stops a start
+                logger.warning("sglang-simm: cannot export which store L3 is (%s: %s)", type(exc).__name__, exc)
         self.answers = Answers(self.client, self.counters, self.log, profile=bool(config.enable_profile))
         # while open, the breaker probes by itself, so no request waits on a probe
         self.breaker.set_prober(self._probe)

@@ -388,8 +388,10 @@ def _why_apart(server_dir: str, chosen_by: str, shell_dir: str | None) -> str:
     if chosen_by.startswith("env "):
         variable = chosen_by[len("env "):]
         return f"the server's environment sets {variable}={server_dir} and {shell}"
-    if chosen_by == "default":
+    if chosen_by == "default" and shell_dir:
         return f"the server uses the default directory, and this shell sets {STORE_DIR_ENV}={shell_dir}"
+    if chosen_by == "default":  # the default names the user: /dev/shm/sglang-simm-<uid>
+        return "the server uses its user's default directory: it runs as another user"
     return (f"the server's {chosen_by} names it (from its environment or config file, which this shell does "
             "not share)")
 
