@@ -176,8 +176,9 @@ def test_the_readme_install_commands_can_work_before_the_package_is_published():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = set(project["optional-dependencies"])
     dev_extras = set(tomllib.loads((ROOT / "dev" / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    commands = [line.split("#")[0].strip() for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", readme, re.S)
-                for line in block.splitlines()]
+    # every fenced block, paired fence by fence (a ```text block's closing fence opens none)
+    blocks = [body for lang, body in re.findall(r"```(\w*)\n(.*?)```", readme, re.S) if lang in ("", "bash", "sh", "console")]
+    commands = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
     installs = [c for c in commands if c.startswith("pip install")]
     assert installs, "the README shows no install command"
     from sglang_simm import __version__
