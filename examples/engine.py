@@ -18,6 +18,14 @@ def main() -> None:
         model_path=os.environ.get("MODEL", "meta-llama/Llama-3.1-8B-Instruct"),
         enable_hierarchical_cache=True,
         hicache_mem_layout="page_first",
+        # a host pool twice the GPU KV pool: needs that much free host memory (twice the GPU KV
+        # pool's bytes, beyond the 10 GiB SGLang keeps free), else SGLang refuses to start
+        # ("Not enough host memory available"); on a small host lower it or give hicache_size (GB)
+        hicache_ratio=2,
+        # a request waits for its L3 read, up to a bound; best_effort (the default before SGLang
+        # 0.5.23) cuts most L3 reads short
+        hicache_storage_prefetch_policy="timeout",
+        hicache_write_policy="write_through",  # pages go to L3 as soon as they are computed
         hicache_storage_backend="simm",  # SGLang 0.5.11+; older: "dynamic", see launch_dynamic.sh
         hicache_storage_backend_extra_config=json.dumps(extra),
     )

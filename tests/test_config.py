@@ -242,6 +242,10 @@ BAD_VALUES = [
     ("manager_address", "local://", "malformed local store name"),
     ("manager_address", "local://a/b", "malformed local store name"),
     ("manager_address", "local://" + "x" * 65, "malformed local store name"),
+    ("manager_address", "locl", "did you mean 'local'?"),
+    ("manager_address", "Local", "did you mean 'local'?"),
+    ("manager_address", "locl://cache", "did you mean 'local://cache'?"),
+    ("manager_address", "inproces", "did you mean 'inprocess'?"),
     ("clnt_threadpool_size", 0, "out of range"),
     ("clnt_threadpool_size", 1025, "out of range"),
     ("clnt_threadpool_size", "ten", "not an integer"),
@@ -384,9 +388,45 @@ def test_a_misspelt_environment_variable_warns_with_the_right_name(caplog):
         resolved = load_config({"manager_address": ADDR}, environ)
     [record] = caplog.records  # the store's and the tools' own variables are not fields' near misses
     text = record.getMessage()
-    assert "SGLANG_SIMM_REQUEST_TIMOUT_MS" in text and "did you mean 'SGLANG_SIMM_REQUEST_TIMEOUT_MS'" in text
+    assert "SGLANG_SIMM_REQUEST_TIMOUT_MS" in text and "did you mean SGLANG_SIMM_REQUEST_TIMEOUT_MS?" in text
     assert resolved.config.request_timeout_ms == 1000 and resolved.config.warmup is False
     assert [u.key for u in find_unknown_keys({}, environ)] == ["SGLANG_SIMM_REQUEST_TIMOUT_MS"]
+
+
+@pytest.mark.parametrize(("variable", "meant"), [
+    ("SIMM_CLUSTER_MANGER", MANAGER_ENV),
+    ("SGLANG_HICACHE_SIMM_CONFIG", CONFIG_PATH_ENV),
+    ("sglang_hicache_simm_config_path", CONFIG_PATH_ENV),
+    ("sglang_simm_warmup", "SGLANG_SIMM_WARMUP"),
+    ("SGLANG_SIMM_STORE_DRI", "SGLANG_SIMM_STORE_DIR"),
+    ("SGLANG_SIMM_LOG_DRI", LOG_DIR_ENV),
+], ids=lambda v: v)
+def test_a_variable_of_ours_misspelt_or_in_another_case_is_named_and_the_start_goes_on(caplog, variable, meant):
+    """The backend warns, naming the variable meant, and starts: it never
+    refuses a start over a name (doctor makes it a problem)."""
+    with caplog.at_level(logging.WARNING, logger="sglang_simm.config"):
+        resolved = load_config({"manager_address": ADDR}, {variable: "1"})
+    assert resolved.config.manager_address == ADDR
+    [record] = caplog.records
+    assert record.getMessage() == (f"SiMM config: unknown variable {variable} in the environment is ignored; "
+                                   f"did you mean {meant}?")
+
+
+def test_every_variable_the_project_names_is_known_or_no_near_miss():
+    """The store's, the tools' and the tests' own variables are never
+    reported as a field's misspelling (names read from the sources)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    name = re.compile(r"\b(?:[A-Z0-9]+_)*SIMM(?:_[A-Z0-9]+)+\b")
+    paths = [root / "README.md", *(p for folder in ("src", "dev", "scripts", "docs", "examples")
+                                   for p in (root / folder).rglob("*") if p.suffix in (".py", ".sh", ".md"))]
+    named = {found for path in paths for found in name.findall(path.read_text(errors="replace"))}
+    # unknown_env_vars's own examples of misspellings
+    named -= {"SGLANG_SIMM_REQUEST_TIMOUT_MS", "SIMM_CLUSTER_MANGER", "SGLANG_HICACHE_SIMM_CONFIG"}
+    assert {"SGLANG_SIMM_STORE_METRICS_HOST", "SGLANG_SIMM_TEST_WORKERS", MANAGER_ENV} <= named
+    assert find_unknown_keys({}, dict.fromkeys(named, "1")) == []
 
 
 def test_sglang_keys_accepted_silently(caplog):
@@ -561,3 +601,16 @@ def test_import_is_cheap():
     code = "import sys, sglang_simm.config, sglang_simm.numa; assert 'torch' not in sys.modules and 'sglang' not in sys.modules"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.parametrize(("flags", "environ", "why"), [
+    ({"local_store_dir": "/a"}, {"SGLANG_SIMM_STORE_DIR": "/b"}, "client flag local_store_dir"),
+    ({}, {"SGLANG_SIMM_STORE_DIR": "/b"}, "env SGLANG_SIMM_STORE_DIR"),
+], ids=["flag-over-env", "env"])
+def test_a_local_stores_directory_and_what_chose_it(flags, environ, why):
+    from sglang_simm.config import local_store_place
+
+    config = SiMMConfig(manager_address="local://x", client_flags=flags)
+    assert local_store_place(config, environ) == (flags.get("local_store_dir") or environ["SGLANG_SIMM_STORE_DIR"], why)
+    assert local_store_place(SiMMConfig(manager_address=ADDR), environ) is None
+    assert local_store_place(SiMMConfig(manager_address="inprocess"), environ) is None

@@ -24,6 +24,20 @@ def test_embedded_store_passes_with_a_round_trip(capsys, store_name):
     assert "--hicache-storage-backend simm" in out and '"interface_v1": 1' in out
 
 
+def test_the_launch_lines_carry_the_recommended_settings_each_with_why(capsys, store_name):
+    from sglang_simm.tools.doctor import RECOMMENDED
+
+    code = main(["doctor", "--manager", f"inprocess://{store_name}"])
+    lines = capsys.readouterr().out.split("Launch lines")[1].splitlines()
+    commands = [line for line in lines if line.startswith("python -m sglang.launch_server")]
+    assert code == 0 and len(commands) == 2
+    for flag, _why in RECOMMENDED:
+        assert all(flag in command for command in commands), flag
+        assert any(line.startswith(f"# {flag}: ") for line in lines), flag
+    [ratio] = [line for line in lines if line.startswith("# --hicache-ratio 2: ")]
+    assert "free host memory" in ratio and "Not enough host memory available" in ratio
+
+
 def test_wrong_address_names_the_field_and_fails(capsys):
     code, out = doctor(capsys, "--manager", "10.0.0.1")
     assert code == 1
@@ -77,15 +91,56 @@ def launch_line_count(out: str) -> int:
     return out.count("--hicache-storage-backend-extra-config")
 
 
-def test_unknown_key_is_a_warning_and_stays_out_of_the_launch_lines(capsys, store_name):
-    # the backend starts with an unknown key (it ignores it), so doctor warns, as the backend does
+def test_a_misspelt_key_of_ours_is_a_problem_and_stays_out_of_the_launch_lines(capsys, store_name):
+    """The backend starts with it (it ignores the key, warning), so the
+    setting meant silently does not apply: doctor, a deployment's gate,
+    exits 1 naming the right key; the round trip still runs."""
     extra = json.dumps({"manager_address": f"inprocess://{store_name}", "key_shceme": "legacy"})
     code, out = doctor(capsys, "--extra-config", extra)
+    assert code == 1, out
+    assert "problem: configuration: unknown key 'key_shceme' in extra_config is ignored; did you mean 'key_scheme'?" in out
+    assert "?." not in out and "1 problem(s)" in out
+    assert "Round trip to in-process local store" in out
+    assert launch_line_count(out) == 2 and "key_shceme" not in out.split("Launch lines")[1].split("problem:")[0]
+
+
+def test_an_unknown_key_like_none_of_ours_is_a_warning(capsys, store_name):
+    extra = json.dumps({"manager_address": f"inprocess://{store_name}", "zzz": 1})
+    code, out = doctor(capsys, "--extra-config", extra)
     assert code == 0, out
-    assert "warning: configuration: unknown key 'key_shceme' in extra_config is ignored" in out
-    assert "did you mean 'key_scheme'?" in out
-    assert "No problem found" not in out and "1 warning(s)" in out
-    assert launch_line_count(out) == 2 and "key_shceme" not in out.split("Launch lines")[1].split("warning:")[0]
+    assert "warning: configuration: unknown key 'zzz' in extra_config is ignored" in out and "1 warning(s)" in out
+
+
+def test_sglangs_own_keys_stay_quiet(capsys, store_name):
+    extra = json.dumps({"manager_address": f"inprocess://{store_name}", "prefetch_threshold": 64,
+                        "tp_lcm_size": 2, "interface_v1": 1, "file_storage_path": "/x"})
+    code, out = doctor(capsys, "--extra-config", extra)
+    assert code == 0 and "No problem found" in out, out
+
+
+@pytest.mark.parametrize(("variable", "meant"), [
+    ("SIMM_CLUSTER_MANGER", "SIMM_CLUSTER_MANAGER"),
+    ("SGLANG_HICACHE_SIMM_CONFIG", "SGLANG_HICACHE_SIMM_CONFIG_PATH"),
+    ("sglang_simm_request_timeout_ms", "SGLANG_SIMM_REQUEST_TIMEOUT_MS"),
+    ("SGLANG_SIMM_REQUEST_TIMOUT_MS", "SGLANG_SIMM_REQUEST_TIMEOUT_MS"),
+    ("SGLANG_SIMM_STORE_DRI", "SGLANG_SIMM_STORE_DIR"),
+], ids=lambda v: v)
+def test_a_misspelt_variable_is_a_problem_said_once(host_store_dir, store_name, variable, meant):
+    """Run as an operator runs it, on the local store (whose directory
+    doctor reads from the sources once more): every line it prints, the
+    config's log included, names the variable once, and no sentence ends
+    in "?."."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, variable: "/nowhere" if "CONFIG" in variable or "DIR" in variable else "10.0.0.1:30001"}
+    proc = subprocess.run([sys.executable, "-m", "sglang_simm", "doctor", "--manager", f"local://{store_name}"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    text = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 1, text
+    assert text.count(f"unknown variable {variable} in the environment is ignored; did you mean {meant}?") == 1, text
+    assert text.count("unknown variable") == 1 and "?." not in text, text
 
 
 def test_an_old_name_is_a_warning_naming_the_new_one_and_the_launch_lines_use_the_new(capsys, store_name):
@@ -101,7 +156,7 @@ def test_an_old_name_is_a_warning_naming_the_new_one_and_the_launch_lines_use_th
     assert "local_store_capacity_bytes" in lines and "local_store_eviction" in lines
 
 
-def test_unknown_key_in_the_config_file_is_a_warning(capsys, monkeypatch, tmp_path, store_name):
+def test_a_misspelt_key_in_the_config_file_is_a_problem_naming_the_file(capsys, monkeypatch, tmp_path, store_name):
     # a path longer than the 80 columns pytest-xdist's workers set: rich used
     # to fold it mid-word, so the warning named no file one could copy
     monkeypatch.setenv("COLUMNS", "80")
@@ -110,7 +165,7 @@ def test_unknown_key_in_the_config_file_is_a_warning(capsys, monkeypatch, tmp_pa
     path.write_text(json.dumps({"manager_address": f"inprocess://{store_name}", "warm_up": False}))
     monkeypatch.setenv("SGLANG_HICACHE_SIMM_CONFIG_PATH", str(path))
     code, out = doctor(capsys)
-    assert code == 0, out
+    assert code == 1, out
     assert f"unknown key 'warm_up' in file:{path}" in out and "did you mean 'warmup'?" in out
 
 

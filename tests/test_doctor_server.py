@@ -171,39 +171,51 @@ def test_cli_server_that_does_not_answer_exits_1(capsys):
 
 
 @pytest.fixture
-def keyed_server():
-    """An HTTP server on 127.0.0.1 that answers SGLang's endpoints only with
-    ``Authorization: Bearer k3y`` (as ``launch_server --api-key k3y`` does)
-    and 401 otherwise; stopped at the end."""
+def fake_server():
+    """``fake_server(info, metrics_text, key=None)`` -> (URL, the
+    Authorization headers seen) of an HTTP server on 127.0.0.1 that answers
+    /server_info and /metrics as given; with ``key``, only requests with
+    ``Authorization: Bearer KEY`` (as ``launch_server --api-key KEY`` does),
+    others 401. Stopped at the end."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    seen: list[str | None] = []
+    started = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            seen.append(self.headers.get("Authorization"))
-            if self.headers.get("Authorization") != "Bearer k3y":
-                self.send_response(401)
+    def serve(info: dict, metrics: str, key: str | None = None) -> tuple[str, list[str | None]]:
+        seen: list[str | None] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                seen.append(self.headers.get("Authorization"))
+                if key is not None and self.headers.get("Authorization") != f"Bearer {key}":
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                body = {"/server_info": json.dumps(info).encode(), "/metrics": metrics.encode()}.get(self.path)
+                self.send_response(200 if body is not None else 404)
                 self.end_headers()
-                return
-            body = {"/server_info": json.dumps(HEALTHY).encode(),
-                    "/metrics": b"sglang_simm:l3_pages_hit_total 0\n"}.get(self.path)
-            self.send_response(200 if body is not None else 404)
-            self.end_headers()
-            self.wfile.write(body or b"")
+                self.wfile.write(body or b"")
 
-        def log_message(self, *args):
-            pass
+            def log_message(self, *args):
+                pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{httpd.server_address[1]}", seen
-    finally:
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        started.append(httpd)
+        return f"http://127.0.0.1:{httpd.server_address[1]}", seen
+
+    yield serve
+    for httpd in started:
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.fixture
+def keyed_server(fake_server):
+    """A server that answers only with ``Authorization: Bearer k3y``."""
+    url, seen = fake_server(HEALTHY, "sglang_simm:l3_pages_hit_total 0\n", key="k3y")
+    return url.removeprefix("http://"), seen
 
 
 def test_an_api_key_reaches_every_endpoint_and_a_missing_one_is_named(keyed_server, capsys):
@@ -216,3 +228,70 @@ def test_an_api_key_reaches_every_endpoint_and_a_missing_one_is_named(keyed_serv
     assert "HTTP 401" in out and "--api-key" in out
     assert main(["doctor", "--server", url, "--api-key", "wrong"]) == 1
     assert "not the server's" in " ".join(capsys.readouterr().out.split())
+
+
+# ------------------------------------------------ the server's store, as it reports it
+
+
+def store_info(store_dir: str, chosen_by: str = "env SGLANG_SIMM_STORE_DIR", address: str = "local://x") -> str:
+    return (f'sglang_simm:l3_store_info{{model_name="m",tp_rank="0",pp_rank="0",dp_rank="",address="{address}",'
+            f'store_dir="{store_dir}",store_dir_from="{chosen_by}"}} 1.0\n')
+
+
+WORKING = ("sglang_simm:l3_pages_hit_total 63\nsglang_simm:l3_pages_written_total 64\n"
+           'sglang:num_requests_total 4\nsglang:prompt_tokens_total 4096\n')
+
+
+def test_doctor_reads_the_store_where_the_server_says_it_lives_and_names_why_its_shell_differs(
+        fake_server, host_store_dir, monkeypatch, capsys):
+    """The server's store lives in a directory its environment's
+    SGLANG_SIMM_STORE_DIR names, which doctor's shell lacks: doctor reads
+    that store (running: nothing blocks), and says where and why the two differ."""
+    import os
+    import uuid
+
+    from sglang_simm.local_store.admin import StoreHandle
+
+    name, elsewhere = f"t-{uuid.uuid4().hex[:8]}", os.path.join(host_store_dir, "elsewhere")
+    store = StoreHandle(name, root=elsewhere, capacity=64 << 20)
+    store.open()
+    try:
+        info = server(hicache_storage_backend_extra_config=json.dumps({"manager_address": f"local://{name}"}))
+        url, _seen = fake_server(info, WORKING + store_info(elsewhere, address=f"local://{name}"))
+        monkeypatch.delenv("SGLANG_SIMM_STORE_DIR")
+        code = main(["doctor", "--server", url])
+    finally:
+        store.stop()
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0, out
+    assert f"the server's local store '{name}' lives in {elsewhere}, as the server reports" in out
+    assert f"the server's environment sets SGLANG_SIMM_STORE_DIR={elsewhere} and this shell lacks it" in out
+    assert "is not running" not in out
+
+
+def test_where_doctor_cannot_reach_the_store_the_servers_working_l3_wins():
+    """A store doctor cannot reach, while the server's own counters show L3
+    hitting: no block; the finding names where the views differ and why."""
+    status = {"name": "x", "running": False, "why": "no store process is running"}
+    found = ds.reconcile_store("x", "/dev/shm/mine", ("/dev/shm/theirs", "default"), status, None,
+                               ds.parse_metrics(WORKING), shell_dir="/dev/shm/mine")
+    assert levels(found, "block") == []
+    text = " ".join(f.what for f in found)
+    assert "lives in /dev/shm/theirs, as the server reports, not in /dev/shm/mine" in text
+    assert "this shell sets SGLANG_SIMM_STORE_DIR=/dev/shm/mine" in text
+    assert "doctor cannot reach the local store 'x' in /dev/shm/theirs" in text and "63 pages hit" in text
+    # the same store with no sign of L3 at work in the server's counters: it blocks
+    idle = ds.reconcile_store("x", "/dev/shm/mine", None, status, None, None, shell_dir=None)
+    assert len(levels(idle, "block")) == 1 and "--enable-metrics makes the server report where" in idle[0].what
+
+
+@pytest.mark.parametrize(("chosen_by", "shell_dir", "cause"), [
+    ("env SGLANG_SIMM_STORE_DIR", None, "the server's environment sets SGLANG_SIMM_STORE_DIR=/s and this shell lacks it"),
+    ("env SGLANG_SIMM_STORE_DIR", "/m", "the server's environment sets SGLANG_SIMM_STORE_DIR=/s and this shell sets it to /m"),
+    ("default", "/m", "the server uses the default directory, and this shell sets SGLANG_SIMM_STORE_DIR=/m"),
+    ("default", None, "it runs as another user"),
+], ids=["env-unset-here", "env-set-here", "default-there", "another-user"])
+def test_the_likely_cause_of_two_store_directories_is_named(chosen_by, shell_dir, cause):
+    status = {"name": "x", "running": True, "used_bytes": 0, "capacity_bytes": 1 << 30}
+    [apart] = levels(ds.reconcile_store("x", "/m", ("/s", chosen_by), status, None, None, shell_dir), "warn")
+    assert cause in apart, apart

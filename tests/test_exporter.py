@@ -154,3 +154,24 @@ def test_drain_flushes_at_most_every_interval(monkeypatch):
     monkeypatch.setattr(metrics, "EXPORT_INTERVAL_S", 0.0)
     counters.drain_storage_metrics()
     assert value(registry, "sglang_simm:l3_pages_hit_total") == 2
+
+
+def test_the_backend_reports_which_store_its_l3_is_in_its_log_and_metrics(attach, host_store_dir, caplog):
+    """A local store's directory, and what chose it, in the server's log
+    and as labels of ``sglang_simm:l3_store_info``: ``doctor --server``
+    reads the server's, which its own shell may not share."""
+    import logging
+
+    from sglang_simm_dev.pools import PRESETS
+
+    with caplog.at_level(logging.INFO, logger="sglang_simm.client"):
+        backend, _host = attach(PRESETS["tiny"], enable_storage_metrics=True, model_name="store-info-test")
+    address = backend.config.manager_address
+    name = address.removeprefix("local://")
+    said = [r.getMessage() for r in caplog.records if "lives in" in r.getMessage()]
+    assert said == [f"SiMM local store {name!r} lives in {host_store_dir} (env SGLANG_SIMM_STORE_DIR)"]
+    [family] = [f for f in prometheus_client.REGISTRY.collect() if f.name == "sglang_simm:l3_store_info"]
+    [sample] = [s for s in family.samples if s.labels.get("address") == address]
+    assert sample.value == 1 and sample.labels["model_name"] == "store-info-test"
+    assert (sample.labels["store_dir"], sample.labels["store_dir_from"]) == (host_store_dir,
+                                                                              "env SGLANG_SIMM_STORE_DIR")

@@ -63,7 +63,7 @@ def test_wheel_holds_the_package_typing_marker_and_entry_points(wheel):
         entry_points = zf.read(eps).decode()
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     for required in ("sglang_simm/__init__.py", "sglang_simm/backend.py", "sglang_simm/plugin.py",
-                     "sglang_simm/embedded/__init__.py", "sglang_simm/py.typed"):
+                     "sglang_simm/local_store/__init__.py", "sglang_simm/py.typed"):
         assert required in names
     assert "[sglang.srt.plugins]\nsimm = sglang_simm.plugin:register" in entry_points
     assert "sglang-simm = sglang_simm.tools.cli:main" in entry_points
@@ -176,8 +176,9 @@ def test_the_readme_install_commands_can_work_before_the_package_is_published():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = set(project["optional-dependencies"])
     dev_extras = set(tomllib.loads((ROOT / "dev" / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    commands = [line.split("#")[0].strip() for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", readme, re.S)
-                for line in block.splitlines()]
+    # every fenced block, paired fence by fence (a ```text block's closing fence opens none)
+    blocks = [body for lang, body in re.findall(r"```(\w*)\n(.*?)```", readme, re.S) if lang in ("", "bash", "sh", "console")]
+    commands = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
     installs = [c for c in commands if c.startswith("pip install")]
     assert installs, "the README shows no install command"
     from sglang_simm import __version__

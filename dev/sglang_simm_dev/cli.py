@@ -85,7 +85,8 @@ _NOT_WITH_SERVER = {"model": "--model", "pages": "--pages", "direct": "--direct"
 #: server-demo options that mean nothing without --server
 _ONLY_WITH_SERVER = {"preset": "--preset", "model_dir": "--model-dir", "system_tokens": "--system-tokens",
                      "question_tokens": "--question-tokens", "new_tokens": "--new-tokens", "route": "--route",
-                     "workdir": "--workdir", "startup_timeout": "--startup-timeout", "seed": "--seed"}
+                     "workdir": "--workdir", "startup_timeout": "--startup-timeout", "seed": "--seed",
+                     "keep_running": "--keep-running"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,7 +26,10 @@ out in no order among themselves (``notes``).
 Run: ``sglang-simm-dev demo --server`` (or ``python -m sglang_simm_dev.server_demo``;
 add ``--json out.json``). L3 is a local store of the demo's own
 (``local://server-demo-...``), stopped when the demo ends, unless
-``--manager`` names another.
+``--manager`` names another. The model and the server's folder (its log,
+the last run's) live under ``~/.cache/sglang-simm`` (``$XDG_CACHE_HOME``);
+``--keep-running`` leaves the server up after the table, for
+``sglang-simm doctor --server URL``, until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -36,9 +39,7 @@ import json
 import os
 import platform
 import random
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -78,7 +79,11 @@ def add_arguments(parser: Any, *, shared: bool = False) -> None:
     parser.add_argument("--question-tokens", type=int, default=64, help="with --server: each user's question's length")
     parser.add_argument("--new-tokens", type=int, default=16, help="with --server: tokens generated per answer")
     parser.add_argument("--route", choices=("simm", "dynamic"), default="simm", help="with --server: how SGLang finds us")
-    parser.add_argument("--workdir", help="with --server: server logs and files (default: a temporary folder, removed)")
+    parser.add_argument("--workdir", help="with --server: the server's log and files (default: "
+                        f"{_display_path(_default_workdir())}, the last run's kept)")
+    parser.add_argument("--keep-running", action="store_true",
+                        help="with --server: keep the server up after the table (for sglang-simm doctor --server "
+                             "URL) until Ctrl-C")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="with --server: seconds to wait for health")
     parser.add_argument("--seed", type=int, default=0, help="with --server: weights and prompts")
     if not shared:
@@ -91,9 +96,26 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def _default_model_dir(preset: str, seed: int) -> str:
+def _cache_root() -> str:
+    """``~/.cache/sglang-simm`` (``$XDG_CACHE_HOME/sglang-simm``): the demo's
+    models and its server's folder, kept between runs, never under /tmp."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "sglang-simm", "models", f"{preset}-seed{seed}")
+    return os.path.join(root, "sglang-simm")
+
+
+def _default_model_dir(preset: str, seed: int) -> str:
+    return os.path.join(_cache_root(), "models", f"{preset}-seed{seed}")
+
+
+def _default_workdir() -> str:
+    """The server's folder: its log (the last run's, kept for reading), the
+    stand-ins' ``sitecustomize``, its temporary files (removed with it)."""
+    return os.path.join(_cache_root(), "demo-server")
+
+
+def _display_path(path: str) -> str:
+    home = os.path.expanduser("~")
+    return "~" + path[len(home):] if path.startswith(home + os.sep) else path
 
 
 def _check(got: Generation, want: Generation) -> bool:
@@ -317,10 +339,11 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     preset = PRESETS[args.preset]
     started = time.monotonic()
-    model_dir = args.model_dir or _default_model_dir(args.preset, args.seed)
+    # absolute: the server runs in its own folder, where a relative path names another place
+    model_dir = os.path.abspath(args.model_dir or _default_model_dir(args.preset, args.seed))
     print(f"writing the {args.preset} model (random weights, seed {args.seed}) to {model_dir} ...", flush=True)
     write_model(model_dir, preset, seed=args.seed)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="sglang-simm-server-demo-")
+    workdir = os.path.abspath(args.workdir or _default_workdir())
     system_and_question = args.system_tokens + args.question_tokens + args.new_tokens
     config = ServerConfig(
         model_path=model_dir,
@@ -335,24 +358,29 @@ def _run(args: argparse.Namespace) -> int:
     )
     server = SGLangServer(config, workdir, name="demo-server")
     print(f"starting python -m sglang.launch_server on the CPU (log {server.log_path}) ...", flush=True)
-    failed = True
     try:
         with server.launch():
             server.wait_ready(progress=lambda s: _say(f"still starting ({s:.0f} s; most of it imports) ..."))
             print(f"server healthy after {server.started_in_s:.1f} s; sending the workload ...", flush=True)
             rows, question_alone_s = run_workload(server, args, preset.vocab_size, preset.kv_bytes_per_token())
             metrics = server.metrics()
-        failed = False
+            code = _report(args, server, rows, question_alone_s, metrics, started)
+            if getattr(args, "keep_running", False):
+                keep_running(server)
     except ServerError as exc:
-        # one line and the log's tail; the log is kept, since it is named
+        # what failed and SGLang's reason, then the log's tail; the log is kept
         first, _, tail = str(exc).partition("\n")
         print(f"error: {first}", file=sys.stderr)
         if tail:
             print("last lines of the server's log:\n" + "\n".join(tail.splitlines()[-15:]), file=sys.stderr)
         return 1
-    finally:
-        if args.workdir is None and not failed and not os.environ.get("SGLANG_SIMM_KEEP_DEMO"):
-            shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+def _report(args: argparse.Namespace, server: SGLangServer, rows: list[Row], question_alone_s: float,
+            metrics: dict[str, float], started: float) -> int:
+    """The table, the notes, the summary and ``--json``; the exit status."""
+    preset = PRESETS[args.preset]
     summary = {
         "model": f"{args.preset}: Llama, {preset.layers} layers, hidden {preset.hidden_size}, "
         f"{preset.heads} heads ({preset.kv_heads} KV), fp32, random weights",
@@ -362,6 +390,7 @@ def _run(args: argparse.Namespace) -> int:
         "L3 prefetch hits (SGLang metric)": f"{metrics.get('sglang:storage_prefetch_hit_tokens_total', 0.0):.0f} tokens",
         "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}",
         "whole demo": f"{time.monotonic() - started:.0f} s",
+        "server log": server.log_path,
     }
     _print(rows, question_alone_s, summary)
     if args.json:
@@ -374,6 +403,20 @@ def _run(args: argparse.Namespace) -> int:
     if not ok:
         print("FAILED: an answer differed from its fresh computation, or L3 was not hit", file=sys.stderr)
     return 0 if ok else 1
+
+
+def keep_running(server: SGLangServer, poll_s: float = 1.0) -> None:
+    """Leave the server up until Ctrl-C (or SIGTERM, or its own end), saying
+    how to read it: what ``--keep-running`` is for."""
+    print(f"the server keeps running at {server.url} (log {server.log_path}); in another shell:\n"
+          f"  sglang-simm doctor --server {server.url}\n"
+          f"  curl -s {server.url}/metrics | grep sglang_simm:\n"
+          "Ctrl-C stops it.", flush=True)
+    try:
+        while server.proc is not None and server.proc.poll() is None:
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        print("stopping the server ...", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,10 +24,13 @@ import ctypes
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -209,13 +212,21 @@ def free_port(attempts: int = 64) -> int:
         return s.getsockname()[1]
 
 
-def server_env(config: ServerConfig, workdir: str) -> dict[str, str]:
+def server_env(config: ServerConfig, workdir: str, tmpdir: str | None = None) -> dict[str, str]:
     """The server's environment: the CPU engine, no CUDA device, the stand-ins'
-    ``sitecustomize`` first on ``PYTHONPATH``, no hub access, logs and build
-    caches under ``workdir`` or the venv."""
+    ``sitecustomize`` first on ``PYTHONPATH``, no hub access, logs, temporary
+    files and build caches under ``workdir`` or the venv. Every path is
+    absolute: the server runs in ``workdir``, where a relative one would
+    name another place."""
+    workdir = os.path.abspath(workdir)
     env = dict(os.environ)
     site_dir = cpu_standins.write_sitecustomize(os.path.join(workdir, "site"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, *config.pythonpath, env.get("PYTHONPATH", "")) if p)
+    paths = (site_dir, *(os.path.abspath(p) for p in config.pythonpath), env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    # SGLang names its IPC sockets and its metrics' multiprocess folder with
+    # tempfile (and leaves them behind when it ends by a signal): a folder of
+    # this server's own, removed when it stops (``SGLangServer.stop``)
+    env["TMPDIR"] = tmpdir or make_server_tmpdir(workdir)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["HF_HUB_OFFLINE"] = "1"
@@ -232,6 +243,46 @@ def server_env(config: ServerConfig, workdir: str) -> dict[str, str]:
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(prefix, "torch_extensions")
     env.update(config.env)
     return env
+
+
+#: the longest path a unix socket can bind (``sun_path``: 108 bytes with its NUL)
+_SOCKET_PATH_MAX = 107
+#: what SGLang's IPC socket names add to ``TMPDIR`` (tempfile's ``/tmpXXXXXXXX``)
+_IPC_NAME_LEN = len("/tmpXXXXXXXX")
+
+
+def make_server_tmpdir(workdir: str) -> str:
+    """The server's ``TMPDIR``, made: ``tmp`` in its working folder, or,
+    where that path is too long for the unix sockets SGLang names in it, a
+    folder of its own in the system's temp dir (removed with it all the same)."""
+    path = os.path.join(os.path.abspath(workdir), "tmp")
+    if len(os.fsencode(path)) + _IPC_NAME_LEN > _SOCKET_PATH_MAX:
+        return tempfile.mkdtemp(prefix="sglang-simm-server-")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+#: the last line of a Python traceback: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?::\s.*)?$")
+#: what SGLang's launcher raises after a child died, which names no cause: the child's traceback does
+_SECONDARY = ("scheduler is dead", "Initialization failed", "please see the error messages above",
+              "check if there are relevant logs")
+
+
+def failure_reason(log: str) -> str | None:
+    """Why a server did not start, as its log says: uvicorn's line when the
+    port was taken, else the last line of the first traceback that names a
+    cause (SGLang's launcher adds one of its own after a child died, which
+    names none; its child's comes first), else None."""
+    lines = log.splitlines()
+    for line in lines:
+        if BIND_FAILED in line:
+            return line.strip()
+    found = [line.strip() for line in lines if _EXCEPTION_LINE.match(line.strip())]
+    for line in found:
+        if not any(words.lower() in line.lower() for words in _SECONDARY):
+            return line
+    return found[-1] if found else None
 
 
 @dataclass
@@ -296,7 +347,8 @@ class SGLangServer:
 
     def __init__(self, config: ServerConfig, workdir: str | os.PathLike, *, name: str = "server") -> None:
         self.config = config
-        self.workdir = os.fspath(workdir)
+        # absolute: the server runs in it, and a relative path would name a folder inside it
+        self.workdir = os.path.abspath(os.fspath(workdir))
         os.makedirs(self.workdir, exist_ok=True)
         self.name = name
         self.log_path = os.path.join(self.workdir, f"{name}.log")
@@ -306,6 +358,8 @@ class SGLangServer:
         self.started_in_s: float | None = None
         self._launched_at = 0.0
         self._l3: l3_counts.StoreCounter | None = None
+        #: the server's ``TMPDIR`` while it runs (``make_server_tmpdir``)
+        self.tmpdir: str | None = None
 
     # -- life cycle -----------------------------------------------------------
 
@@ -326,23 +380,29 @@ class SGLangServer:
         if self.proc is not None:
             raise ServerError(f"{self.name} is already started (pid {self.proc.pid})")
         self.port = free_port()
-        env = server_env(self.config, self.workdir)
-        args = self.config.launch_args(self.port)
-        self._launched_at = time.monotonic()
-        with open(self.log_path, "w", encoding="utf-8") as log:
-            log.write("$ " + " ".join(args) + "\n")
-            log.flush()
-            # Its own session, so that its process group can be ended as a whole.
-            self.proc = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self.workdir,
-                start_new_session=True,
-                preexec_fn=ends_with_launcher(),
-            )
+        self.tmpdir = make_server_tmpdir(self.workdir)
+        try:
+            env = server_env(self.config, self.workdir, self.tmpdir)
+            args = self.config.launch_args(self.port)
+            self._launched_at = time.monotonic()
+            with open(self.log_path, "w", encoding="utf-8") as log:
+                log.write("$ " + " ".join(args) + "\n")
+                log.flush()
+                # Its own session, so that its process group can be ended as a whole.
+                self.proc = subprocess.Popen(
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=self.workdir,
+                    start_new_session=True,
+                    preexec_fn=ends_with_launcher(),
+                )
+        except BaseException:  # no server: its TMPDIR goes at once
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+            raise
         return self
 
     def wait_ready(self, progress: Callable[[float], None] | None = None, every_s: float = 15.0) -> SGLangServer:
@@ -371,11 +431,9 @@ class SGLangServer:
                 next_report += every_s
             code = self.proc.poll()
             if code is not None:
-                raise ServerError(
-                    f"{self.name} exited with status {code} while starting; log {self.log_path}:\n{self.log_tail()}"
-                )
+                raise self._start_failed(f"exited with status {code} while starting")
             if BIND_FAILED in self.log_text():  # its launcher waits on its children: it would never exit
-                raise ServerError(f"{self.name} could not bind port {self.port}; log {self.log_path}:\n{self.log_tail()}")
+                raise self._start_failed(f"could not bind port {self.port}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -383,11 +441,16 @@ class SGLangServer:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise ServerError(
-                    f"{self.name} not healthy after {self.config.startup_timeout_s:.0f} s; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
+                raise self._start_failed(f"not healthy after {self.config.startup_timeout_s:.0f} s")
             time.sleep(0.5)
+
+    def _start_failed(self, what: str) -> ServerError:
+        """A failed start: what happened and SGLang's reason on the first
+        line, then the log's path and its last lines (whoever prints one
+        line of it still says why)."""
+        reason = failure_reason(self.log_text())
+        because = f": {reason}" if reason else " (no reason in its log)"
+        return ServerError(f"{self.name} {what}{because}; log {self.log_path}:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 30.0, grace: float = 5.0) -> None:
         """SIGTERM to the server's pid (SGLang then ends its own children),
@@ -418,6 +481,9 @@ class SGLangServer:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        if self.tmpdir is not None:  # its processes are gone
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
         self.proc = None
         counter, self._l3 = self._l3, None
         if counter is not None:

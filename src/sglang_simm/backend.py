@@ -41,7 +41,7 @@ from sglang_simm import copying, hybrid
 from sglang_simm.binding import Batch, PoolBinding, bind_kv_pool, bind_side_pool, is_logical_anchor, kv_pool_of
 from sglang_simm.breaker import Breaker
 from sglang_simm.client import KVClient, connect
-from sglang_simm.config import SiMMConfig, load_config, log_resolved
+from sglang_simm.config import SiMMConfig, load_config, local_store_place, log_resolved
 from sglang_simm.errors import PoolLeftOutError
 from sglang_simm.exporter import exporter_for
 from sglang_simm.inflight import Call, Pools, release
@@ -140,6 +140,11 @@ class HiCacheSiMM(HiCacheStorage):
                 "Add \"interface_v1\": 1 to the extra config (or use --hicache-storage-backend simm)."
             )
         self.client: KVClient = client if client is not None else connect(config)
+        if self.counters.exporter is not None:  # which store L3 is, for doctor --server
+            try:
+                self.counters.exporter.describe_store(config.manager_address, local_store_place(config))
+            except Exception as exc:  # a metric never stops a start
+                logger.warning("sglang-simm: cannot export which store L3 is (%s: %s)", type(exc).__name__, exc)
         self.answers = Answers(self.client, self.counters, self.log, profile=bool(config.enable_profile))
         # while open, the breaker probes by itself, so no request waits on a probe
         self.breaker.set_prober(self._probe)

@@ -292,8 +292,15 @@ def connect(
     kv = kv_module if kv_module is not None else load_kv_module(config)
     local = config.is_local_store
     if local:
-        where = "local store" if config.local_store_scope == "host" else "in-process local store"
-        description = f"{where} {config.local_store_name!r}"
+        from sglang_simm.config import local_store_place
+
+        place = local_store_place(config)
+        if place is None:
+            description = f"in-process local store {config.local_store_name!r}"
+        else:
+            # said where it lives: doctor, run from another shell, may look elsewhere
+            description = f"local store {config.local_store_name!r} in {place[0]}"
+            logger.info("SiMM local store %r lives in %s (%s)", config.local_store_name, *place)
         log_file = ""
     else:
         description = f"SiMM cluster manager {config.manager_address}"

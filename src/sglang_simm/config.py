@@ -25,6 +25,8 @@ pure ``keys`` and ``values`` only.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import ipaddress
@@ -41,14 +43,16 @@ from typing import Any
 from sglang_simm.keys import KEY_SCHEMES, KeyScheme
 from sglang_simm.values import InvalidValue, parse_bool, parse_byte_size
 
-from sglang_simm.local_store.admin import MOVED_FLAGS, MOVED_WHERE, RENAMED_FLAGS, both_given, deprecated
+from sglang_simm.local_store.admin import MOVED_FLAGS, MOVED_WHERE, RENAMED_FLAGS, STORE_DIR_ENV, both_given
 from sglang_simm.local_store.admin import NAME_RE as STORE_NAME_RE, NAME_RULE as STORE_NAME_RULE
+from sglang_simm.local_store.admin import deprecated, store_dir
 
 __all__ = [
     "CONFIG_PATH_ENV",
     "ENV_PREFIX",
     "LOG_DIR_ENV",
     "MANAGER_ENV",
+    "OTHER_ENV_VARS",
     "RENAMED_FIELDS",
     "RENAMED_FLAGS",
     "SGLANG_EXTRA_CONFIG_KEYS",
@@ -61,8 +65,10 @@ __all__ = [
     "find_deprecated_names",
     "find_unknown_keys",
     "load_config",
+    "local_store_place",
     "log_resolved",
     "parse_byte_size",
+    "quiet",
     "with_current_names",
 ]
 
@@ -76,6 +82,17 @@ MANAGER_ENV = "SIMM_CLUSTER_MANAGER"
 ENV_PREFIX = "SGLANG_SIMM_"
 #: Env var with the directory for the default per-process client log.
 LOG_DIR_ENV = "SGLANG_SIMM_LOG_DIR"
+#: The variables of this package that are not a field's: a near miss of one
+#: is reported as of a field's, and they themselves are no one's near miss.
+#: The store's directory, and its metrics endpoint (``docs/observability.md``).
+OTHER_ENV_VARS: tuple[str, ...] = (
+    MANAGER_ENV,
+    CONFIG_PATH_ENV,
+    LOG_DIR_ENV,
+    STORE_DIR_ENV,
+    "SGLANG_SIMM_STORE_METRICS_PORT",
+    "SGLANG_SIMM_STORE_METRICS_HOST",
+)
 
 #: Fields renamed, old name -> new name. The old name is still read (from
 #: the extra config, the file and ``SGLANG_SIMM_<OLD>``) with a warning
@@ -384,11 +401,18 @@ class UnknownKey:
     #: the closest valid field name, if one is close
     suggestion: str | None
 
+    @property
+    def near_miss(self) -> bool:
+        """A misspelling of a name of ours: the setting meant silently does not apply."""
+        return self.suggestion is not None
+
     def message(self) -> str:
-        hint = f"; did you mean {self.suggestion!r}?" if self.suggestion else ""
+        """One sentence, ending in its own punctuation (a suggestion's "?")."""
         if self.source == "the environment":
-            return f"unknown variable {self.key} in {self.source} is ignored{hint}"
-        return f"unknown key {self.key!r} in {self.source} is ignored{hint} (valid keys: {', '.join(FIELD_NAMES)})"
+            return f"unknown variable {self.key} in {self.source} is ignored; did you mean {self.suggestion}?"
+        if self.suggestion:
+            return f"unknown key {self.key!r} in {self.source} is ignored; did you mean {self.suggestion!r}?"
+        return f"unknown key {self.key!r} in {self.source} is ignored (valid keys: {', '.join(FIELD_NAMES)})."
 
 
 def unknown_keys_of(data: Mapping[str, Any], where: str) -> list[UnknownKey]:
@@ -405,20 +429,39 @@ def unknown_keys_of(data: Mapping[str, Any], where: str) -> list[UnknownKey]:
     return out
 
 
+def _our_env_vars() -> dict[str, str]:
+    """Every variable this package reads, by its own name; a field's old
+    name (``RENAMED_FIELDS``) names the new one."""
+    out = {var: var for var in OTHER_ENV_VARS}
+    out.update({env_var_name(f): env_var_name(f) for f in FIELD_NAMES})
+    out.update({env_var_name(old): env_var_name(new) for old, new in RENAMED_FIELDS.items()})
+    return out
+
+
 def unknown_env_vars(environ: Mapping[str, str]) -> list[UnknownKey]:
-    """``SGLANG_SIMM_*`` variables that look like a field's but are none
-    (``SGLANG_SIMM_REQUEST_TIMOUT_MS``): ignored, so said. Only near misses
-    count: other ``SGLANG_SIMM_*`` variables belong to the store and the tools."""
-    fields = {env_var_name(f)[len(ENV_PREFIX):]: env_var_name(f) for f in FIELD_NAMES}
-    fields.update({env_var_name(old)[len(ENV_PREFIX):]: env_var_name(new) for old, new in RENAMED_FIELDS.items()})
+    """Variables that look like one of ours but are none, each ignored,
+    so said with the right name: a near miss (``SGLANG_SIMM_REQUEST_TIMOUT_MS``,
+    ``SIMM_CLUSTER_MANGER``, ``SGLANG_HICACHE_SIMM_CONFIG``) or another case
+    (``sglang_simm_warmup``: variables are case-sensitive). Only names with
+    ``SIMM`` in them are looked at, and only near misses count: other
+    ``SGLANG_SIMM_*`` variables belong to the tools and the tests."""
+    ours = _our_env_vars()
+    prefixed = {var[len(ENV_PREFIX):]: var for var in ours if var.startswith(ENV_PREFIX)}
+    whole = {var: var for var in ours if not var.startswith(ENV_PREFIX)}
     out = []
     for var in environ:
-        suffix = var[len(ENV_PREFIX):]
-        if not var.startswith(ENV_PREFIX) or suffix in fields:
+        upper = var.upper()
+        if var in ours or "SIMM" not in upper:
             continue
-        close = difflib.get_close_matches(suffix, fields, n=1, cutoff=0.8)
+        if upper in ours:
+            close = [upper]
+        elif upper.startswith(ENV_PREFIX):
+            # the suffix alone: the shared prefix would make every pair look alike
+            close = [prefixed[c] for c in difflib.get_close_matches(upper[len(ENV_PREFIX):], prefixed, n=1, cutoff=0.8)]
+        else:
+            close = difflib.get_close_matches(upper, whole, n=1, cutoff=0.8)
         if close:
-            out.append(UnknownKey(var, "the environment", fields[close[0]]))
+            out.append(UnknownKey(var, "the environment", ours[close[0]]))
     return out
 
 
@@ -499,18 +542,38 @@ def with_current_names(extra_config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: True while the sources are read for one value, not to resolve the config
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("sglang_simm_config_quiet", default=False)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Read the sources without their warnings (an unknown key, an old
+    name): whoever resolves the whole config says them, once."""
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
+
+def _warn(text: str, *args: Any) -> None:
+    if not _QUIET.get():
+        logger.warning(text, *args)
+
+
 def _fields_of(data: Mapping[str, Any], where: str, label: Callable[[str], str]) -> Sourced:
     """Our fields out of ``data``; SGLang's keys skipped, others warned
     about; an old field name read as its new one, warned about."""
     for unknown in unknown_keys_of(data, where):
-        logger.warning("SiMM config: %s", unknown.message())
+        _warn("SiMM config: %s", unknown.message())
     out = {key: (value, label(key)) for key, value in data.items() if key in FIELD_NAMES}
     for old, new in RENAMED_FIELDS.items():
         if old not in data:
             continue
         if new in data:
             raise ValueError(f"SiMM config: {where}: {both_given(old, new)}")
-        logger.warning("SiMM config: %s (in %s)", deprecated(old, new), where)
+        _warn("SiMM config: %s (in %s)", deprecated(old, new), where)
         out[new] = (data[old], label(old))
     return out
 
@@ -564,7 +627,7 @@ def _from_json_file(extra_config: Mapping[str, Any] | None, environ: Mapping[str
 
 def _from_environ(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
     for unknown in unknown_env_vars(environ):
-        logger.warning("SiMM config: %s", unknown.message())
+        _warn("SiMM config: %s", unknown.message())
     out: Sourced = {}
     # SGLANG_SIMM_MANAGER_ADDRESS comes later, so it wins over SIMM_CLUSTER_MANAGER.
     for name, var in [("manager_address", MANAGER_ENV)] + [(f, env_var_name(f)) for f in FIELD_NAMES]:
@@ -579,7 +642,7 @@ def _from_environ(extra_config: Mapping[str, Any] | None, environ: Mapping[str, 
             continue
         if new in out:
             raise ValueError(f"SiMM config: the environment: {both_given(old_var, new_var)}")
-        logger.warning("SiMM config: %s", deprecated(old_var, new_var))
+        _warn("SiMM config: %s", deprecated(old_var, new_var))
         out[new] = (value, f"env:{old_var}")
     return out
 
@@ -627,14 +690,15 @@ def client_flag(extra_config: Mapping[str, Any] | None, name: str,
     store's flags are read under their old names too (``RENAMED_FLAGS``)."""
     env = os.environ if environ is None else environ
     name = RENAMED_FLAGS.get(name, name)
-    for _source, read in SOURCES:
-        try:
-            flags = read(extra_config or {}, env).get("client_flags")
-            value = parse_client_flags(flags[0], warn=False).get(name) if flags else None
-        except Exception:
-            return None
-        if value:
-            return value
+    with quiet():  # load_config says what is amiss in the sources, once
+        for _source, read in SOURCES:
+            try:
+                flags = read(extra_config or {}, env).get("client_flags")
+                value = parse_client_flags(flags[0], warn=False).get(name) if flags else None
+            except Exception:
+                return None
+            if value:
+                return value
     return None
 
 
@@ -851,6 +915,10 @@ def _parse_address(value: Any) -> tuple[str, str, int | None]:
         if not STORE_NAME_RE.match(name):
             raise InvalidValue(f"has a malformed local store name {name!r}", _ADDRESS_FORMS)
         return (_LOCAL_STORE_FORMS[scheme], name, None)
+    near = _near_local_form(scheme if sep else text)
+    if near is not None:
+        meant = f"{near}://{name}" if sep else near
+        raise InvalidValue(f"is no address and no local store form (did you mean {meant!r}?)", _ADDRESS_FORMS)
     if "://" in text:
         raise InvalidValue("has a URL scheme; give the bare address", _ADDRESS_FORMS)
     if text.startswith("["):
@@ -881,6 +949,15 @@ def _parse_address(value: Any) -> tuple[str, str, int | None]:
     if not 1 <= port <= 65535:
         raise InvalidValue(f"has port {port} out of range 1..65535", _ADDRESS_FORMS)
     return ("cluster", host, port)
+
+
+def _near_local_form(word: str) -> str | None:
+    """The local store form ``word`` misspells (``locl``, ``Local``,
+    ``inproces``), or None; a host name with a port never is one."""
+    if ":" in word or word in _LOCAL_STORE_FORMS:
+        return None
+    close = difflib.get_close_matches(word.lower(), _LOCAL_STORE_FORMS, n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 _warned_inprocess: set[str] = set()
@@ -981,6 +1058,28 @@ def _cross_field_problems(out: Mapping[str, Any], raw: Mapping[str, tuple[Any, s
             "at least the first wait: raise breaker_backoff_max_ms or lower breaker_backoff_ms"
         )
     return problems
+
+
+# --------------------------------------------------------------------------
+# Where a local store lives
+# --------------------------------------------------------------------------
+
+
+def local_store_place(config: SiMMConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """The directory a ``local`` address's store lives in, as this
+    process's client finds it, and what chose it: ``client flag
+    local_store_dir``, ``local_store_dir``, ``env SGLANG_SIMM_STORE_DIR`` or
+    ``default``; None for a cluster or the in-process store. Servers report
+    it (their log, their ``/metrics``), so that ``doctor --server`` reads
+    theirs, not its own."""
+    if config.local_store_scope != "host":
+        return None
+    env = os.environ if environ is None else environ
+    flag, field = config.client_flags.get("local_store_dir") or "", config.local_store_dir or ""
+    variable = env.get(STORE_DIR_ENV) or ""
+    why = ("client flag local_store_dir" if flag else "local_store_dir" if field else
+           f"env {STORE_DIR_ENV}" if variable else "default")
+    return store_dir(flag or field or variable or None), why
 
 
 # --------------------------------------------------------------------------

@@ -47,6 +47,9 @@ LATENCY_BUCKETS = (
 #: the breaker's states as the gauge's values
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
+#: labels of ``l3_store_info``: which store L3 is (``describe_store``)
+STORE_LABELS = ("address", "store_dir", "store_dir_from")
+
 #: (snapshot field, metric name, help) of the plain counters
 COUNTERS = (
     ("pages_read", "l3_pages_hit", "L3 pages read back whole (every object of the page, its exact size)"),
@@ -129,6 +132,9 @@ class _Families:
                                    registry=registry, multiprocess_mode="mostrecent")
         self.breaker_transitions = Counter(f"{PREFIX}breaker_transitions", "Circuit breaker transitions, "
                                            "by the state entered", labelnames=(*LABELS, "to"), registry=registry)
+        self.store = Gauge(f"{PREFIX}l3_store_info", "The store this backend's L3 is, always 1: its address "
+                           "and, for a local store, the directory it lives in and what chose it",
+                           labelnames=(*LABELS, *STORE_LABELS), registry=registry, multiprocess_mode="mostrecent")
 
     @classmethod
     def of(cls, registry: Any) -> _Families:
@@ -167,6 +173,15 @@ class L3Exporter:
             f.counters[field].labels(**self.labels)
         for op in OPERATIONS:
             f.latency.labels(**self.labels, op=op)
+
+    def describe_store(self, address: str, place: tuple[str, str] | None) -> None:
+        """Which store L3 is, once at attach: ``l3_store_info`` at 1 with the
+        manager address and, for a local store, its directory and what chose
+        it (``config.local_store_place``; "" for a cluster). ``doctor
+        --server`` reads the server's own, which its shell may not share."""
+        directory, chosen_by = place or ("", "")
+        self._families.store.labels(**self.labels, address=address, store_dir=directory,
+                                    store_dir_from=chosen_by).set(1)
 
     def flush(self, snapshot: Mapping[str, Any], latency: tuple[dict[str, list[int]], dict[str, float]] | None = None,
               breaker: tuple[str | None, Mapping[str, int]] | None = None) -> None:

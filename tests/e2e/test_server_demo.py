@@ -16,10 +16,13 @@ def test_server_demo_restores_from_l3_with_the_same_answers(tmp_path, capsys):
     out = tmp_path / "demo.json"
     code = main([
         "demo", "--server", "--preset", "llama-tiny", "--model-dir", str(tmp_path / "model"),
+        "--workdir", str(tmp_path / "server"),
         "--system-tokens", "512", "--question-tokens", "32", "--new-tokens", "4", "--json", str(out),
     ])
-    text = capsys.readouterr().out
-    assert code == 0, text
+    captured = capsys.readouterr()
+    text = captured.out
+    # a failed start's reason goes to stderr: shown, not swallowed by capsys
+    assert code == 0, text + captured.err
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert [r["tier"] for r in rows] == [  # nearest tier first, then none
@@ -34,3 +37,6 @@ def test_server_demo_restores_from_l3_with_the_same_answers(tmp_path, capsys):
     # the notes, in every run: the floor the cached rows share, and why their times come in no order
     notes = " ".join(text.split())
     assert "floor no tier removes" in notes and "timing noise" in notes, text
+    # the server's log is kept where the summary says, its temporary files gone
+    assert data["summary"]["server log"] == str(tmp_path / "server" / "demo-server.log")
+    assert (tmp_path / "server" / "demo-server.log").exists() and not (tmp_path / "server" / "tmp").exists()

@@ -68,10 +68,27 @@ def sglang_status() -> dict[str, Any]:
 #: Extra-config keys that only choose SGLang's route; each launch line sets its own.
 _ROUTE_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
+#: The HiCache settings under which L3 pays, each with why: every launch line
+#: this project writes carries them (doctor's; the README's and examples/'s,
+#: held to these by tests/test_examples.py). Set explicitly, since SGLang's
+#: defaults differ by release (best_effort prefetch before 0.5.23).
+RECOMMENDED: tuple[tuple[str, str], ...] = (
+    ("--hicache-ratio 2", "a host pool twice the GPU KV pool, so pages outlive their GPU copy; it needs that "
+     "much free host memory per server (twice the GPU KV pool's bytes, beyond the 10 GiB SGLang keeps free), "
+     "else SGLang refuses to start ('Not enough host memory available'): lower it, or use --hicache-size GB, "
+     "on a small host"),
+    ("--hicache-storage-prefetch-policy timeout", "a request waits for its L3 read, up to prefetch_timeout_base "
+     "(1 s) plus 0.25 s per 1,024 tokens (wait_complete: no bound); best_effort, the default before 0.5.23, "
+     "cuts most L3 reads short"),
+    ("--hicache-write-policy write_through", "pages go to L3 as soon as they are computed (write_back: only "
+     "when the GPU pool evicts them)"),
+)
+
 
 def launch_lines(extra: dict[str, Any]) -> dict[str, str]:
     """Ready-to-paste launch commands for both routes, carrying ``extra``
-    (a valid configuration's own keys) as the extra config."""
+    (a valid configuration's own keys) as the extra config and the
+    ``RECOMMENDED`` settings."""
     base = {k: v for k, v in extra.items() if k not in _ROUTE_KEYS}
     dynamic = {
         "backend_name": "simm",
@@ -80,7 +97,8 @@ def launch_lines(extra: dict[str, Any]) -> dict[str, str]:
         "interface_v1": 1,
         **base,
     }
-    common = "python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache --hicache-mem-layout page_first"
+    common = ("python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache --hicache-mem-layout "
+              "page_first " + " ".join(flag for flag, _why in RECOMMENDED))
     return {
         "plugin (SGLang >= 0.5.11)": f"{common} --hicache-storage-backend simm "
         f"--hicache-storage-backend-extra-config '{json.dumps(base)}'",
@@ -153,8 +171,13 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     # 1. configuration
     config = resolved = None
     unknown = find_unknown_keys(extra)
-    report.warnings += [f"configuration: {u.message()}. Rename or remove it: the backend ignores it"
-                        for u in unknown]
+    # a near miss of a name of ours is a setting that silently does not apply:
+    # a problem here (a deployment gate must not pass it), though the server
+    # itself only warns; added after the round trip, which it does not concern
+    typos = [f"configuration: {u.message()} The backend ignores it, so what it was meant to set does not "
+             f"apply: rename it" for u in unknown if u.near_miss]
+    report.warnings += [f"configuration: {u.message()} Remove it: the backend ignores it"
+                        for u in unknown if not u.near_miss]
     # the launch lines carry what the backend reads, not the keys it ignores
     ignored = {u.key for u in unknown if u.source == "extra_config"}
     extra = {k: v for k, v in extra.items() if k not in ignored}
@@ -268,6 +291,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
         else:
             _round_trip(console, config, report)
 
+    report.problems += typos
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {_text(note)}", soft_wrap=True)  # paths stay whole, to copy
     for warning in report.warnings:
@@ -300,6 +324,8 @@ def _print_launch_lines(console: Any, extra: dict[str, Any], resolved: Any) -> N
     the environment or a file stay out of them (a pasted value would
     override them), and a note says so."""
     console.print("[bold]Launch lines[/bold]")
+    for flag, why in RECOMMENDED:
+        console.print(f"[dim]# {_text(flag)}: {_text(why)}[/dim]", soft_wrap=True)
     for route, line in launch_lines(extra).items():
         console.print(f"[dim]# {route}[/dim]")
         console.print(line, soft_wrap=True, markup=False)

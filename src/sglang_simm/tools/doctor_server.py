@@ -16,11 +16,14 @@ status 1. The rules come from SGLang's own source (release noted at each).
 from __future__ import annotations
 
 import json
+import os
 import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+
+from sglang_simm.local_store.admin import STORE_DIR_ENV
 
 #: SGLang's default for the extra-config key ``prefetch_threshold`` (tokens)
 DEFAULT_PREFETCH_THRESHOLD = 256
@@ -368,6 +371,77 @@ def namespaces(keys: list[str]) -> dict[str, int]:
     return out
 
 
+def reported_store(metrics: dict[str, Any] | None) -> tuple[str, str] | None:
+    """The local store's directory, and what chose it, as the server's
+    backend reports it (``sglang_simm:l3_store_info``); None where it is not
+    reported (metrics off, a cluster, a plugin older than the series)."""
+    for labels, _value in (metrics or {}).get("sglang_simm:l3_store_info", []):
+        if labels.get("store_dir"):
+            return labels["store_dir"], labels.get("store_dir_from", "")
+    return None
+
+
+def _why_apart(server_dir: str, chosen_by: str, shell_dir: str | None) -> str:
+    """The likely cause of a server keeping its local store where this
+    shell would not look (``chosen_by``: what chose the server's)."""
+    shell = f"this shell sets it to {shell_dir}" if shell_dir else "this shell lacks it"
+    if chosen_by.startswith("env "):
+        variable = chosen_by[len("env "):]
+        return f"the server's environment sets {variable}={server_dir} and {shell}"
+    if chosen_by == "default" and shell_dir:
+        return f"the server uses the default directory, and this shell sets {STORE_DIR_ENV}={shell_dir}"
+    if chosen_by == "default":  # the default names the user: /dev/shm/sglang-simm-<uid>
+        return "the server uses its user's default directory: it runs as another user"
+    return (f"the server's {chosen_by} names it (from its environment or config file, which this shell does "
+            "not share)")
+
+
+def server_l3_works(metrics: dict[str, Any] | None) -> str | None:
+    """What the server's own counters show of an L3 that works (pages hit
+    or written, the breaker not open), in words; None where they show none."""
+    hit = metric_sum(metrics, "sglang_simm:l3_pages_hit_total") or 0
+    written = metric_sum(metrics, "sglang_simm:l3_pages_written_total") or 0
+    faults = metric_sum(metrics, "sglang_simm:l3_faults_total") or 0
+    if (metric_sum(metrics, "sglang_simm:breaker_state") or 0) >= 2 or not (hit or written):
+        return None
+    return f"{hit:.0f} pages hit and {written:.0f} written, {faults:.0f} faults"
+
+
+def reconcile_store(name: str, looked_in: str, reported: tuple[str, str] | None, status: dict[str, Any],
+                    keys: list[str] | None, metrics: dict[str, Any] | None,
+                    shell_dir: str | None) -> list[Finding]:
+    """The local store's findings where doctor's own look and the server's
+    report may differ: the store ``status`` describes is the one in the
+    directory the server reports (``reported``), else the one doctor's own
+    sources name (``looked_in``); where doctor cannot reach it and the
+    server's counters show L3 at work, the server's view wins, and the
+    finding says where the two differ and why, most likely."""
+    out: list[Finding] = []
+    if reported is not None and reported[0] != looked_in:
+        out.append(Finding("warn", f"the server's local store {name!r} lives in {reported[0]}, as the server "
+                           f"reports, not in {looked_in}, where this shell would look: "
+                           f"{_why_apart(reported[0], reported[1], shell_dir)}; doctor reads the server's",
+                           f"{STORE_DIR_ENV}={reported[0]} in this shell, for sglang-simm store commands on it"))
+    found = analyse_store(status, keys)
+    works = server_l3_works(metrics)
+    if status.get("running") or works is None:
+        if not status.get("running") and reported is None:
+            found[0].what += (f"; doctor looked in {looked_in}, and a server started with {STORE_DIR_ENV} set "
+                              "elsewhere (or as another user, or in another container) keeps its store there: "
+                              "--enable-metrics makes the server report where")
+        return out + found
+    where = reported[0] if reported is not None else looked_in
+    if reported is None:
+        cause = (f"the server's environment sets {STORE_DIR_ENV} elsewhere (this shell: "
+                 f"{shell_dir or 'unset'}), or the server runs as another user or in another container")
+    else:
+        cause = "the server runs as another user, or in another container (its /dev/shm is not this shell's)"
+    return out + [Finding("warn", f"doctor cannot reach the local store {name!r} in {where} from here "
+                          f"({status.get('why', 'no answer')}), yet the server reports {works}: the store serves "
+                          f"the server, and the server's figures win. Doctor's look differs, likely because {cause}",
+                          "run doctor where the server runs (its user, its environment)")]
+
+
 def analyse_store(status: dict[str, Any], keys: list[str] | None) -> list[Finding]:
     """A local store's status (``sglang-simm store status``) and keys."""
     name = status.get("name", "?")
@@ -461,7 +535,7 @@ def run_doctor_server(console: Any, urls: list[str], *, api_key: str | None = No
             extra = extra_config_of(info, view.storage)
             backend = (view.storage or {}).get("hicache_storage_backend", info.get("hicache_storage_backend"))
             if info.get("enable_hierarchical_cache") and backend and is_ours(backend, extra) is not False:
-                findings += _store_findings(extra)
+                findings += _store_findings(extra, view.metrics)
         for f in findings:
             style = {"block": "red", "warn": "yellow", "info": "dim"}[f.level]
             word = {"block": "blocks hits", "warn": "warning", "info": "note"}[f.level]
@@ -479,8 +553,9 @@ def run_doctor_server(console: Any, urls: list[str], *, api_key: str | None = No
     return 0
 
 
-def _store_findings(extra: dict[str, Any]) -> list[Finding]:
-    """The local store's findings, or a cluster manager's reachability."""
+def _store_findings(extra: dict[str, Any], metrics: dict[str, Any] | None = None) -> list[Finding]:
+    """The local store's findings (in the directory the server reports,
+    where it does), or a cluster manager's reachability."""
     where = store_of(extra)
     if where is None:
         from sglang_simm import config as cfg
@@ -498,10 +573,12 @@ def _store_findings(extra: dict[str, Any]) -> list[Finding]:
             return [Finding("info", f"the cluster manager {config.host}:{config.port} accepts TCP connections")]
         return [Finding("block", f"the cluster manager {config.host}:{config.port} is unreachable from here ({why})",
                         "manager_address, the manager process, the firewall")]
-    root, name = where
+    looked_in, name = where
     from sglang_simm.local_store.admin import StoreUnreachable, open_running
     from sglang_simm.tools.store import _status_of
 
+    reported = reported_store(metrics)
+    root = reported[0] if reported is not None else looked_in
     status = _status_of(root, name)
     keys = None
     if status.get("running"):
@@ -513,4 +590,4 @@ def _store_findings(extra: dict[str, Any]) -> list[Finding]:
                 handle.close()
         except (StoreUnreachable, ValueError):
             keys = None
-    return analyse_store(status, keys)
+    return reconcile_store(name, looked_in, reported, status, keys, metrics, os.environ.get(STORE_DIR_ENV))
