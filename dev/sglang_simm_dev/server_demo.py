@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
             return _run(args)
         finally:
             try:
-                StoreHandle(own_store, root=root, capacity=1, spawn=False, fault_in=False).stop()
+                StoreHandle(own_store, root=root, capacity=1, spawn=False, data=False).stop(discard=True)
             except (StoreUnreachable, OSError):
                 pass
 

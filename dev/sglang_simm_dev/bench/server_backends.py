@@ -305,7 +305,7 @@ class Environment:
 
         for store in self.stores:
             try:
-                (self.held.pop(store, None) or StoreHandle(store, capacity=1, spawn=False, fault_in=False)).stop()
+                (self.held.pop(store, None) or StoreHandle(store, capacity=1, spawn=False, data=False)).stop(discard=True)
             except (StoreUnreachable, OSError):
                 pass
         shutil.rmtree(self.file_dir, ignore_errors=True)

@@ -336,7 +336,7 @@ def measure_fold(repeat: int = 30, object_bytes: int = 4096) -> dict[str, Any]:
                     assert not any(codes)
             out[str(n)] = {"exists+put": two.as_dict(), "put absent": one.as_dict()}
     finally:
-        server.stop()
+        server.stop(discard=True)
     return out
 
 
@@ -399,7 +399,7 @@ def measure_fairness(samples: int = 2000) -> dict[str, Any]:
         server.lookup([f"hammer{i}" for i in range(server.max_batch)])
         out["largest batch lookup_s"] = time.perf_counter() - t0
     finally:
-        server.stop()
+        server.stop(discard=True)
     return out
 
 
@@ -434,7 +434,7 @@ def measure_stalled(calls: int = 5, timeout_ms: int = 1000) -> dict[str, Any]:
             time.sleep(2.1)  # past the reconnect back-off, so each call tries the store
     finally:
         os.kill(pid, signal.SIGCONT)
-        server.stop()
+        server.stop(discard=True)
     return {"timeout_ms": timeout_ms, "durations_s": durations, "codes": codes}
 
 
@@ -497,7 +497,7 @@ def measure_crash(capacity: int = 1 << 30, object_bytes: int = 1 << 20) -> dict[
         assert again.get_into([(key, ctypes.addressof(out), object_bytes)]) == [object_bytes]
         wrong += object_bytes - out.raw.count(bytes([int(key[1:]) % 251 + 1]))
         read += 1
-    again.stop()
+    again.stop(discard=True)
     return {"capacity_bytes": capacity, "object_bytes": object_bytes, "objects_before_kill": held,
             "recovered": status["recovered"], "read_back": read, "wrong_bytes": wrong,
             "dropped_as_unsound": status["recovery_dropped"], "takeover_s": status["takeover_s"],
