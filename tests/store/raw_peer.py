@@ -3,7 +3,9 @@ the wire protocol directly (what a buggy or hostile client can send)."""
 
 from __future__ import annotations
 
+import array
 import json
+import mmap
 import os
 import signal
 import socket
@@ -11,10 +13,10 @@ import subprocess
 import sys
 from typing import Any
 
+from polling import until
 from sglang_simm.local_store import _protocol as wire
 from sglang_simm.local_store._paths import StorePaths
 from sglang_simm.local_store._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
-from polling import until
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 LOWFD = os.path.join(os.path.dirname(__file__), "daemon_lowfd.py")
@@ -35,10 +37,8 @@ class StoreProc:
         self.paths = StorePaths(root, name)
         args = ["--dir", root, "--name", name, "--capacity", str(capacity), "--policy", policy,
                 "--idle-exit", str(idle_exit), "--limits", json.dumps(limits or {}), *extra]
-        if nofile:
-            cmd = [sys.executable, LOWFD, str(nofile), *args]
-        else:
-            cmd = [sys.executable, "-m", "sglang_simm.local_store._server", *args]
+        cmd = [sys.executable, LOWFD, str(nofile), *args] if nofile else \
+            [sys.executable, "-m", "sglang_simm.local_store._server", *args]
         self.proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         until(lambda: os.path.exists(self.paths.pid) or self.proc.poll() is not None, what="the store to start")
         if self.proc.poll() is not None:
@@ -49,19 +49,15 @@ class StoreProc:
         return self.proc.poll() is None
 
     def rss_kib(self) -> int:
-        """Private resident memory (anonymous pages, not the shared arena)."""
+        """Private resident memory (anonymous pages, not the shared segments)."""
         with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1])
-        raise AssertionError("no RssAnon")
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
 
     def status(self) -> dict[str, Any]:
-        """The store's status, once it takes a connection (it may be busy
-        closing others, or refusing for its limits)."""
+        """The store's status, once it takes a connection."""
         def attempt():
             try:
-                with Peer(self.paths) as p:
+                with Peer(self.paths, data=False) as p:
                     return p.admin("status")
             except (AssertionError, OSError):
                 return None
@@ -71,10 +67,10 @@ class StoreProc:
             raise AssertionError(f"{exc}; its process {'runs' if self.alive() else 'exited'}; "
                                  f"its log ends: {self.log_tail()}") from None
 
-    def log_tail(self) -> str:
+    def log_tail(self, lines: int = 4) -> str:
         try:
             with open(self.paths.log) as f:
-                return " | ".join(f.read().splitlines()[-4:])
+                return " | ".join(f.read().splitlines()[-lines:])
         except OSError:
             return ""
 
@@ -94,17 +90,27 @@ class StoreProc:
 
 
 class Peer:
-    """A raw connection: frames in, frames out, nothing checked."""
+    """A raw connection: frames in, frames out, nothing checked. A data
+    peer (``data``) gets the segments' descriptors and its process's row."""
 
-    def __init__(self, paths: StorePaths, *, hello: bool = True, timeout: float = 10.0) -> None:
+    def __init__(self, paths: StorePaths, *, hello: bool = True, data: bool = True, timeout: float = 10.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.sock.connect(paths.socket)
         self.info: dict[str, Any] = {}
+        self.fds: list[int] = []
         if hello:
-            op, body = self.call(Op.HELLO, pack_json({"version": wire.PROTOCOL_VERSION, "pid": os.getpid()}))
-            assert op == Op.HELLO, Reader(body).json()
-            self.info = Reader(body).json()
+            self.send(frame(Op.HELLO, pack_json({"version": wire.PROTOCOL_VERSION, "data": data})))
+            buf, fds = b"", array.array("i")
+            while len(buf) < wire.HEADER.size or len(buf) < wire.HEADER.size + wire.HEADER.unpack_from(buf)[0]:
+                got, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(64 * 4))
+                assert got, "the store closed the connection during the handshake"
+                buf += got
+                for _, _, payload in anc:
+                    fds.frombytes(payload[: len(payload) - len(payload) % 4])
+            length, op = wire.HEADER.unpack_from(buf)
+            assert op == Op.HELLO, Reader(buf[wire.HEADER.size:]).json()
+            self.info, self.fds = Reader(buf[wire.HEADER.size:wire.HEADER.size + length]).json(), list(fds)
 
     def __enter__(self) -> Peer:
         return self
@@ -114,13 +120,15 @@ class Peer:
 
     def close(self) -> None:
         self.sock.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
 
     def recv_frame(self) -> tuple[int, bytes]:
-        head = self._exact(wire.HEADER.size)
-        length, op = wire.HEADER.unpack(head)
+        length, op = wire.HEADER.unpack(self._exact(wire.HEADER.size))
         return op, self._exact(length)
 
     def _exact(self, n: int) -> bytes:
@@ -142,11 +150,22 @@ class Peer:
         except ConnectionResetError:
             return True
 
-    # -- requests ------------------------------------------------------------
+    # -- the segments ------------------------------------------------------------
+
+    def segment(self, index: int = 0) -> mmap.mmap:
+        """The ``index``-th segment the store handed over, mapped."""
+        return mmap.mmap(self.fds[index], self.info["segments"][index]["size"])
+
+    def set_busy(self, value: int) -> None:
+        """This process's row of the store's client table: copies in flight."""
+        with self.segment(0) as seg:
+            seg[4096 + 32 * self.info["row"] + 16:4096 + 32 * self.info["row"] + 24] = value.to_bytes(8, "little")
+
+    # -- requests ------------------------------------------------------------------
 
     def admin(self, cmd: str, **args: Any) -> dict[str, Any]:
         op, body = self.call(Op.ADMIN, pack_json({"cmd": cmd, **args}))
-        assert op == Op.ADMIN
+        assert op == Op.ADMIN, Reader(body).json()
         return Reader(body).json()
 
     def lookup(self, keys: list[str]) -> list[int]:
@@ -158,25 +177,23 @@ class Peer:
         op, body = self.call(Op.PUT, bytes((int(overwrite),)), encode_keys(keys), pack_ints(sizes))
         assert op == Op.PUT, Reader(body).json()
         r = Reader(body)
-        lease, _committed = r.ints()
-        return lease, r.ints(), r.ints()
+        grant = r.ints()[0]
+        return grant, r.ints(), r.ints()
 
-    def commit(self, lease: int) -> tuple[int, Any]:
-        op, body = self.call(Op.COMMIT, pack_i64(lease))
+    def commit(self, grant: int, crcs: list[int] | None = None) -> tuple[int, Any]:
+        op, body = self.call(Op.COMMIT, pack_i64(grant), pack_ints(crcs or []))
         r = Reader(body)
         return op, (r.json() if op == Op.ERROR else r.ints())
 
-    def get(self, keys: list[str], caps: list[int]) -> tuple[int, int, list[int], list[int]]:
+    def get(self, keys: list[str], caps: list[int]) -> tuple[int, list[int], list[int], list[int]]:
         op, body = self.call(Op.GET, encode_keys(keys), pack_ints(caps))
         assert op == Op.GET, Reader(body).json()
         r = Reader(body)
-        lease, slot = r.ints()
-        return lease, slot, r.ints(), r.ints()
+        grant, results, segs, offsets, _verify = r.ints()[0], r.ints(), r.ints(), r.ints(), r.ints()
+        return grant, results, segs, offsets
 
-    def release(self, lease: int) -> None:
-        self.send(frame(Op.RELEASE, pack_i64(lease)))
+    def release(self, grant: int, failed: list[int] | None = None) -> None:
+        self.send(frame(Op.RELEASE, pack_i64(grant), pack_ints(failed or [])))
 
-    def fence(self, epoch: int, conn: int) -> None:
-        """FENCE (no reply): this process is done with connection ``conn``'s
-        leases, of the store process of ``epoch``."""
-        self.send(frame(Op.FENCE, pack_i64(epoch), pack_i64(conn)))
+    def abort(self, grant: int) -> None:
+        self.send(frame(Op.ABORT, pack_i64(grant)))

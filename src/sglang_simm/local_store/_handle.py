@@ -530,6 +530,15 @@ class StoreHandle:
             raise StoreUnreachable(INTERNAL_ERROR, f"the store process answered {rop} to {op.name}")
         return conn, r
 
+    def _one_way(self, conn: _Connection, op: Op, *parts: bytes) -> None:
+        """ABORT or RELEASE: the client is done with the memory. Lost with the
+        connection, it is said all the same: the store ends that
+        connection's grants once this process has no copy in flight."""
+        try:
+            self._request(op, *parts, conn=conn, reply=False)
+        except StoreUnreachable:
+            pass
+
     # -- the data path (server codes; StoreUnreachable on transport faults) ------------------
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
@@ -566,7 +575,7 @@ class StoreHandle:
             granted = [i for i, code in enumerate(codes) if code == OK]
             own = conn.maps[0]
             if not all(own.holds(offsets[i], items[i][2]) for i in granted):
-                self._request(Op.ABORT, pack_i64(grant), conn=conn, reply=False)
+                self._one_way(conn, Op.ABORT, pack_i64(grant))
                 raise _bad_answer("PUT", "an offset outside the segment")
             if not own.enter():
                 raise StoreUnreachable(SEND_RPC_FAILED, "the store's segment was let go")
@@ -577,7 +586,7 @@ class StoreHandle:
                         for i in granted]
             except OSError as exc:  # a disk full, or a quota: the put is refused, not the process
                 logger.warning("local store %r: writing a put failed (%s): it reads as OutOfMemory", self.name, exc)
-                self._request(Op.ABORT, pack_i64(grant), conn=conn, reply=False)
+                self._one_way(conn, Op.ABORT, pack_i64(grant))
                 return [OUT_OF_MEMORY if code == OK else code for code in codes]
             finally:
                 own.leave()
@@ -617,7 +626,7 @@ class StoreHandle:
             maps = conn.maps
             if not all(0 <= segs[i] < len(maps) and maps[segs[i]].holds(offsets[i], results[i])
                        and results[i] <= items[i][2] for i in hits):
-                self._request(Op.RELEASE, pack_i64(grant), pack_ints([]), conn=conn, reply=False)
+                self._one_way(conn, Op.RELEASE, pack_i64(grant), pack_ints([]))
                 raise _bad_answer("GET", "an offset, size or segment outside what this client mapped")
             failed = []
             for seg in sorted({segs[i] for i in hits}):
@@ -639,8 +648,7 @@ class StoreHandle:
                     failed.append(i)
             for i in failed:
                 results[i] = DS_KEY_NOT_FOUND
-            self._request(Op.RELEASE, pack_i64(grant), pack_ints([i for i in failed if verify[i]]), conn=conn,
-                          reply=False)
+            self._one_way(conn, Op.RELEASE, pack_i64(grant), pack_ints([i for i in failed if verify[i]]))
             return results
         finally:
             busy.leave()

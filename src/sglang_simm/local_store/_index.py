@@ -16,9 +16,9 @@ store processes' ones it recovered objects from, which it serves read-only
   keeps its bytes until its last pin goes.
 
 Memory a grant covers is handed out again only when the grant ends: by its
-owner's commit, abort or release, or by ``end_owner``, which the store
-process calls once the owner's connection is closed and its process has no
-copy in flight or is gone. Nothing here ends a grant on a timer.
+owner's commit, abort or release, or, once the owner's connection is closed
+(``close_owner``), when its process has no copy in flight or is gone
+(``end_orphans``). Nothing here ends a grant on a timer.
 
 An earlier segment is *held* until the store process finds it quiet
 (``release_earlier``): until then the bytes of objects that leave it stay
@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,6 +237,7 @@ class StoreIndex:
         self.memory_limited = 0
         self._grants: dict[int, Grant] = {}
         self._by_owner: dict[Hashable, set[int]] = {}
+        self._orphans: dict[Hashable, set[Hashable]] = {}  # process -> its closed connections with grants
         self._proc_bytes: dict[Hashable, int] = {}
         self._ids = itertools.count(secrets.randbits(40) << 20)  # grant ids never repeat across store processes
         self.stats = dict.fromkeys(STAT_NAMES, 0)
@@ -356,8 +357,12 @@ class StoreIndex:
         return len(keep)
 
     def release_earlier(self) -> int:
-        """Every earlier segment is quiet: give back what no object of theirs
-        uses and delete those left empty; the bytes no longer held."""
+        """Once every earlier segment is quiet (``quiet()``: no client of its
+        store process may still copy), give back what no object of theirs
+        uses and delete those left empty; the bytes no longer held (0 while
+        one is not quiet)."""
+        if not self.earlier_held() or not all(s.seg.quiet() for s in self.segs if not s.released):
+            return 0
         freed, self.held = self.held, 0
         live = np.concatenate([self._keys.slots(), np.fromiter(self._doomed, np.int64, len(self._doomed))])
         seg_of = np.frombuffer(self.segi, np.int8)[live] if len(live) else live
@@ -626,14 +631,34 @@ class StoreIndex:
                 self.segs[self.segi[slot]].pinned -= 1
                 self._drop_bytes(slot)
 
-    def end_owner(self, owner: Hashable) -> int:
-        """End every grant of ``owner``, whose copies are over (its process
-        says so, or is gone); how many."""
-        ids = list(self._by_owner.get(owner, ()))
-        for grant_id in ids:
-            self._undo(self._close(grant_id, owner, self._grants[grant_id].put))
-        self._by_owner.pop(owner, None)
-        return len(ids)
+    def close_owner(self, owner: Hashable, proc: Hashable) -> int:
+        """``owner``'s connection is closed, whoever closed it: its grants stay
+        (a thread of ``proc`` may still be copying under them) until
+        ``end_orphans`` finds ``proc`` with no copy in flight, or gone; how many."""
+        held = len(self._by_owner.get(owner, ()))
+        if held:
+            self._orphans.setdefault(proc, set()).add(owner)
+        else:
+            self._by_owner.pop(owner, None)
+        return held
+
+    def end_orphans(self, busy: Callable[[Hashable], int], alive: Callable[[Hashable], bool]) -> int:
+        """End the grants of closed connections whose process has no copy in
+        flight (``busy`` 0: it counts every copy from before the request that
+        granted it) or is gone; how many."""
+        ended = 0
+        for proc in [p for p in self._orphans if not alive(p) or busy(p) == 0]:
+            for owner in self._orphans.pop(proc):
+                ids = list(self._by_owner.get(owner, ()))
+                for grant_id in ids:
+                    self._undo(self._close(grant_id, owner, self._grants[grant_id].put))
+                self._by_owner.pop(owner, None)
+                ended += len(ids)
+        return ended
+
+    def orphaned(self) -> dict[Hashable, int]:
+        """Processes with grants of closed connections, and how many."""
+        return {p: sum(len(self._by_owner.get(o, ())) for o in owners) for p, owners in self._orphans.items()}
 
     def grants_of(self, owner: Hashable) -> int:
         return len(self._by_owner.get(owner, ()))

@@ -165,13 +165,10 @@ class _Conn:
 
 @dataclass
 class _Proc:
-    """A client process with data connections: its row of the client table,
-    and its connections closed with grants still open (ended once its row
-    says no copy is in flight, or it is gone)."""
+    """A client process with data connections: its row of the client table."""
 
     row: int
     conns: set = field(default_factory=set)
-    orphans: set = field(default_factory=set)
 
 
 class _BadRequest(ValueError):
@@ -220,8 +217,7 @@ class StoreProcess:
         self.index = StoreIndex(capacity=settings.capacity, table=table, own=self.own, earlier=earlier,
                                 policy=settings.policy, limits=self.limits)
         self.recovered = self.index.recover(found)
-        if all(s.quiet() for s in earlier):
-            self.index.release_earlier()
+        self.index.release_earlier()
         self.started = time.time()
         self.sel = selectors.DefaultSelector()
         self.conns: dict[int, _Conn] = {}
@@ -284,9 +280,8 @@ class StoreProcess:
             return
         self._next_tick = now + TICK_S
         self._end_orphans()
-        if self.index.earlier_held() and all(s.seg.quiet() for s in self.index.segs[1:] if not s.released):
-            freed = self.index.release_earlier()
-            logger.info("the earlier store processes' clients are done: %d held bytes given back", freed)
+        if self.index.earlier_held() and self.index.release_earlier():
+            logger.info("the earlier store processes' clients are done: their segments' memory is given back")
         if self.medium == "disk":
             st = os.statvfs(self.paths.root)
             free, keep = st.f_bavail * st.f_frsize, int(st.f_blocks * st.f_frsize * DISK_WATERMARK)
@@ -311,16 +306,15 @@ class StoreProcess:
     def _end_orphans(self) -> None:
         """End the grants of closed connections whose process has no copy in
         flight any more, or is gone; forget processes that are gone."""
-        for key, proc in list(self.procs.items()):
-            gone = not proc_alive(*key) if (proc.orphans or not proc.conns) else False
-            if proc.orphans and (gone or self.own.busy_of(proc.row) == 0):
-                ended = sum(self.index.end_owner(c) for c in proc.orphans)
-                proc.orphans.clear()
-                self.log.info("orphans", "client pid %d: %d grants of its closed connections ended (%s)", key[0],
-                              ended, "gone" if gone else "no copy in flight")
-            if gone and not proc.conns:
-                self.own.set_row(proc.row, 0, 0)
-                del self.procs[key]
+        gone = {key for key, proc in self.procs.items() if not proc.conns and not proc_alive(*key)}
+        if self.index.orphaned():
+            ended = self.index.end_orphans(lambda key: self.own.busy_of(self.procs[key].row),
+                                           lambda key: key not in gone and proc_alive(*key))
+            if ended:
+                self.log.info("orphans", "%d grants of closed connections ended: their processes have no copy in "
+                              "flight, or are gone", ended)
+        for key in gone - set(self.index.orphaned()):
+            self.own.set_row(self.procs.pop(key).row, 0, 0)
 
     def _refuse(self, reason: str, msg: str, *args: object) -> None:
         self.refused[reason] += 1
@@ -391,10 +385,10 @@ class StoreProcess:
         proc = self.procs.get(conn.proc) if conn.data else None
         if proc is not None:
             proc.conns.discard(conn.id)
-            if self.index.grants_of(conn.id):
-                proc.orphans.add(conn.id)
+            held = self.index.close_owner(conn.id, conn.proc)
+            if held:
                 logger.info("client pid %d: connection %d closed (%s) with %d grants open: they end once the "
-                            "process has no copy in flight", conn.pid, conn.id, why, self.index.grants_of(conn.id))
+                            "process has no copy in flight", conn.pid, conn.id, why, held)
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
         conn.sock.close()
@@ -642,8 +636,8 @@ class StoreProcess:
             connections=len(self.conns), max_connections=self.max_connections, connections_served=self.served,
             buffered_request_bytes=self.buffered, uptime_s=round(time.time() - self.started, 3),
             memory_error=self.own.commit_error, recovered=self.recovered, recovery_dropped=self.dropped,
-            orphaned_grants=sum(self.index.grants_of(c) for p in self.procs.values() for c in p.orphans),
-            orphan_pids=sorted(k[0] for k, p in self.procs.items() if p.orphans),
+            orphaned_grants=sum(self.index.orphaned().values()),
+            orphan_pids=sorted(k[0] for k in self.index.orphaned()),
             fs_total_bytes=backing.fs_total, fs_free_bytes=backing.fs_free, limits=self.limits.as_dict(),
         )
         for reason in REFUSALS:
