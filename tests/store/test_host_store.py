@@ -13,51 +13,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
-from sglang_simm.local_store import _host
+from sglang_simm.local_store import _handle as _host
 from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable, pid_alive
 from sglang_simm.local_store._paths import StoreAccessError, StorePaths, check_name, read_pid
 from sglang_simm.errors import BUILD_CONNECTION_FAILED, OK, OUT_OF_MEMORY, SEND_RPC_FAILED
 from polling import until
+from raw_peer import env as child_env
 
 pytestmark = pytest.mark.host
-
-CHILD = os.path.join(os.path.dirname(__file__), "store_child.py")
-SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    import sglang_simm
-
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(sglang_simm.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def start_child(mode: str, **args) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, CHILD, mode, json.dumps(args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-    )
-    return proc
-
-
-def wait_ready(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    line = proc.stdout.readline()
-    if line.strip() != "ready":
-        proc.kill()
-        raise AssertionError(f"child not ready: {line!r} {proc.stderr.read()}")
-
-
-def kill(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-
 
 class Buf:
     """A plain host buffer and its address."""
@@ -77,11 +44,13 @@ class Buf:
 
 
 @pytest.fixture
-def store(host_store_dir):
+def handle(host_store_dir):
+    """A client of a store of the test's own, started by it, stopped and its
+    objects discarded after."""
     server = StoreHandle(f"ht-{uuid.uuid4().hex[:10]}", root=host_store_dir, capacity=64 << 20, timeout_s=5.0)
     server.open()
     yield server
-    server.stop()
+    server.stop(discard=True)
 
 
 def put(server, key: str, buf: Buf) -> int:
@@ -112,15 +81,15 @@ def test_first_client_starts_the_store_and_it_outlives_its_clients(host_store_di
     second.open()
     assert second.pid == pid
     assert get(second, "k", 4096) == (4096, b"\x07" * 4096)  # a restarted client finds its pages
-    assert second.stop() and not pid_alive(pid)
+    assert second.stop(discard=True) and not pid_alive(pid)
     assert not os.path.exists(paths.socket)
-    assert not paths.arenas()
+    assert not paths.segments()
 
 
-def test_another_process_reads_what_one_wrote(store):
+def test_another_process_reads_what_one_wrote(handle):
     keys = [f"k{i}" for i in range(8)]
     data = Buf(65536, fill=0x5A)
-    assert store.put_from([(k, data.ptr, data.size) for k in keys], True) == [OK] * 8
+    assert handle.put_from([(k, data.ptr, data.size) for k in keys], True) == [OK] * 8
     script = (
         "import ctypes, json, sys\n"
         "from sglang_simm.local_store._handle import StoreHandle\n"
@@ -129,7 +98,7 @@ def test_another_process_reads_what_one_wrote(store):
         "got = s.get_into([(f'k{i}', ctypes.addressof(b), 65536) for i, b in enumerate(bufs)])\n"
         "print(json.dumps([got, [b.raw.count(b'Z') for b in bufs]]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script, store.name, store.root], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, handle.name, handle.root], capture_output=True, text=True,
                          env=child_env(), timeout=60)
     got, zs = json.loads(out.stdout)
     assert got == [65536] * 8 and zs == [65536] * 8
@@ -152,132 +121,130 @@ def test_two_clients_starting_at_once_get_one_store(host_store_dir):
 # -- faults -------------------------------------------------------------------------
 
 
-def test_a_writer_killed_mid_batch_leaves_no_object_visible(store):
+def test_a_writer_killed_mid_batch_leaves_no_object_visible(handle, child):
     keys = [f"torn-{i}" for i in range(8)]
-    proc = start_child("hold-put", root=store.root, name=store.name, keys=keys, size=1 << 20)
-    wait_ready(proc)
-    status = store.status()
-    assert status["reserved_bytes"] == 8 << 20 and status["open_leases"] == 1
-    assert store.lookup(keys) == [-4003] * 8  # half copied, nothing visible
-    kill(proc)
-    until(lambda: store.status()["open_leases"] == 0, what="the lease to be dropped")
-    status = store.status()
+    writer = child("stall-put", root=handle.root, name=handle.name, keys=keys, size=1 << 20)
+    writer.ready()
+    status = handle.status()
+    assert status["reserved_bytes"] == 8 << 20 and status["open_grants"] == 1
+    assert handle.lookup(keys) == [-4003] * 8  # half copied, nothing visible
+    writer.kill9()
+    until(lambda: handle.status()["open_grants"] == 0, what="the grant to be dropped")
+    status = handle.status()
     assert status["reserved_bytes"] == 0 and status["aborted"] == 8 and status["objects"] == 0
-    assert store.lookup(keys) == [-4003] * 8
+    assert handle.lookup(keys) == [-4003] * 8
     # the reserved room is back: a full-capacity batch still fits
     big = Buf(1 << 20, fill=1)
-    assert store.put_from([(f"after-{i}", big.ptr, big.size) for i in range(60)], True) == [OK] * 60
+    assert handle.put_from([(f"after-{i}", big.ptr, big.size) for i in range(60)], True) == [OK] * 60
 
 
-def test_a_reader_killed_mid_get_leaks_no_pin(store):
+def test_a_reader_killed_mid_get_leaks_no_pin(handle, child):
     data = Buf(1 << 20, fill=3)
-    assert put(store, "pinned", data) == OK
-    proc = start_child("hold-get", root=store.root, name=store.name, keys=["pinned"], size=1 << 20)
-    wait_ready(proc)
-    assert store.status()["pinned_objects"] == 1
-    assert store.delete("pinned") == OK  # gone from the index; its memory waits for the reader
-    free_while_pinned = store.status()["arena_free_bytes"]
-    kill(proc)
-    until(lambda: store.status()["pinned_objects"] == 0, what="the pin to be released")
-    assert store.status()["arena_free_bytes"] > free_while_pinned
+    assert put(handle, "pinned", data) == OK
+    reader = child("stall-get", root=handle.root, name=handle.name, keys=["pinned"], size=1 << 20)
+    reader.ready()
+    assert handle.status()["pinned_objects"] == 1
+    assert handle.delete("pinned") == OK  # gone from the index; its memory waits for the reader
+    free_while_pinned = handle.status()["free_bytes"]
+    reader.kill9()
+    until(lambda: handle.status()["pinned_objects"] == 0, what="the pin to be released")
+    assert handle.status()["free_bytes"] > free_while_pinned
 
 
-def test_objects_written_by_a_writer_killed_at_random_are_whole(store):
+def test_objects_written_by_a_writer_killed_at_random_are_whole(handle, child):
     """A writer killed again and again in the middle of its batches: every
     object a reader can see is one whole version, never torn."""
     from store_child import check  # noqa: PLC0415 (the children's own checker)
 
     for seed in range(3):
-        proc = start_child("churn", root=store.root, name=store.name, size=256 << 10, batch=16,
-                           keyspace=40, seed=seed)
-        wait_ready(proc)
-        time.sleep(0.2 + 0.1 * seed)
-        kill(proc)
-    until(lambda: store.status()["open_leases"] == 0, what="the writers' leases to be dropped")
+        writer = child("churn", root=handle.root, name=handle.name, size=256 << 10, batch=16, keyspace=40,
+                       seed=seed)
+        writer.ready()
+        until(lambda: handle.status()["puts"] >= 16 * (seed + 2), what="the writer's next batches")
+        writer.kill9()
+    until(lambda: handle.status()["open_grants"] == 0, what="the writers' grants to be dropped")
     keys = [f"churn-{i}" for i in range(40)]
     bufs = [Buf(256 << 10, fill=0) for _ in keys]
-    got = store.get_into([(k, b.ptr, b.size) for k, b in zip(keys, bufs)])
+    got = handle.get_into([(k, b.ptr, b.size) for k, b in zip(keys, bufs)])
     whole = [k for k, n in zip(keys, got) if n == 256 << 10]
     assert whole, "the writers stored nothing"
     problems = [check(b.raw, k, 256 << 10) for k, b, n in zip(keys, bufs, got) if n == 256 << 10]
     assert [p for p in problems if p] == []
-    assert store.status()["reserved_bytes"] == 0
+    assert handle.status()["reserved_bytes"] == 0
 
 
-def test_eight_processes_on_shared_and_own_keys_every_byte_checked(store):
-    procs = [
-        start_child("worker", root=store.root, name=store.name, id=i, rounds=6, size=64 << 10, own=12, shared=24)
-        for i in range(8)
-    ]
+def test_eight_processes_on_shared_and_own_keys_every_byte_checked(handle, child):
+    workers = [child("worker", root=handle.root, name=handle.name, id=i, rounds=6, size=64 << 10, own=12,
+                     shared=24) for i in range(8)]
     results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, f"{out} {err}"
+    for worker in workers:
+        out, err = worker.proc.communicate(timeout=180)
+        assert worker.proc.returncode == 0, f"{out} {err}"
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert sum(r["got"] for r in results) > 8 * 6 * 12
     assert all(not r["problems"] for r in results)
-    assert store.status()["open_leases"] == 0
+    assert handle.status()["open_grants"] == 0
 
 
-def test_store_process_killed_calls_fail_with_transport_codes_then_recover_its_objects(store):
+def test_store_process_killed_calls_fail_with_transport_codes_then_recover_its_objects(handle):
     data = Buf(4096, fill=9)
-    assert put(store, "before", data) == OK
-    old_pid = store.pid
+    assert put(handle, "before", data) == OK
+    old_pid = handle.pid
     os.kill(old_pid, signal.SIGKILL)
     until(lambda: not pid_alive(old_pid), what="the store process to die")
     with pytest.raises(StoreUnreachable) as exc:
-        store.lookup(["before"])
+        handle.lookup(["before"])
     assert exc.value.code in (SEND_RPC_FAILED, BUILD_CONNECTION_FAILED)
 
     def back() -> bool:
         try:
-            return store.lookup(["before"]) is not None
+            return handle.lookup(["before"]) is not None
         except StoreUnreachable:
             return False
 
     until(back, timeout=15, what="the client to start a new store and reconnect")
-    assert store.pid != old_pid and pid_alive(store.pid)
+    assert handle.pid != old_pid and pid_alive(handle.pid)
     # the new store process took the dead one's objects over
-    assert get(store, "before", 4096) == (4096, b"\x09" * 4096)
-    assert put(store, "after", data) == OK
-    assert get(store, "after", 4096) == (4096, b"\x09" * 4096)
-    assert store.reconnects >= 1
+    assert get(handle, "before", 4096) == (4096, b"\x09" * 4096)
+    assert put(handle, "after", data) == OK
+    assert get(handle, "after", 4096) == (4096, b"\x09" * 4096)
+    assert handle.reconnects >= 1
 
 
-def test_a_store_this_process_started_and_that_died_is_started_again_by_the_next_call_at_once(store, caplog):
+def test_a_store_this_process_started_and_that_died_is_started_again_by_the_next_call_at_once(handle, caplog):
     """The launch that started a store that served is no failed launch: the
     first call that finds that store gone starts the next one, with no
     launch back-off and no "exited without serving" warning (a breaker's
     probes, seconds apart, would each have found no store)."""
-    old_pid = store.pid
+    old_pid = handle.pid
     os.kill(old_pid, signal.SIGKILL)
     until(lambda: not pid_alive(old_pid), what="the store process to die")
     codes = []
     with caplog.at_level("WARNING", logger="sglang_simm.local_store"):
         while BUILD_CONNECTION_FAILED not in codes and len(codes) < 3:  # the first finds the connection lost
             with pytest.raises(StoreUnreachable) as exc:
-                store.lookup(["x"])
+                handle.lookup(["x"])
             codes.append(exc.value.code)
     assert codes[-1] == BUILD_CONNECTION_FAILED, codes  # found no store process: started one
     assert not [r for r in caplog.records if "without serving" in r.getMessage()]
-    paths = StorePaths(store.root, store.name)
+    paths = StorePaths(handle.root, handle.name)
     # no further call: the last one above started it
     until(lambda: read_pid(paths) not in (None, old_pid) and pid_alive(read_pid(paths)),
              timeout=30, what="a new store process started by that one call")
 
 
-def test_a_stalled_store_times_out_and_the_client_reconnects(store, host_store_dir):
-    client = StoreHandle(store.name, root=host_store_dir, capacity=64 << 20, timeout_s=0.3)
+def test_a_stalled_store_times_out_and_the_client_reconnects(handle, host_store_dir):
+    client = StoreHandle(handle.name, root=host_store_dir, capacity=64 << 20, timeout_s=0.3)
     client.open()
-    assert client.pid == store.pid  # a second client of the same store process
-    os.kill(store.pid, signal.SIGSTOP)
+    assert client.pid == handle.pid  # a second client of the same store process
+    os.kill(handle.pid, signal.SIGSTOP)
     try:
         with pytest.raises(StoreUnreachable, match="did not answer") as raised:
             client.lookup(["x"])
         # SendRPCFailed, as SiMM HEAD reports a timed-out request (the client never says Timeout)
         assert raised.value.code == SEND_RPC_FAILED
     finally:
-        os.kill(store.pid, signal.SIGCONT)
+        os.kill(handle.pid, signal.SIGCONT)
     until(lambda: _try(client.lookup, ["x"]) == [-4003], what="a new connection")
     assert client.reconnects == 1
     client.close()
@@ -335,10 +302,10 @@ def test_shared_memory_full_fails_puts_with_out_of_memory_and_nothing_else_break
 
 
 
-def test_files_are_the_owners_alone(store):
-    paths = store.paths
-    assert os.stat(store.root).st_mode & 0o777 == 0o700
-    for path in (paths.socket, paths.lock, paths.pid, paths.log, *paths.arenas()):
+def test_files_are_the_owners_alone(handle):
+    paths = handle.paths
+    assert os.stat(handle.root).st_mode & 0o777 == 0o700
+    for path in (paths.socket, paths.lock, paths.pid, paths.log, paths.index, *paths.segments().values()):
         st = os.stat(path)
         assert st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0, path
 
@@ -362,7 +329,7 @@ def test_another_users_directory_is_refused_with_the_fix(tmp_path):
     assert "uid 12345" in str(exc.value) and "SGLANG_SIMM_STORE_DIR" in str(exc.value)
 
 
-def test_another_user_cannot_reach_the_store(store):
+def test_another_user_cannot_reach_the_store(handle):
     if os.geteuid() != 0:
         pytest.skip("needs root to run a process as another user")
     script = (
@@ -375,18 +342,18 @@ def test_another_user_cannot_reach_the_store(store):
         "    print('refused', e.errno); sys.exit(0)\n"
         "s.sendall(b'x' * 10); print('answered', s.recv(10))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script, store.paths.socket], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, handle.paths.socket], capture_output=True, text=True,
                          timeout=30)
     assert out.stdout.startswith("refused"), out.stdout + out.stderr
 
 
-def test_the_store_refuses_a_connection_from_another_uid(store):
+def test_the_store_refuses_a_connection_from_another_uid(handle):
     """Even past the file modes (opened up here on purpose), the store
     checks its peer's uid and hangs up."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run a process as another user")
-    os.chmod(store.root, 0o711)
-    os.chmod(store.paths.socket, 0o777)
+    os.chmod(handle.root, 0o711)
+    os.chmod(handle.paths.socket, 0o777)
     try:
         script = (
             "import os, socket, struct, sys\n"
@@ -399,13 +366,13 @@ def test_the_store_refuses_a_connection_from_another_uid(store):
             "except OSError:\n"
             "    print('reply 0')\n"
         )
-        out = subprocess.run([sys.executable, "-c", script, store.paths.socket], capture_output=True,
+        out = subprocess.run([sys.executable, "-c", script, handle.paths.socket], capture_output=True,
                              text=True, timeout=30)
         assert out.stdout.strip() == "reply 0", out.stdout + out.stderr  # closed without a word
     finally:
-        os.chmod(store.root, 0o700)
-        os.chmod(store.paths.socket, 0o600)
-    assert "refused a connection from uid 65534" in open(store.paths.log).read()
+        os.chmod(handle.root, 0o700)
+        os.chmod(handle.paths.socket, 0o600)
+    assert "refused a connection from uid 65534" in open(handle.paths.log).read()
 
 
 @pytest.mark.parametrize("name", ["", ".hidden", "a/b", "x" * 65, "sp ace", "a\0b"])
@@ -437,27 +404,24 @@ def test_handles_are_one_per_store_per_process(host_store_dir):
     name = f"ht-{uuid.uuid4().hex[:10]}"
     a = _host.get_or_open(name, root=host_store_dir, capacity=1 << 20, policy="fifo", timeout_s=1.0)
     b = _host.get_or_open(name, root=host_store_dir, capacity=1 << 20, policy="fifo", timeout_s=1.0)
-    assert a is b and _host.existing(name, host_store_dir) is a
+    assert a is b and name in _host.handle_names()
+    pid = a.pid
     _host.forget(name, root=host_store_dir)
-    assert _host.existing(name, host_store_dir) is None and not pid_alive(a.pid or 0)
+    assert name not in _host.handle_names() and not pid_alive(pid or 0)
 
 
-def test_a_writer_stalled_mid_batch_blocks_nobody(store):
-    """A writer stopped (SIGSTOP) between reserving and publishing holds only
+def test_a_writer_stalled_mid_batch_blocks_nobody(handle, child):
+    """A writer stopped (SIGSTOP) between its grant and its publish holds only
     its own room: other writers and readers go on (a store with one global
     write lock, such as LMDB's, would make them all wait)."""
-    proc = start_child("hold-put", root=store.root, name=store.name, keys=[f"s-{i}" for i in range(4)],
-                       size=1 << 20)
-    wait_ready(proc)
-    os.kill(proc.pid, signal.SIGSTOP)
-    try:
-        data = Buf(1 << 20, fill=8)
-        assert store.put_from([(f"other-{i}", data.ptr, data.size) for i in range(8)], True) == [OK] * 8
-        assert get(store, "other-3", 1 << 20) == (1 << 20, b"\x08" * (1 << 20))
-        assert store.status()["open_leases"] == 1  # the stalled writer's, still held
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        kill(proc)
+    writer = child("stall-put", root=handle.root, name=handle.name, keys=[f"s-{i}" for i in range(4)],
+                   size=1 << 20)
+    writer.ready()
+    writer.signal(signal.SIGSTOP)
+    data = Buf(1 << 20, fill=8)
+    assert handle.put_from([(f"other-{i}", data.ptr, data.size) for i in range(8)], True) == [OK] * 8
+    assert get(handle, "other-3", 1 << 20) == (1 << 20, b"\x08" * (1 << 20))
+    assert handle.status()["open_grants"] == 1  # the stalled writer's, still held
 
 
 def _launcher(tmp_path, body: str) -> str:

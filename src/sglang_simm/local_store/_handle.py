@@ -766,9 +766,9 @@ def _log_tail(path: str, lines: int = 3) -> str:
 
 def wait_gone(paths: StorePaths, pid: int | None, wait_s: float) -> bool:
     """Whether the store (process ``pid``, or a thread of this one) let its
-    name's lock go within ``wait_s``: it serves no more."""
+    name's lock go, and its process ended, within ``wait_s``."""
     deadline = time.monotonic() + wait_s
-    while lock_held(paths):
+    while lock_held(paths) or (pid != os.getpid() and pid_alive(pid)):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.01)
