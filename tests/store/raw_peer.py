@@ -15,7 +15,7 @@ from typing import Any
 
 from polling import until
 from sglang_simm.local_store import _protocol as wire
-from sglang_simm.local_store._paths import StorePaths
+from sglang_simm.local_store._paths import StorePaths, read_pid
 from sglang_simm.local_store._protocol import Op, Reader, encode_keys, frame, pack_i64, pack_ints, pack_json
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
@@ -40,7 +40,7 @@ class StoreProc:
         cmd = [sys.executable, LOWFD, str(nofile), *args] if nofile else \
             [sys.executable, "-m", "sglang_simm.local_store._server", *args]
         self.proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        until(lambda: os.path.exists(self.paths.pid) or self.proc.poll() is not None, what="the store to start")
+        until(lambda: read_pid(self.paths) == self.proc.pid or self.proc.poll() is not None, what="the store to start")
         if self.proc.poll() is not None:
             raise AssertionError(f"the store did not start: {self.proc.stderr.read().decode()}")
         self.pid = self.proc.pid

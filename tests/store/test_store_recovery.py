@@ -1,347 +1,238 @@
-"""A crash that loses nothing, and nothing left behind (issue 17, findings
-7 and 8): kill -9 of the store process mid-write, settings that persist,
-idle exit, dead stores' memory freed, clear giving memory back, names."""
+"""What a store keeps and what it gives back: kill -9, stop, idle exit, clear,
+discard; damaged index entries, segments and settings; checksums. Each
+against store processes of the test's own (docs/local-store-design.md,
+"Recovery")."""
 
 from __future__ import annotations
 
 import ctypes
 import json
-import logging
 import os
-import subprocess
-import sys
 import uuid
 
+import numpy as np
 import pytest
 
-pytest.importorskip("rich")
-
-from sglang_simm.local_store._segments import ArenaMap, lease_table_bytes  # noqa: E402
-from sglang_simm.local_store._handle import StoreHandle, pid_alive  # noqa: E402
-from sglang_simm.local_store._paths import StorePaths, check_name, files_bytes  # noqa: E402
-from sglang_simm.errors import OK  # noqa: E402
-from sglang_simm.tools.cli import main  # noqa: E402
-
-from polling import until  # noqa: E402
-from raw_peer import Peer, StoreProc, env  # noqa: E402
+from conftest import wait_status
+from polling import until
+from raw_peer import Peer, StoreProc
+from sglang_simm.local_store._metrics import render_metrics
+from sglang_simm.local_store._paths import StorePaths, check_name, files_bytes
+from sglang_simm.local_store._table import ENTRY, HEADER_BYTES
+from sglang_simm.simm_rules import DS_KEY_NOT_FOUND, OK
 
 pytestmark = pytest.mark.host
 
 SIZE = 64 << 10
 
-WRITER = """
-import ctypes, sys
-from sglang_simm.local_store._handle import StoreHandle
-name, root = sys.argv[1], sys.argv[2]
-c = StoreHandle(name, root=root, capacity=1, spawn=False, timeout_s=5)
-c.open()
-size = int(sys.argv[3])
-bufs = [ctypes.create_string_buffer(bytes([i % 251 + 1]) * size, size) for i in range(251)]
-i = 0
-while True:
-    batch = [(f"w{j}", ctypes.addressof(bufs[j % 251]), size) for j in range(i, i + 8)]
+
+def keys(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def segments(paths: StorePaths) -> dict[str, str]:
+    return paths.segments()
+
+
+def entries(paths: StorePaths) -> np.memmap:
+    """The index file's entries, as the store writes them."""
+    slots = (os.path.getsize(paths.index) - HEADER_BYTES) // ENTRY.itemsize
+    return np.memmap(paths.index, dtype=ENTRY, mode="r+", offset=HEADER_BYTES, shape=(slots,))
+
+
+def slot_of(paths: StorePaths, key: str) -> int:
+    e = entries(paths)
+    return int(np.flatnonzero((e["key"] == key.encode()) & (e["state"] != 0))[0])
+
+
+def test_kill_9_mid_write_loses_no_published_object_and_serves_no_torn_one(store, child, objects, root):
+    first = store(capacity=64 << 20)
+    me = objects(size=SIZE)
+    mine = keys("mine", 200)
+    for i in range(0, 200, 50):
+        assert me.put(mine[i:i + 50]) == [OK] * 50
+    writer = child("churn", root=root, name="s", size=SIZE, batch=16, keyspace=100, seed=1)
+    writer.ready()
+    until(lambda: first.status()["puts"] >= 200 + 64, what="the writer in the middle of its batches")
+    first.kill9()
+    writer.kill9()
+    second = store(capacity=64 << 20)
+    got, wrong = me.read(mine)
+    assert got == [SIZE] * 200 and wrong == []  # every object published before the kill
+    churned = [k for k in second.status() and me.handle.keys() if k.startswith("churn-")]
+    got, wrong = me.read(churned)
+    assert churned and wrong == [] and got == [SIZE] * len(churned)  # each whole: one version, never torn
+    assert second.status()["recovered"] >= 200
+
+
+def test_a_stop_keeps_the_objects_for_the_next_start(store, objects, root):
+    first = store()
+    me = objects(size=SIZE)
+    assert me.put(keys("k", 20)) == [OK] * 20
+    first.stop()  # SIGTERM, as `sglang-simm store stop` without --discard
+    assert segments(first.paths) and os.path.exists(first.paths.index)
+    second = store()
+    got, wrong = me.read(keys("k", 20))
+    assert got == [SIZE] * 20 and wrong == []
+    status = second.status()
+    assert status["recovered"] == 20 and status["checksum_failures"] == 0 and not status["earlier_held"]
+
+
+def test_an_idle_memory_store_exits_and_gives_its_memory_back(store, objects):
+    proc = store(idle_exit=0.5)
+    me = objects(size=SIZE)
+    assert me.put(keys("k", 8)) == [OK] * 8
+    me.close()
+    until(lambda: not proc.alive(), what="the idle store to exit")
+    assert segments(proc.paths) == {} and not os.path.exists(proc.paths.index)
+    assert "its objects discarded" in proc.log_tail()
+
+
+def test_clear_and_discard_give_everything_back(store, objects):
+    proc = store(capacity=64 << 20)
+    me = objects(size=1 << 20)
+    assert me.put(keys("k", 40)) == [OK] * 40
+    before = files_bytes(proc.paths)
+    assert before >= 40 << 20
+    with Peer(proc.paths, data=False) as admin:
+        assert admin.admin("clear")["removed"] == 40
+    assert files_bytes(proc.paths) < 8 << 20  # at most the table, the index and a step ahead
+    assert me.put(keys("again", 8)) == [OK] * 8
+    with Peer(proc.paths, data=False) as admin:
+        admin.admin("stop", discard=True)
+    proc.proc.wait(timeout=10)
+    assert segments(proc.paths) == {} and files_bytes(proc.paths) == 0
+
+
+def test_a_client_started_store_keeps_the_settings_it_was_started_with(store, root):
+    first = store(capacity=32 << 20, policy="lru", extra=("--started-by", "operator"))
+    first.kill9()
+    again = store(capacity=8 << 20, policy="fifo")  # a client's launch, asking for others
+    status = again.status()
+    assert (status["capacity_bytes"], status["policy"]) == (32 << 20, "lru")
+    assert "not the launcher's" in open(again.paths.log).read()
+    again.stop()
+    operator = store(capacity=16 << 20, policy="fifo", extra=("--started-by", "operator"))
+    assert (operator.status()["capacity_bytes"], operator.status()["policy"]) == (16 << 20, "fifo")
+
+
+def test_damaged_index_entries_are_dropped_and_the_rest_kept(store, objects):
+    first = store()
+    me = objects(size=SIZE)
+    assert me.put(keys("k", 10)) == [OK] * 10
+    first.kill9()
+    e = entries(first.paths)
+    e["size"][slot_of(first.paths, "k0")] = 2**63 - 1
+    e["size"][slot_of(first.paths, "k1")] = 2**62
+    e["offset"][slot_of(first.paths, "k2")] = -(2**62)
+    e["seq"][slot_of(first.paths, "k3")] = 2**64 - 1
+    e["gen"][slot_of(first.paths, "k4")] = 12345  # a segment that is not there
+    e.flush()
+    second = store()
+    assert second.status()["recovery_dropped"] == 5
+    got, wrong = me.read(keys("k", 10))
+    assert got == [DS_KEY_NOT_FOUND] * 5 + [SIZE] * 5 and wrong == []
+    assert me.put(keys("new", 10)) == [OK] * 10
+
+
+def test_damaged_bytes_and_an_entry_pointing_at_another_objects_bytes_read_as_misses(store, objects):
+    """Bytes of a kept object changed while no store ran, and an index entry
+    pointed at another object's bytes: each is a miss on its first read,
+    counted and dropped; the rest are served."""
+    first = store()
+    me = objects(size=SIZE)
+    assert me.put(keys("k", 10)) == [OK] * 10
+    first.stop()
+    e = entries(first.paths)
+    (path,) = segments(first.paths).values()
+    with open(path, "r+b") as f:
+        for key in ("k0", "k1", "k2"):
+            f.seek(int(e["offset"][slot_of(first.paths, key)]) + 100)
+            f.write(b"\xff\xfe")
+    e["offset"][slot_of(first.paths, "k3")] = e["offset"][slot_of(first.paths, "k9")]
+    e["state"][slot_of(first.paths, "k9")] = 0  # k3's entry now names k9's bytes (and nothing overlaps)
+    e.flush()
+    second = store()
+    got, wrong = me.read(keys("k", 9))
+    assert wrong == [] and got == [DS_KEY_NOT_FOUND] * 4 + [SIZE] * 5
+    status = second.status()
+    assert status["checksum_failures"] == 4 and status["objects"] == 5
+    assert me.handle.lookup(keys("k", 4)) == [DS_KEY_NOT_FOUND] * 4  # dropped, not read again
+
+
+def test_a_truncated_segment_keeps_the_objects_inside_it(store, objects):
+    first = store(capacity=32 << 20)
+    me = objects(size=1 << 20)
+    assert me.put(keys("k", 16)) == [OK] * 16
+    first.kill9()
+    e = entries(first.paths)
+    cut = int(e["offset"][slot_of(first.paths, "k8")])
+    (path,) = segments(first.paths).values()
+    os.truncate(path, cut)
+    second = store(capacity=32 << 20)
+    got, wrong = me.read(keys("k", 16))
+    assert wrong == [] and got == [1 << 20] * 8 + [DS_KEY_NOT_FOUND] * 8
+    assert second.status()["recovery_dropped"] == 8
+
+
+@pytest.mark.parametrize("damage", ["garbage header", "symlink", "missing"])
+def test_an_index_that_proves_nothing_starts_empty_and_the_old_segments_go(store, objects, root, damage):
+    first = store()
+    me = objects(size=SIZE)
+    assert me.put(keys("k", 4)) == [OK] * 4
+    first.kill9()
+    os.unlink(first.paths.index)
+    if damage == "garbage header":
+        with open(first.paths.index, "wb") as f:
+            f.write(b"\x00" * 8192)
+        os.chmod(first.paths.index, 0o600)
+    elif damage == "symlink":
+        os.symlink(os.path.join(root, "elsewhere"), first.paths.index)
+    second = StoreProc(root, "s")
+    assert not os.path.exists(os.path.join(root, "elsewhere"))  # never written through
     try:
-        c.put_from(batch, True)
-    except Exception:
-        pass
-    i += 8
-    if i == 64:
-        print("writing", flush=True)
-"""
-
-
-def name() -> str:
-    return f"rec-{uuid.uuid4().hex[:8]}"
-
-
-def read_all(client: StoreHandle) -> tuple[int, int]:
-    """(objects read, wrong bytes) over every key the store lists."""
-    keys = client.keys()
-    out = ctypes.create_string_buffer(SIZE)
-    wrong = 0
-    for k in keys:
-        assert client.get_into([(k, ctypes.addressof(out), SIZE)]) == [SIZE]
-        want = int(k[1:]) % 251 + 1
-        wrong += SIZE - out.raw.count(bytes([want]))
-    return len(keys), wrong
-
-
-def test_kill_9_mid_write_loses_no_published_object_and_serves_no_torn_one(host_store_dir):
-    n = name()
-    store = StoreProc(host_store_dir, n, capacity=32 << 20)
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, n, host_store_dir, str(SIZE)], env=env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert writer.stdout.readline().strip() == "writing"
-        until(lambda: store.status()["evictions"] > 0, what="the store to fill and evict")
-        store.kill9()  # mid-write: the writer never stops
-        before = store.paths
-        assert files_bytes(before) > 16 << 20  # the arena's memory is still there
+        assert second.status()["objects"] == 0
+        wait_status(second, lambda s: s["segments"] == 1, "the old segment to go")
+        assert me.read(keys("k", 4))[0] == [DS_KEY_NOT_FOUND] * 4
     finally:
-        writer.kill()
-        writer.wait(timeout=10)
-    again = StoreProc(host_store_dir, n, capacity=1 << 20)  # other settings asked: the store's own win
-    try:
-        s = again.status()
-        assert s["recovered"] > 0 and s["objects"] == s["recovered"]
-        assert s["capacity_bytes"] == 32 << 20
-        client = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=10)
-        client.open()
-        objects, wrong = read_all(client)
-        assert objects == s["recovered"] and wrong == 0
-        # the recovered store takes new writes beside the old objects
-        buf = ctypes.create_string_buffer(b"\x03" * SIZE, SIZE)
-        assert client.put_from([("w2", ctypes.addressof(buf), SIZE)], True) == [OK]
-        client.close()
-    finally:
-        again.stop()
-    assert not os.path.exists(again.paths.index) and files_bytes(again.paths) == 0  # a stop frees it all
+        second.stop()
 
 
-def test_settings_persist_and_a_client_asking_for_others_is_warned(host_store_dir, caplog):
-    n = name()
-    store = StoreProc(host_store_dir, n, capacity=32 << 20, policy="lru")
-    store.kill9()
-    client = StoreHandle(n, root=host_store_dir, capacity=1 << 20, policy="fifo", timeout_s=5)
-    with caplog.at_level(logging.WARNING, logger="sglang_simm.local_store"):
-        client.open()  # starts the next store process: it comes back with the operator's settings
-    s = client.status()
-    assert (s["capacity_bytes"], s["policy"]) == (32 << 20, "lru")
-    assert any("32.0 MiB and lru" in r.getMessage() for r in caplog.records)
-    assert client.stop()
+def test_damaged_settings_keep_the_objects(store, objects):
+    first = store(capacity=16 << 20)
+    me = objects(size=SIZE)
+    assert me.put(keys("k", 4)) == [OK] * 4
+    first.kill9()
+    with open(first.paths.settings, "w") as f:
+        json.dump({"capacity": 0, "policy": "random", "limits": {"max_batch": -1}}, f)
+    second = store(capacity=16 << 20)
+    got, wrong = me.read(keys("k", 4))
+    assert got == [SIZE] * 4 and wrong == []
+    assert "out of range: the launcher's kept instead" in open(second.paths.log).read()
 
 
-# -- 8. left-overs --------------------------------------------------------------------
+def test_prometheus_text_names_the_stores_counters(store, objects):
+    proc = store()
+    me = objects(size=SIZE)
+    assert me.put(keys("k", 3)) == [OK] * 3
+    me.read(keys("k", 4))
+    status = {**proc.status(), "running": True, "files_bytes": files_bytes(proc.paths)}
+    text = render_metrics([status, {"name": "gone", "running": False, "files_bytes": 4096}])
+    label = f'store="s",dir="{proc.paths.root}"'
+    assert f"sglang_simm:store_up{{{label}}} 1" in text and 'sglang_simm:store_up{store="gone",dir=""} 0' in text
+    assert f"sglang_simm:store_objects{{{label}}} 3" in text
+    assert f"sglang_simm:store_hits_total{{{label}}} 3" in text
+    assert f"sglang_simm:store_misses_total{{{label}}} 1" in text
+    assert f'sglang_simm:store_refusals_total{{{label},reason="frame"}} 0' in text
 
 
-def test_an_idle_store_exits_and_frees_its_memory(host_store_dir):
-    n = name()
-    client = StoreHandle(n, root=host_store_dir, capacity=8 << 20, idle_exit_s=0.3, timeout_s=5)
-    client.open()
-    pid = client.pid
-    buf = ctypes.create_string_buffer(1 << 20)
-    assert client.put_from([("a", ctypes.addressof(buf), 1 << 20)], True) == [OK]
-    assert pid_alive(pid)  # a client is connected: no idle exit
-    client.close()
-    until(lambda: not pid_alive(pid), what="the idle store to exit")
-    paths = StorePaths(host_store_dir, n)
-    assert files_bytes(paths) == 0 and not os.path.exists(paths.settings) and not os.path.exists(paths.socket)
-
-
-def test_a_dead_store_shows_in_status_and_stop_frees_its_memory(host_store_dir, capsys):
-    n = name()
-    store = StoreProc(host_store_dir, n, capacity=16 << 20)
-    client = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
-    client.open()
-    buf = ctypes.create_string_buffer(4 << 20)
-    assert client.put_from([("a", ctypes.addressof(buf), 4 << 20)], True) == [OK]
-    client.close()
-    store.kill9()
-    assert main(["store", "status", n, "--dir", host_store_dir, "--json"]) == 1
-    (status,) = json.loads(capsys.readouterr().out)
-    assert status["dead"] and status["files_bytes"] >= 4 << 20
-    assert main(["store", "status", n, "--dir", host_store_dir, "--prometheus"]) == 1
-    text = capsys.readouterr().out
-    assert f'sglang_simm:store_up{{store="{n}"}} 0' in text
-    assert main(["store", "stop", n, "--dir", host_store_dir]) == 0
-    assert "freed" in capsys.readouterr().out
-    assert files_bytes(StorePaths(host_store_dir, n)) == 0
-    assert n not in os.listdir(host_store_dir) and not StorePaths(host_store_dir, n).arenas()
-
-
-def test_clear_gives_the_committed_memory_back(host_store_dir, capsys):
-    n = name()
-    store = StoreProc(host_store_dir, n, capacity=64 << 20)
-    try:
-        client = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
-        client.open()
-        buf = ctypes.create_string_buffer(1 << 20)
-        assert client.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(32)], True) == [OK] * 32
-        # its thread faulting the arena in behind the puts is done, so it
-        # backs no page the clear gives back (that race has its own test:
-        # ``test_memory_a_lagging_client_faults_in_after_a_clear_goes_back``)
-        client._conn.arena.wait_behind(30)
-        held = files_bytes(store.paths)
-        assert held >= 32 << 20
-        # A put being copied lies above these objects: the memory under it
-        # goes back all the same, and the put's stays its writer's.
-        writer = Peer(store.paths)
-        lease, codes, _ = writer.put(["held"], [4 << 20])
-        assert codes == [OK]
-        assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
-        assert "removed 32 objects" in capsys.readouterr().out
-        assert files_bytes(store.paths) < held - (24 << 20)  # 32 MiB of objects gone; the put's 4 MiB stays
-        status = client.status()
-        assert status["open_leases"] == 1
-        # the put's memory lies past the committed prefix now: the files say so
-        assert files_bytes(store.paths) >= status["committed_bytes"] + status["reserved_bytes"] > 0
-        # and it still serves, every byte: puts into memory given back and
-        # committed again, read by a second client
-        ctypes.memset(buf, 0x5A, 1 << 20)
-        small = ctypes.create_string_buffer(b"\xa5" * 65536, 65536)
-        assert client.put_from([("small", ctypes.addressof(small), 65536)], True) == [OK]
-        assert client.put_from([(f"again{i}", ctypes.addressof(buf), 1 << 20) for i in range(8)], True) == [OK] * 8
-        other = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
-        out = ctypes.create_string_buffer(1 << 20)
-        for i in range(8):
-            ctypes.memset(out, 0, 1 << 20)
-            assert other.get_into([(f"again{i}", ctypes.addressof(out), 1 << 20)]) == [1 << 20]
-            assert out.raw == buf.raw
-        assert other.get_into([("small", ctypes.addressof(out), 65536)]) == [65536]
-        assert out.raw[:65536] == small.raw
-        other.close()
-        # once the put is given back, the next clear gives back the memory
-        # it held too (it lay past the prefix counted committed)
-        writer.release(lease)
-        writer.close()
-        client.close()
-        assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
-        out = capsys.readouterr().out
-        assert files_bytes(store.paths) < (4 << 20) + lease_table_bytes(65536)  # the lease table: 3 MiB
-        assert "of shared memory still held" in out
-    finally:
-        store.stop()
-
-
-def _store_with_32_objects(root: str, hold: bool = False) -> tuple[str, StoreProc, StoreHandle, ctypes.Array]:
-    """A 64 MiB store process, and a client (faulting nothing in itself)
-    that put 32 objects of 1 MiB of 0x5A there (the buffer too); with
-    ``hold``, a put of 4 MiB above them being copied (``client.writer``)."""
-    n = name()
-    store = StoreProc(root, n, capacity=64 << 20)
-    try:
-        client = StoreHandle(n, root=root, capacity=1, spawn=False, timeout_s=5, fault_in=False)
-        buf = ctypes.create_string_buffer(b"\x5a" * (1 << 20), 1 << 20)
-        assert client.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(32)], True) == [OK] * 32
-        if hold:
-            client.writer = Peer(store.paths)
-            client.lease, codes, _ = client.writer.put(["held"], [4 << 20])
-            assert codes == [OK]
-    except BaseException:
-        store.stop()
-        raise
-    return n, store, client, buf
-
-
-def test_memory_a_lagging_client_faults_in_after_a_clear_goes_back(host_store_dir, capsys):
-    """A client's thread faulting the arena in behind its puts may still run
-    on a target set before the clear; the pages it touches past what the
-    store committed are backed again. The store gives them back."""
-    n, store, client, buf = _store_with_32_objects(host_store_dir)
-    try:
-        client.close()
-        assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
-        assert files_bytes(store.paths) < (4 << 20) + lease_table_bytes(65536)  # the lease table: 3 MiB
-        status = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, fault_in=False).status()
-        lag = ArenaMap(status["arena"], status["arena_bytes"])
-        try:
-            lag.populate(32 << 20)  # the target it had: what was committed before the clear
-            assert files_bytes(store.paths) >= 30 << 20
-            until(lambda: files_bytes(store.paths) < (4 << 20) + lease_table_bytes(65536), timeout=30,
-                     what="the memory to go back")
-        finally:
-            lag.retire()
-        assert store.status()["stale_released_bytes"] >= 28 << 20  # counted, for a scrape
-        # and the store still serves, every byte
-        client = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
-        assert client.put_from([("after", ctypes.addressof(buf), 1 << 20)], True) == [OK]
-        out = ctypes.create_string_buffer(1 << 20)
-        assert client.get_into([("after", ctypes.addressof(out), 1 << 20)]) == [1 << 20]
-        assert out.raw == buf.raw
-        client.close()
-        with open(store.paths.log) as f:
-            assert "a client faulted in past the committed arena" in f.read()
-    finally:
-        store.stop()
-
-
-def test_memory_a_lagging_client_backs_below_a_held_put_after_a_clear_goes_back(host_store_dir):
-    """Where a put being copied lies above the objects a clear removed, the
-    free memory below it is past the committed prefix but below what the
-    store backs: what a lagging fault-in backs there goes back too, and
-    the store keeps serving."""
-    n, store, client, buf = _store_with_32_objects(host_store_dir, hold=True)
-    try:
-        assert client.status()["open_leases"] == 1
-        assert main(["store", "clear", n, "--dir", host_store_dir]) == 0
-        status = client.status()
-        assert status["open_leases"] == 1 and status["committed_bytes"] < 4 << 20
-        cleared = files_bytes(store.paths)
-        assert cleared < 12 << 20
-        lag = ArenaMap(status["arena"], status["arena_bytes"])
-        try:
-            lag.populate(32 << 20)  # below the held put, which lies above the 32 MiB of objects
-            assert files_bytes(store.paths) >= cleared + (24 << 20)
-            until(lambda: files_bytes(store.paths) <= cleared + (1 << 20), timeout=30,
-                     what="the memory below the held put to go back")
-        finally:
-            lag.retire()
-        # the store still serves: a backup, read back by another client
-        small = ctypes.create_string_buffer(b"\xa5" * 65536, 65536)
-        assert client.put_from([("small", ctypes.addressof(small), 65536)], True) == [OK]
-        other = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5, fault_in=False)
-        out = ctypes.create_string_buffer(65536)
-        assert other.get_into([("small", ctypes.addressof(out), 65536)]) == [65536]
-        assert out.raw == small.raw
-        other.close()
-        client.writer.release(client.lease)
-        client.writer.close()
-        client.close()
-    finally:
-        store.stop()
-
-
-def test_a_client_that_moves_no_data_faults_nothing_in(host_store_dir):
-    """``store status`` and ``clear`` connect with ``fault_in=False``; a
-    server's client faults the committed arena in behind from its connect."""
-    n = name()
-    store = StoreProc(host_store_dir, n, capacity=64 << 20)
-    try:
-        writer = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
-        buf = ctypes.create_string_buffer(1 << 20)
-        assert writer.put_from([(f"k{i}", ctypes.addressof(buf), 1 << 20) for i in range(8)], True) == [OK] * 8
-        for fault_in, faulted in ((False, False), (True, True)):
-            client = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5, fault_in=fault_in)
-            client.open()
-            arena = client._conn.arena
-            arena.wait_behind(10)
-            assert (arena._populated > 0) is faulted
-            client.close()
-        writer.close()
-    finally:
-        store.stop()
-
-
-def test_prometheus_text_names_the_stores_counters(host_store_dir, capsys):
-    n = name()
-    store = StoreProc(host_store_dir, n)
-    try:
-        client = StoreHandle(n, root=host_store_dir, capacity=1, spawn=False, timeout_s=5)
-        client.open()
-        buf = ctypes.create_string_buffer(4096)
-        client.put_from([("a", ctypes.addressof(buf), 4096)], True)
-        client.get_into([("a", ctypes.addressof(buf), 4096), ("zz", ctypes.addressof(buf), 4096)])
-        client.close()
-        assert main(["store", "status", n, "--dir", host_store_dir, "--prometheus"]) == 0
-        text = capsys.readouterr().out
-    finally:
-        store.stop()
-    label = f'store="{n}"'
-    for line in (f"sglang_simm:store_up{{{label}}} 1", f"sglang_simm:store_objects{{{label}}} 1",
-                 f"sglang_simm:store_hits_total{{{label}}} 1", f"sglang_simm:store_misses_total{{{label}}} 1",
-                 f"sglang_simm:store_stale_released_bytes_total{{{label}}} 0",
-                 f'sglang_simm:store_refusals_total{{{label},reason="batch"}} 0'):
-        assert line in text, line
-    assert "# TYPE sglang_simm:store_hits_total counter" in text
-
-
-@pytest.mark.parametrize("bad", ["-x", "--capacity", ".hidden", "a/b", ""])
-def test_store_names_are_checked_the_same_everywhere(bad, host_store_dir):
-    with pytest.raises(ValueError, match="store name"):
-        check_name(bad)
-    with pytest.raises(ValueError, match="store name"):
-        StoreHandle(bad, root=host_store_dir, capacity=1)
+@pytest.mark.parametrize("bad", ["", "-x", ".x", "a/b", "x" * 65])
+def test_store_names_are_checked_the_same_everywhere(bad, root):
     from sglang_simm.config import SiMMConfig
 
-    with pytest.raises(Exception, match="store name"):
-        SiMMConfig(manager_address=f"local://{bad}")
+    with pytest.raises(ValueError):
+        check_name(bad)
+    with pytest.raises(ValueError):
+        SiMMConfig(manager_address=f"local://{bad}") if bad else check_name(bad)
+    with pytest.raises((ValueError, AssertionError)):
+        StoreProc(root, bad or f"x{uuid.uuid4().hex}/x")

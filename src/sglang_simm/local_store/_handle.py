@@ -344,7 +344,8 @@ class StoreHandle:
                    f" ({'still starting' if self._starting() else 'it is not running'})" if spawned_at else "")
         raise StoreUnreachable(BUILD_CONNECTION_FAILED, f"local store {self.name!r} at {self.paths.socket} did not "
                                f"answer within {now - start:.0f} s ({last}){started}" +
-                               (f"; its log {self.paths.log} says: {tail}" if tail else ""))
+                               (f"; its log {self.paths.log} says: {tail}" if tail else
+                                f"; see its log {self.paths.log}" if spawned_at else ""))
 
     def _starting(self) -> bool:
         """A store process is on its way: a launcher of this process runs, or

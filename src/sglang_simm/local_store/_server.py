@@ -746,6 +746,9 @@ def open_store(paths: StorePaths, asked: StoreSettings, *, force: bool = False) 
         raise StoreRefused(refusal)
     if warning:
         logger.warning("store %r: %s", paths.name, warning)
+    if os.path.islink(paths.index):  # planted: it proves nothing, and is never written through
+        logger.warning("store %r: its index %s is a symlink: removed, starting empty", paths.name, paths.index)
+        os.unlink(paths.index)
     try:
         table = IndexTable(paths.index, settings.limits.objects_for(settings.capacity), adopt=True)
     except BlockingIOError:
