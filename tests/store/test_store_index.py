@@ -1,284 +1,285 @@
-"""The local store's index: leases, pins, eviction and memory, without processes."""
+"""The index alone (``_index.StoreIndex``): grants, room, eviction, shares and
+recovery, with no process: a table in memory and segments that record what
+they were asked."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
+from sglang_simm.local_store._allocator import aligned
 from sglang_simm.local_store._index import StoreIndex
-from sglang_simm.errors import (
+from sglang_simm.local_store._limits import StoreLimits
+from sglang_simm.local_store._table import IndexTable
+from sglang_simm.simm_rules import (
     DS_CACHE_POOL_ALLOC_FAILED,
     DS_DATA_ALREADY_EXISTS,
     DS_KEY_NOT_FOUND,
     INVALID_ARGUMENT,
     OK,
     OUT_OF_MEMORY,
+    TARGET_UNAVAILABLE,
 )
 
-A, B = 1, 2  # two clients (connections)
+pytestmark = []  # pure: no store process
+
+DATA_START = 64 << 10
 
 
-def put(index, owner, keys, size=1000, overwrite=True):
-    lease, codes, offsets = index.begin_put(owner, keys, [size] * len(keys), overwrite)
-    return lease, codes, offsets
+class FakeSegment:
+    """A segment's bookkeeping: what was committed, punched, deleted."""
+
+    def __init__(self, gen: str, size: int, backs: int | None = None, blocks: int = 0) -> None:
+        self.gen, self.size, self.data_start = gen, size, DATA_START
+        self.backs = size if backs is None else backs  # the host backs no more than this
+        self.punched: list[tuple[int, int]] = []
+        self.closed = self.unlinked = False
+        self._blocks = blocks
+        self.is_quiet = True
+
+    def commit(self, end: int) -> int:
+        return min(end, self.backs)
+
+    def give_back(self, extents):
+        self.punched += extents
+        return self.data_start
+
+    def punch(self, extents):
+        self.punched += extents
+
+    def close(self, unlink=False):
+        self.closed, self.unlinked = True, unlink
+
+    def blocks(self) -> int:
+        return self._blocks
+
+    def quiet(self) -> bool:
+        return self.is_quiet
 
 
-def put_now(index, keys, size=1000, overwrite=True):
-    lease, codes, _ = put(index, A, keys, size, overwrite)
-    if lease:
-        done = dict(index.commit_put(lease))
-        codes = [done.get(i, c) for i, c in enumerate(codes)]
-    return codes
+def index(capacity: int = 64 << 10, *, segment: int = 256 << 10, earlier=(), table=None, **kw) -> StoreIndex:
+    limits = kw.pop("limits", StoreLimits(max_objects=256))
+    own = FakeSegment("a" * 16, DATA_START + segment, backs=kw.pop("backs", None))
+    return StoreIndex(capacity=capacity, table=table or IndexTable(None, 256), own=own, earlier=list(earlier),
+                      limits=limits, **kw)
 
 
-def ks(*names):
-    return [n.encode() for n in names]
+def put(ix: StoreIndex, keys, sizes, owner=1, proc=1, overwrite=True):
+    grant, codes, offsets = ix.begin_put(owner, proc, [k.encode() for k in keys], sizes, overwrite)
+    done = ix.commit_put(owner, grant, [0] * codes.count(OK)) if grant else []
+    it = iter(done)
+    return [next(it) if c == OK else c for c in codes]
 
 
-@pytest.fixture
-def index():
-    return StoreIndex(capacity=10_000, arena_bytes=1 << 20)
+def get(ix: StoreIndex, keys, cap=1 << 20, owner=2, proc=2):
+    grant, results, _, _, _ = ix.begin_get(owner, proc, [k.encode() for k in keys], [cap] * len(keys))
+    if grant:
+        ix.release(owner, grant)
+    return results
 
 
-def test_an_owner_holding_put_room_gets_more_within_its_share_unless_it_has_none():
-    shared = StoreIndex(capacity=10_000, arena_bytes=1 << 20)  # a share of capacity / HELD_SHARE
-    trusted = StoreIndex(capacity=10_000, arena_bytes=1 << 20, held_share=None)  # the in-process store's
-    for index, second in ((shared, [DS_CACHE_POOL_ALLOC_FAILED]), (trusted, [OK])):
-        assert put(index, A, ks("a", "b"))[1] == [OK, OK]  # its largest batch: always granted
-        assert put(index, A, ks("c"))[1] == second  # 3000 bytes held: past 10_000 / 4
-        assert put(index, B, ks("d"))[1] == [OK]  # another owner holds none
+def test_a_put_is_invisible_until_committed_and_its_room_counts_meanwhile():
+    ix = index()
+    grant, codes, offsets = ix.begin_put(1, 1, [b"k"], [1000], True)
+    assert codes == [OK] and offsets[0] >= DATA_START
+    assert ix.lookup([b"k"]) == [DS_KEY_NOT_FOUND] and ix.reserved == 1000
+    assert ix.commit_put(1, grant, [0]) == [OK]
+    assert ix.lookup([b"k"]) == [OK] and ix.reserved == 0 and ix.used == 1000
 
 
-def test_a_put_is_invisible_until_committed(index):
-    lease, codes, offsets = put(index, A, ks("a", "b"))
-    assert codes == [OK, OK] and offsets[0] != offsets[1] and lease
-    assert index.lookup(ks("a", "b")) == [DS_KEY_NOT_FOUND] * 2
-    assert index.begin_get(B, ks("a"), [1000])[1] == [DS_KEY_NOT_FOUND]
-    assert index.reserved == 2000 and index.used == 0
-    assert index.commit_put(lease) == [(0, OK), (1, OK)]
-    assert index.lookup(ks("a", "b")) == [OK, OK]
-    assert (index.reserved, index.used) == (0, 2000)
+def test_an_aborted_put_gives_its_room_back():
+    ix = index()
+    grant, _, _ = ix.begin_put(1, 1, [b"k"], [1000], True)
+    free = ix.alloc.free_bytes
+    ix.release(1, grant)
+    assert ix.reserved == 0 and ix.alloc.free_bytes == free + aligned(1000) and ix.lookup([b"k"]) == [DS_KEY_NOT_FOUND]
 
 
-def test_a_writer_gone_mid_batch_leaves_nothing(index):
-    lease, _, _ = put(index, A, ks("a", "b"))
-    free_before = index.alloc.free_bytes
-    assert index.drop_owner(A) == 1
-    assert index.lookup(ks("a", "b")) == [DS_KEY_NOT_FOUND] * 2
-    assert index.reserved == 0 and index.alloc.free_bytes > free_before
-    assert index.stats["aborted"] == 2
-    with pytest.raises(KeyError):
-        index.commit_put(lease)
+def test_without_overwrite_a_stored_key_is_refused_and_the_first_commit_wins():
+    ix = index()
+    assert put(ix, ["k"], [100]) == [OK]
+    assert put(ix, ["k"], [100], overwrite=False) == [DS_DATA_ALREADY_EXISTS]
+    a, _, _ = ix.begin_put(1, 1, [b"n"], [100], False)
+    b, _, _ = ix.begin_put(3, 3, [b"n"], [100], False)
+    assert ix.commit_put(1, a, [0]) == [OK] and ix.commit_put(3, b, [0]) == [DS_DATA_ALREADY_EXISTS]
+    assert ix.reserved == 0
 
 
-def test_reserved_room_counts_against_capacity(index):
-    lease, codes, _ = put(index, A, ks(*"abcdefghij"))
-    assert codes == [OK] * 10
-    # nothing is published yet, so nothing can be evicted for a newcomer
-    assert put(index, B, ks("k"))[1] == [DS_CACHE_POOL_ALLOC_FAILED]
-    index.commit_put(lease)
-    assert put_now(index, ks("k")) == [OK]  # now the oldest goes
-    assert index.lookup(ks("a", "k")) == [DS_KEY_NOT_FOUND, OK]
+def test_a_key_named_twice_in_a_batch_keeps_the_later_with_overwrite_and_the_earlier_without():
+    ix = index()
+    grant, _, offsets = ix.begin_put(1, 1, [b"k", b"k"], [100, 200], True)
+    assert ix.commit_put(1, grant, [0, 0]) == [OK, OK] and get(ix, ["k"]) == [200]
+    grant, _, _ = ix.begin_put(1, 1, [b"j", b"j"], [100, 200], False)
+    assert ix.commit_put(1, grant, [0, 0]) == [OK, DS_DATA_ALREADY_EXISTS] and get(ix, ["j"]) == [100]
 
 
-def test_without_overwrite_an_existing_key_is_refused(index):
-    put_now(index, ks("a"))
-    assert put(index, A, ks("a"), overwrite=False)[1] == [DS_DATA_ALREADY_EXISTS]
+def test_overwrite_replaces_the_object_and_frees_the_old_room():
+    ix = index()
+    assert put(ix, ["k"], [1000]) == [OK]
+    assert put(ix, ["k"], [500]) == [OK]
+    assert ix.used == 500 and get(ix, ["k"]) == [500]
 
 
-def test_without_overwrite_the_first_commit_wins(index):
-    first, _, _ = put(index, A, ks("a"), overwrite=False)
-    second, _, _ = put(index, B, ks("a"), overwrite=False)
-    assert index.commit_put(first) == [(0, OK)]
-    assert index.commit_put(second) == [(0, DS_DATA_ALREADY_EXISTS)]
-    assert index.used == 1000 and index.reserved == 0
-
-
-def test_overwrite_replaces_and_frees(index):
-    put_now(index, ks("a"), size=3000)
-    put_now(index, ks("a"), size=1000)
-    assert index.used == 1000 and len(index.objects) == 1
-
-
-def test_get_pins_until_released(index):
-    put_now(index, ks("a"))
-    lease, sizes, offsets = index.begin_get(B, ks("a", "zz"), [1000, 1000])
-    assert sizes == [1000, DS_KEY_NOT_FOUND] and offsets[0] >= 0
-    assert index.delete(b"a") == OK  # gone from the index at once...
-    assert index.lookup(ks("a")) == [DS_KEY_NOT_FOUND]
-    # ...but its extent is not reused while the reader copies
-    lease2, _, offsets2 = put(index, A, ks("b"))
-    assert offsets2[0] != offsets[0]
-    index.release(lease)
-    index.commit_put(lease2)
-    assert put(index, A, ks("c"))[2][0] == offsets[0]  # free again
-
-
-def test_a_reader_gone_mid_get_unpins(index):
-    put_now(index, ks("a"))
-    index.begin_get(B, ks("a"), [1000])
-    assert index.snapshot()["pinned_objects"] == 1
-    index.delete(b"a")
-    assert index.drop_owner(B) == 1
-    assert index.snapshot()["pinned_objects"] == 0
-    assert index.alloc.free_bytes == index.alloc.size
-
-
-def test_pinned_objects_are_not_evicted(index):
-    put_now(index, ks(*"abcdefghij"))
-    lease, _, _ = index.begin_get(B, ks("a"), [1000])
-    assert put_now(index, ks("k")) == [OK]
-    assert index.lookup(ks("a", "b")) == [OK, DS_KEY_NOT_FOUND]  # b went instead
-    index.release(lease)
-
-
-def test_everything_pinned_refuses_the_put(index):
-    put_now(index, ks(*"abcdefghij"))
-    index.begin_get(B, ks(*"abcdefghij"), [1000] * 10)
-    assert put(index, A, ks("k"))[1] == [DS_CACHE_POOL_ALLOC_FAILED]
-
-
-def test_a_buffer_smaller_than_the_object_is_invalid_argument(index):
-    put_now(index, ks("a"))
-    assert index.begin_get(B, ks("a"), [999]) == (0, [INVALID_ARGUMENT], [-1])
+def test_a_pinned_object_keeps_its_bytes_until_released_though_it_left_the_index():
+    ix = index()
+    assert put(ix, ["k"], [1000]) == [OK]
+    grant, results, _, offsets, _ = ix.begin_get(2, 2, [b"k"], [1000])
+    assert ix.delete(b"k") == OK and ix.lookup([b"k"]) == [DS_KEY_NOT_FOUND]
+    assert put(ix, ["x" + str(i) for i in range(60)], [1000] * 60) == [OK] * 60  # room wanted everywhere
+    assert all(o != offsets[0] for o in [ix.table.offset[s] for s in ix._keys.slots()])
+    ix.release(2, grant)
+    assert offsets[0] in [start for start, _ in ix.alloc.free_extents()] or ix.used <= ix.capacity
 
 
 def test_fifo_ignores_gets_and_lru_does_not():
-    for policy, survivor in (("fifo", b"b"), ("lru", b"a")):
-        index = StoreIndex(capacity=2000, arena_bytes=1 << 20, policy=policy)
-        put_now(index, ks("a", "b"))
-        index.release(index.begin_get(B, ks("a"), [1000])[0])
-        put_now(index, ks("c"))
-        assert [k for k in (b"a", b"b") if k in index.objects] == [survivor], policy
+    for policy, survivor in (("fifo", "k1"), ("lru", "k0")):
+        ix = index(capacity=3000, policy=policy)
+        assert put(ix, ["k0", "k1", "k2"], [1000] * 3) == [OK] * 3
+        get(ix, ["k0"])
+        assert put(ix, ["k3"], [1000]) == [OK]
+        assert ix.lookup([survivor.encode()]) == [OK], policy
 
 
-def test_holes_too_small_are_merged_by_evicting():
-    index = StoreIndex(capacity=8000, arena_bytes=8192)
-    put_now(index, ks(*"abcdefgh"), size=1000)  # 8 x 1024 aligned: the arena is full
-    assert put_now(index, ks("big"), size=4000) == [OK]  # evicts the oldest until 4 KiB is contiguous
-    assert index.lookup(ks("a", "b", "c", "d", "e")) == [DS_KEY_NOT_FOUND] * 4 + [OK]
+def test_pinned_objects_are_not_evicted_and_everything_pinned_refuses_the_put():
+    ix = index(capacity=2000)
+    assert put(ix, ["a", "b"], [1000, 1000]) == [OK, OK]
+    grant, _, _, _, _ = ix.begin_get(2, 2, [b"a", b"b"], [1000, 1000])
+    assert put(ix, ["c"], [1000]) == [DS_CACHE_POOL_ALLOC_FAILED]
+    ix.release(2, grant)
+    assert put(ix, ["c"], [1000]) == [OK]
 
 
-def test_memory_that_cannot_be_committed_is_out_of_memory():
-    limit = {"end": 4096}
-
-    def commit(end):
-        return end if end <= limit["end"] else limit["end"]
-
-    index = StoreIndex(capacity=100_000, arena_bytes=1 << 20, commit=commit)
-    assert put_now(index, ks("a", "b", "c", "d"), size=1000) == [OK] * 4
-    assert put(index, A, ks("e"))[1] == [OUT_OF_MEMORY]
-    assert index.stats["out_of_memory"] == 1
-    assert index.memory_limited == 4096 and index.capacity == 4096
-    # from now on the store lives within the memory it has: the oldest goes
-    assert put_now(index, ks("e")) == [OK]
-    assert index.lookup(ks("a", "e")) == [DS_KEY_NOT_FOUND, OK]
+def test_a_buffer_smaller_than_the_object_is_invalid_argument():
+    ix = index()
+    assert put(ix, ["k"], [1000]) == [OK]
+    assert get(ix, ["k"], cap=999) == [INVALID_ARGUMENT] and get(ix, ["k"], cap=1000) == [1000]
 
 
-def test_capacity_is_checked():
-    with pytest.raises(ValueError, match="above"):
-        StoreIndex(capacity=2 << 20, arena_bytes=1 << 20)
-    index = StoreIndex(capacity=1000, arena_bytes=1 << 20)
-    with pytest.raises(ValueError):
-        index.set_capacity(0)
-    with pytest.raises(TypeError):
-        index.set_capacity("1GiB")
+def test_keys_and_sizes_past_simms_limits_are_refused_per_entry():
+    ix = index()
+    assert put(ix, ["x" * 257, "ok", "big"], [10, 10, 64 << 20]) == [INVALID_ARGUMENT, OK, INVALID_ARGUMENT]
+    assert ix.stats["refused_key"] == 1 and ix.stats["refused_size"] == 1
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_random_operations_keep_the_books(seed):
-    """Random puts, commits, aborts, gets, releases, deletes and dropped
-    clients: used/reserved bytes always match the objects and leases, and
-    once everything is released the arena is whole again."""
-    rng = random.Random(seed)
-    index = StoreIndex(capacity=50_000, arena_bytes=1 << 17, policy=rng.choice(["fifo", "lru"]))
-    open_puts: list[tuple[int, int]] = []
-    open_gets: list[tuple[int, int]] = []
-    for _ in range(2000):
-        op = rng.random()
-        owner = rng.randrange(4)
-        keys = ks(*(f"k{rng.randrange(60)}" for _ in range(rng.randint(1, 4))))
-        if op < 0.3:
-            lease, _, _ = index.begin_put(owner, keys, [rng.choice([700, 1000, 3000, 9000])] * len(keys),
-                                          rng.random() < 0.5)
-            if lease:
-                open_puts.append((lease, owner))
-        elif op < 0.5 and open_puts:
-            lease, _ = open_puts.pop(rng.randrange(len(open_puts)))
-            index.commit_put(lease) if rng.random() < 0.8 else index.release(lease)
-        elif op < 0.7:
-            lease, _, _ = index.begin_get(owner, keys, [10_000] * len(keys))
-            if lease:
-                open_gets.append((lease, owner))
-        elif op < 0.8 and open_gets:
-            index.release(open_gets.pop(rng.randrange(len(open_gets)))[0])
-        elif op < 0.9:
-            index.delete(keys[0])
-        else:
-            index.drop_owner(owner)
-            open_puts = [p for p in open_puts if p[1] != owner]
-            open_gets = [g for g in open_gets if g[1] != owner]
-        assert index.used == sum(o.size for o in index.objects.values())
-        assert index.used + index.reserved <= index.capacity
-        assert index.open_leases() == len(open_puts) + len(open_gets)
-    for owner in range(4):
-        index.drop_owner(owner)
-    index.clear()
-    assert (index.used, index.reserved) == (0, 0)
-    assert index.alloc.free_bytes == index.alloc.size
+def test_memory_the_host_cannot_back_is_out_of_memory_and_the_capacity_follows():
+    ix = index(capacity=200 << 10, segment=256 << 10, backs=DATA_START + (100 << 10))
+    codes = put(ix, [f"k{i}" for i in range(8)], [30 << 10] * 8)
+    assert OUT_OF_MEMORY in codes and ix.memory_limited and ix.capacity <= 100 << 10
+    assert put(ix, ["later"], [30 << 10]) == [OK]  # within what the host backs: evicting
 
 
-# -- the crash-consistent table, and taking a dead store's objects over ----------
+def test_one_client_holds_at_most_its_share_in_grants_and_pins():
+    ix = index(capacity=512 << 20, segment=600 << 20, limits=StoreLimits(max_objects=256, client_share=0.25))
+    share = ix.share
+    assert share == 128 << 20
+    grant, codes, _ = ix.begin_put(1, "p", [f"k{i}".encode() for i in range(4)], [share // 3] * 4, True)
+    assert codes == [OK] * 3 + [DS_CACHE_POOL_ALLOC_FAILED]  # the tail past the share
+    assert ix.begin_put(5, "p", [b"more"], [100], True)[1] == [DS_CACHE_POOL_ALLOC_FAILED]  # its other connection
+    assert ix.begin_put(3, "q", [b"other"], [share // 3], True)[1] == [OK]  # another process is served
 
 
-def _table_index(tmp_path, arena=1 << 20):
-    from sglang_simm.local_store._table import IndexTable
+def test_a_closed_connections_grants_end_once_its_process_has_no_copy_in_flight_or_is_gone():
+    ix = index()
+    grant, _, _ = ix.begin_put(1, "p", [b"k"], [1000], True)
+    assert ix.close_owner(1, "p") == 1 and ix.reserved == 1000
+    busy, alive = {"p": 1}, {"p": True}
+    assert ix.end_orphans(busy.get, alive.get) == 0 and ix.reserved == 1000
+    busy["p"] = 0
+    assert ix.end_orphans(busy.get, alive.get) == 1 and ix.reserved == 0 and ix.orphaned() == {}
+    grant, _, _ = ix.begin_put(3, "q", [b"k"], [1000], True)
+    ix.close_owner(3, "q")
+    assert ix.end_orphans(lambda p: 1, lambda p: False) == 1  # gone, whatever its row says
 
-    table = IndexTable(str(tmp_path / "t.index"), 1000, arena)
-    return table, StoreIndex(capacity=100_000, arena_bytes=arena, data_start=4096, table=table)
+
+def test_a_grant_is_its_connections_alone():
+    from sglang_simm.local_store._index import GrantError
+
+    ix = index()
+    grant, _, _ = ix.begin_put(1, 1, [b"k"], [100], True)
+    with pytest.raises(GrantError):
+        ix.commit_put(2, grant, [0])
+    with pytest.raises(GrantError):
+        ix.release(2, grant)
+    assert ix.commit_put(1, grant, [0]) == [OK]
 
 
-def test_committed_objects_come_back_and_a_live_writers_grant_stays_out_of_use(tmp_path):
-    from sglang_simm.local_store._index import lease_records
-    from sglang_simm.local_store._table import IndexTable
-
-    table, index = _table_index(tmp_path)
-    words = index._lease_words
-    lease, _, offsets = index.begin_put(A, ks("a", "b"), [1000, 1000], True)
-    index.commit_put(lease)
-    index.delete(b"b")
-    _, _, reserved_at = index.begin_put(B, ks("half"), [5000], True)  # the store dies before its commit
+def test_objects_of_an_earlier_segment_are_served_and_their_bytes_held_until_it_is_quiet(tmp_path):
+    """Recovered objects count as stored; what else the earlier segment's file
+    holds counts against the capacity until it is quiet; then their evicted
+    bytes are punched and an emptied segment deleted."""
+    table = IndexTable(str(tmp_path / "index"), 256)
+    old = FakeSegment("b" * 16, DATA_START + (256 << 10), blocks=200 << 10)
+    table.commit([0, 1], [b"r0", b"r1"], int(old.gen, 16), [DATA_START, DATA_START + 4096], [1000, 1000], [5, 6], 1)
     table.close()
-    table2 = IndexTable(str(tmp_path / "t.index"), 1000, 1 << 20)
-    assert not table2.fresh
-    found, dropped = table2.recover(4096, 1 << 20, 64)
-    assert (found.keys, found.offsets, dropped) == ([b"a"], [offsets[0]], 0)
-    epoch, records = lease_records(words, index.limits.max_leases + 1)
-    assert epoch == 1 and len(records) == 1 and records[0][4] == B  # the half-written put's grant
-    again = StoreIndex(capacity=100_000, arena_bytes=1 << 20, data_start=4096, table=table2,
-                       lease_words=words, epoch=2)
-    assert again.restore(found, records) == 1
-    assert again.lookup(ks("a", "b", "half")) == [OK, DS_KEY_NOT_FOUND, DS_KEY_NOT_FOUND]
-    # the half-written put's room is not handed out while its writer may still copy
-    lease, codes, got = again.begin_put(A, ks(*[f"n{i}" for i in range(40)]), [1000] * 40, True)
-    assert lease >> 40 == 2 and all(not (reserved_at[0] <= o < reserved_at[0] + 5000) for o in got)
-    again.release(lease)
-    assert again.snapshot()["closed_leases"] == 1
-    assert again.fence((1, B), pid=0) == 1  # its process says it is done (naming the dead store's epoch)
-    assert again.snapshot()["closed_leases"] == 0
-    lease, codes, got = again.begin_put(A, ks(*[f"m{i}" for i in range(90)]), [1000] * 90, True)
-    assert any(reserved_at[0] <= o < reserved_at[0] + 5000 for o in got)  # now it is free
+    table = IndexTable(str(tmp_path / "index"), 256, adopt=True)
+    found, dropped = table.recover({int(old.gen, 16): (old.data_start, old.size)})
+    assert dropped == 0 and found.keys == [b"r0", b"r1"]
+    old.is_quiet = False
+    ix = index(capacity=300 << 10, segment=512 << 10, earlier=[old], table=table)
+    assert ix.recover(found) == 2 and ix.used == 2000
+    assert ix.held == (200 << 10) - 2 * aligned(1000)  # the file's other bytes, until quiet
+    assert ix.release_earlier() == 0 and ix.earlier_held()
+    grant, results, segs, offsets, verify = ix.begin_get(2, 2, [b"r0"], [1000])
+    assert results == [1000] and segs == [1] and verify == [5]  # from the earlier segment, checked on first read
+    ix.release(2, grant)
+    again = ix.begin_get(2, 2, [b"r0"], [1000])
+    assert again[4] == [0]  # checked once
+    ix.release(2, again[0])
+    old.is_quiet = True
+    assert ix.release_earlier() > 0 and ix.held == 0 and old.punched
+    ix.delete(b"r0")
+    ix.delete(b"r1")
+    assert old.unlinked  # emptied: deleted
 
 
-def test_recovery_drops_entries_that_overlap_or_lie_outside_the_arena(tmp_path):
-    table, index = _table_index(tmp_path)
-    for k in ("a", "b"):
-        lease, _, _ = index.begin_put(A, ks(k), [1000], True)
-        index.commit_put(lease)
-    e = table.entries
-    slot_b = int((e["key"] == b"b").nonzero()[0][0])
-    slot_a = int((e["key"] == b"a").nonzero()[0][0])
-    e["offset"][slot_b] = e["offset"][slot_a]  # a lying table: two objects on one extent
-    found, dropped = table.recover(4096, 1 << 20, 64)
-    assert found.keys == [b"a"] and dropped == 1
+def test_a_recovered_object_whose_checksum_fails_is_dropped(tmp_path):
+    table = IndexTable(str(tmp_path / "index"), 256)
+    old = FakeSegment("c" * 16, DATA_START + (256 << 10))
+    table.commit([0], [b"r"], int(old.gen, 16), [DATA_START], [1000], [7], 1)
+    table.close()
+    table = IndexTable(str(tmp_path / "index"), 256, adopt=True)
+    ix = index(earlier=[old], table=table)
+    ix.recover(table.recover({int(old.gen, 16): (old.data_start, old.size)})[0])
+    grant, _, _, _, _ = ix.begin_get(2, 2, [b"r"], [1000])
+    ix.release(2, grant, failed=[0])
+    assert ix.lookup([b"r"]) == [DS_KEY_NOT_FOUND] and ix.stats["checksum_failures"] == 1
+
+
+def test_recovery_drops_entries_that_overlap_or_lie_outside_their_segment(tmp_path):
+    table = IndexTable(str(tmp_path / "index"), 256)
+    gen = int("d" * 16, 16)
+    table.commit([0, 1, 2, 3], [b"a", b"b", b"c", b"d"], gen,
+                 [DATA_START, DATA_START + 64, DATA_START + 4096, 1 << 30], [1000, 100, 100, 100], [0] * 4, 1)
+    table.close()
+    table = IndexTable(str(tmp_path / "index"), 256, adopt=True)
+    found, dropped = table.recover({gen: (DATA_START, DATA_START + (256 << 10))})
+    assert found.keys == [b"a", b"c"] and dropped == 2
+
+
+def test_random_operations_keep_the_books():
+    import random
+
+    rng = random.Random(7)
+    ix = index(capacity=64 << 10)
+    open_gets: list[tuple[int, int]] = []
+    for step in range(3000):
+        op = rng.random()
+        key = f"k{rng.randrange(40)}"
+        if op < 0.5:
+            put(ix, [key], [rng.choice([0, 64, 1000, 5000])], overwrite=rng.random() < 0.8)
+        elif op < 0.7:
+            grant = ix.begin_get(2, 2, [key.encode()], [1 << 20])[0]
+            if grant:
+                open_gets.append((2, grant))
+        elif op < 0.85 and open_gets:
+            ix.release(*open_gets.pop(rng.randrange(len(open_gets))))
+        elif op < 0.95:
+            ix.delete(key.encode())
+        else:
+            ix.clear()
+        live = ix._keys.slots()
+        assert ix.used == int(ix.table.size[live].sum()) <= ix.capacity, step
+        assert ix.objects == len(live)
+    for grant in open_gets:
+        ix.release(*grant)
+    ix.clear()
+    assert ix.alloc.free_bytes == ix.alloc.size - DATA_START  # every byte back

@@ -465,9 +465,11 @@ class StoreIndex:
                              "never granted to it)")
         del self._grants[grant_id]
         self._by_owner[owner].discard(grant_id)
-        self._proc_bytes[grant.proc] -= grant.nbytes
-        if not self._proc_bytes[grant.proc]:
-            del self._proc_bytes[grant.proc]
+        left = self._proc_bytes.get(grant.proc, 0) - grant.nbytes
+        if left:
+            self._proc_bytes[grant.proc] = left
+        else:
+            self._proc_bytes.pop(grant.proc, None)
         return grant
 
     def _budget(self, owner: Hashable, proc: Hashable) -> int:
