@@ -206,6 +206,60 @@ def worker(args) -> None:
     sys.exit(1 if problems else 0)
 
 
+def torture(args) -> None:
+    """Until the file ``stop`` exists: puts and gets of a shared key space,
+    every byte of every hit checked, a forked child now and then doing the
+    same on the inherited handle. Survives its store's deaths and restarts
+    (a call that fails is counted, the next reconnects). Prints its counts."""
+    import os
+
+    from sglang_simm.local_store.contract import StoreUnreachable
+
+    server = handle({**args, "timeout_s": 2.0})
+    size, space = args["size"], args["keyspace"]
+    rng = random.Random(args["seed"])
+    counts = {"puts": 0, "hits": 0, "misses": 0, "wrong": 0, "failed_calls": 0, "forks": 0, "fork_wrong": 0}
+    problems: list[str] = []
+
+    def rounds(n: int) -> None:
+        for _ in range(n):
+            keys = [f"t{rng.randrange(space)}" for _ in range(rng.randint(1, 12))]
+            bufs = buffers(len(keys), size)
+            for key, buf in zip(keys, bufs):
+                fill(buf, key, rng.randrange(1 << 40))
+            try:
+                codes = server.put_from([(k, ctypes.addressof(b), size) for k, b in zip(keys, bufs)], True)
+                counts["puts"] += codes.count(OK)
+                reads = [f"t{rng.randrange(space)}" for _ in range(rng.randint(1, 16))]
+                out = buffers(len(reads), size)
+                got = server.get_into([(k, ctypes.addressof(b), size) for k, b in zip(reads, out)])
+            except StoreUnreachable:
+                counts["failed_calls"] += 1
+                time.sleep(0.05)
+                continue
+            for key, buf, n in zip(reads, out, got):
+                if n == size:
+                    counts["hits"] += 1
+                    why = check(buf, key, size)
+                    if why:
+                        counts["wrong"] += 1
+                        problems.append(why)
+                else:
+                    counts["misses"] += 1
+
+    print("ready", flush=True)
+    while not os.path.exists(args["stop"]):
+        rounds(20)
+        pid = os.fork()
+        if pid == 0:  # a child on its parent's handle: its own connection, locks and row
+            counts["wrong"] = 0
+            rounds(5)
+            os._exit(min(counts["wrong"], 100))
+        counts["forks"] += 1
+        counts["fork_wrong"] += os.waitpid(pid, 0)[1] >> 8
+    print(json.dumps({**counts, "problems": problems[:10]}), flush=True)
+
+
 if __name__ == "__main__":
     {"stall-put": stall_put, "kv-put": kv_put, "stall-get": stall_get, "idle": idle, "churn": churn,
-     "worker": worker}[sys.argv[1]](json.loads(sys.argv[2]))
+     "worker": worker, "torture": torture}[sys.argv[1]](json.loads(sys.argv[2]))

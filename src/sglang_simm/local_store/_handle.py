@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,7 +113,8 @@ def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
 # -- this process's state, made afresh in a forked child ---------------------------------
 
 _LOCK = threading.Lock()
-_HANDLES: dict[tuple[str, str], StoreHandle] = {}
+_HANDLES: dict[tuple[str, str], StoreHandle] = {}  # one per store per process (``get_or_open``)
+_EVERY: weakref.WeakSet[StoreHandle] = weakref.WeakSet()  # every handle: a forked child resets them all
 _BUSY: dict[tuple[str, str, str], Busy] = {}  # (dir, name, store generation) -> this process's row
 _LAUNCHES: dict[str, _Launches] = {}  # socket path -> this process's launches of that store
 
@@ -132,7 +134,7 @@ class _Launches:
 def _after_fork() -> None:
     global _LOCK
     _LOCK = threading.Lock()
-    for handle in _HANDLES.values():
+    for handle in list(_EVERY):
         handle._reset()
     for busy in _BUSY.values():
         busy.inherited()
@@ -292,6 +294,7 @@ class StoreHandle:
         self.started_by, self.limits, self.data = started_by, dict(limits or {}), data
         self.force = force
         self._reset()
+        _EVERY.add(self)
         self.closed = False
         self.reconnects = 0
 
