@@ -66,7 +66,7 @@ def test_defaults_with_address_only():
     assert (cfg.clnt_threadpool_size, cfg.enable_profile, cfg.extra_backend_tag) == (10, False, None)
     assert (cfg.rdma_devices, cfg.numa_aware, cfg.numa_node) == (None, True, None)
     assert (cfg.request_timeout_ms, cfg.log_file, dict(cfg.client_flags)) == (1000, None, {})
-    assert (cfg.local_store_capacity_bytes, cfg.key_scheme, cfg.warmup) == (4 * GIB, "namespaced", True)
+    assert (cfg.local_store_capacity_bytes, cfg.key_scheme, cfg.warmup) == (None, "namespaced", True)
     assert resolved.sources["manager_address"] == "extra_config"
     assert {s for f, s in resolved.sources.items() if f != "manager_address"} == {"default"}
 

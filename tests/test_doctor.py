@@ -197,12 +197,17 @@ def test_a_running_local_store_of_another_size_is_a_warning_and_none_is_left_run
     store = StoreHandle(name, root=host_store_dir, capacity=64 << 20)
     store.open()
     try:
+        # a configuration that asks for no capacity gets the running store's, and no warning
         code, out = doctor(capsys, "--manager", f"local://{name}")
+        assert code == 0 and "No problem found" in out and "capacity 64.0 MiB" in out, out
+        extra = json.dumps({"manager_address": f"local://{name}", "local_store_capacity_bytes": "4GiB"})
+        code, out = doctor(capsys, "--extra-config", extra)
         assert code == 0, out
-        assert "has capacity 64.0 MiB, the configuration asks for 4.0 GiB" in out
+        assert "asks for 4.0 GiB, and the running local store" in out and "has 64.0 MiB" in out
+        assert out.count("asks for 4.0 GiB") == 1  # said once
         assert f"sglang-simm store stop {name}" in out and "No problem found" not in out
     finally:
-        store.stop()
+        store.stop(discard=True)
         store.close()
 
 
@@ -256,3 +261,16 @@ def test_without_sglang_the_hint_is_a_command_that_works_and_shows_whole(capsys,
     assert "SGLang is not installed here: pip install 'sglang>=0.5.8,<0.6'" in out, out
     assert "sglang-simm'" not in out
     assert "[weird] plugin" in out  # values are shown as they are, brackets included
+
+
+def test_a_capacity_no_store_can_start_with_is_a_problem_named_within_seconds(capsys, host_store_dir):
+    """A memory store of 100 TiB: no client could map its segment. doctor
+    says so, naming the field, before starting anything (it hung 74 s, then
+    blamed the manager address)."""
+    import time
+
+    extra = json.dumps({"manager_address": "local://huge", "local_store_capacity_bytes": "100TiB"})
+    t0 = time.monotonic()
+    code, out = doctor(capsys, "--extra-config", extra)
+    assert code == 1 and time.monotonic() - t0 < 20, out
+    assert "local_store_capacity_bytes" in out and "manager_address" not in out.split("Problems")[-1], out

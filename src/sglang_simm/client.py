@@ -89,7 +89,8 @@ def client_flags(config: SiMMConfig, *, log_file: str) -> dict[str, str]:
     if config.is_local_store:
         flags["cm_primary_node_ip"] = config.local_store_name
         flags["local_store_scope"] = config.local_store_scope
-        flags["local_store_capacity_bytes"] = str(config.local_store_capacity_bytes)
+        if config.local_store_capacity_bytes is not None:
+            flags["local_store_capacity_bytes"] = str(config.local_store_capacity_bytes)
         if config.local_store_dir:
             flags["local_store_dir"] = config.local_store_dir
     else:

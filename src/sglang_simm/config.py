@@ -211,10 +211,12 @@ class SiMMConfig:
     client_flags: Mapping[str, str] = field(default_factory=FlagMap)
     """Raw SiMM client flags, passed to ``set_flag`` as given (values as text)."""
 
-    local_store_capacity_bytes: int = 4 * GIB
+    local_store_capacity_bytes: int | None = None
     """Capacity of the local store when this process starts it; accepts
-    ``"512MiB"`` etc. Formerly ``embedded_capacity_bytes``, still read until
-    the next minor release."""
+    ``"512MiB"`` etc.; None: 4 GiB on memory (at most a quarter of RAM),
+    half of what is free on a disk. A running store keeps its own.
+    Formerly ``embedded_capacity_bytes``, still read until the next minor
+    release."""
 
     local_store_dir: str | None = None
     """The local store's directory: any local filesystem, memory (tmpfs) or a
@@ -988,7 +990,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "request_timeout_ms": lambda v: _parse_int(v, 1, 3_600_000),
     "log_file": _parse_log_file,
     "client_flags": lambda v: FlagMap(parse_client_flags(v)),
-    "local_store_capacity_bytes": parse_byte_size,
+    "local_store_capacity_bytes": lambda v: None if v is None else parse_byte_size(v),
     "local_store_dir": lambda v: _parse_store_dir(v),
     "key_scheme": _parse_key_scheme,
     "warmup": parse_bool,

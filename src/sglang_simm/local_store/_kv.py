@@ -132,10 +132,16 @@ def physical_memory_bytes() -> int | None:
     return min(sizes) if sizes else None
 
 
-def default_capacity_bytes() -> int:
-    """4 GiB, capped at a quarter of physical memory."""
+def default_capacity_bytes(root: str | None = None) -> int:
+    """On memory, 4 GiB capped at a quarter of physical memory; in a store
+    directory ``root`` on a disk, half of what is free there."""
     ram = physical_memory_bytes()
-    return min(DEFAULT_CAPACITY_BYTES, ram // 4) if ram else DEFAULT_CAPACITY_BYTES
+    memory = min(DEFAULT_CAPACITY_BYTES, ram // 4) if ram else DEFAULT_CAPACITY_BYTES
+    if root is None or not os.path.isdir(root):
+        return memory
+    from sglang_simm.local_store._segments import Backing
+
+    return Backing.of(root).default_capacity(memory)
 
 
 # -- stores ---------------------------------------------------------------------------------
@@ -162,8 +168,8 @@ def _root(settings: _flags.LocalStoreSettings) -> str:
 
 def _handle_for(name: str) -> StoreHandle:
     settings = _flags.local_settings()
-    capacity = settings.capacity_bytes if settings.capacity_bytes is not None else default_capacity_bytes()
     root, host = _root(settings), settings.scope == "host"
+    capacity = settings.capacity_bytes or default_capacity_bytes(root)
     if not host and not lock_held(StorePaths(root, name)):
         from sglang_simm.local_store._server import StoreRefused, serve_in_thread
 

@@ -125,10 +125,10 @@ class Backing:
     def free(self) -> int:
         return min(self.fs_free, self.mem_available) if self.medium == "memory" and self.mem_available else self.fs_free
 
-    def default_capacity(self, fallback: int) -> int:
-        """On memory ``fallback`` (capped at a quarter of RAM by the caller);
-        on a disk, half of what is free now, at least ``fallback``'s floor."""
-        return fallback if self.medium == "memory" else max(min(fallback, self.fs_free), self.fs_free // 2)
+    def default_capacity(self, memory: int) -> int:
+        """On memory ``memory`` (4 GiB, at most a quarter of RAM); on a disk,
+        half of what is free now."""
+        return memory if self.medium == "memory" else max(self.fs_free // 2, 64 << 20)
 
     def figures(self) -> str:
         from sglang_simm.local_store._copy import human_bytes

@@ -371,25 +371,29 @@ def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: R
             return
     if running is not None:
         held, asked = running["capacity_bytes"], config.local_store_capacity_bytes
-        console.print(f"local store {name!r} is running (pid {running['pid']}, capacity {human_bytes(held)}, "
-                      f"{running['policy']} eviction, {running['objects']} objects)")
-        if held != asked:
+        console.print(f"local store {name!r} is running (pid {running['pid']}, {running.get('medium', 'memory')}, "
+                      f"capacity {human_bytes(held)}, {running['policy']} eviction, {running['objects']} objects)")
+        if asked is not None and held != asked:
             report.warnings.append(
-                f"the running local store {name!r} has capacity {human_bytes(held)}, the configuration asks for "
-                f"{human_bytes(asked)}: servers get the running store's; to change it, 'sglang-simm store stop "
-                f"{name}' (its objects are lost), then 'sglang-simm store start {name} --capacity ...' or start "
-                "the servers")
+                f"local_store_capacity_bytes asks for {human_bytes(asked)}, and the running local store {name!r} "
+                f"has {human_bytes(held)}: a running store keeps its own, and servers get it; to change it, "
+                f"'sglang-simm store stop {name}' (its objects are kept), then 'sglang-simm store start {name} "
+                f"--capacity {human_bytes(asked).replace(' ', '')}'")
         _round_trip(console, config, report)
         return
     os.makedirs(root, mode=0o700, exist_ok=True)
-    refusal, warning = capacity_problem(root, config.local_store_capacity_bytes)
+    from sglang_simm.local_store import default_capacity_bytes
+    from sglang_simm.local_store.admin import Backing
+
+    capacity = config.local_store_capacity_bytes or default_capacity_bytes(root)
+    refusal, warning = capacity_problem(root, capacity)
     if refusal:
         report.problems.append(f"local_store_capacity_bytes: no store in {root} can start with it: {refusal}")
         return
     if warning:
         report.warnings.append(f"local_store_capacity_bytes: {warning}")
-    console.print(f"no local store {name!r} is running in {root}: the first server starts it with capacity "
-                  f"{human_bytes(config.local_store_capacity_bytes)}; the round trip below runs on a store of "
+    console.print(f"no local store {name!r} is running in {root} ({Backing.of(root).figures()}): the first server "
+                  f"starts it with capacity {human_bytes(capacity)}; the round trip below runs on a store of "
                   "doctor's own, stopped after it")
     # the client's flags are process-global, as SiMM's are: the private
     # directory's flag must not outlive this round trip

@@ -178,7 +178,7 @@ def _start(console: Any, root: str, args: argparse.Namespace) -> int:
     from sglang_simm.local_store import default_capacity_bytes
 
     backing = Backing.of(root)
-    capacity = parse_capacity(args.capacity) if args.capacity else backing.default_capacity(default_capacity_bytes())
+    capacity = parse_capacity(args.capacity) if args.capacity else default_capacity_bytes(root)
     refusal, warning = capacity_problem(root, capacity, force=args.force)
     if refusal:
         console.print(f"store {args.name!r} not started: {refusal}. Choose a smaller --capacity"
