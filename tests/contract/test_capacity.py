@@ -191,7 +191,7 @@ def test_capacity_flag_applies_when_a_server_is_created(kv, local_store_only):
 
 
 def test_default_capacity_is_4gib_capped_at_a_quarter_of_ram(kv, server):
-    from sglang_simm.local_store._kv import physical_memory_bytes
+    from sglang_simm.local_store._segments import physical_memory_bytes
 
     ram = physical_memory_bytes()
     expected = min(4 << 30, ram // 4) if ram else 4 << 30

@@ -208,7 +208,8 @@ def test_damaged_settings_keep_the_objects(store, objects):
     second = store(capacity=16 << 20)
     got, wrong = me.read(keys("k", 4))
     assert got == [SIZE] * 4 and wrong == []
-    assert "out of range: the launcher's kept instead" in open(second.paths.log).read()
+    assert "are unusable (capacity_bytes must be > 0, got 0): the launcher's apply instead" in \
+        open(second.paths.log).read()
 
 
 def test_prometheus_text_names_the_stores_counters(store, objects):

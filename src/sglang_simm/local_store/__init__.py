@@ -7,22 +7,12 @@ on the same machine, so code written for ``simm.kv`` runs unchanged::
     kv.set_flag("cm_primary_node_ip", "my-store")   # the store's name
     store = kv.Store()
 
-One store process per name per user (``manager_address: "local"``) is
-shared by every process of the host; ``local_store_scope=process``
-(``"inprocess"``) runs the same store on a thread of this process, in a
-directory of its own. Objects live in segments every client copies into and
-out of itself; the store process keeps the index and hands out grants. Its
-rule, who owns which memory and how a crash is recovered:
-docs/local-store-design.md. Modules, each private to the package but
-``admin`` (the operator's surface) and ``contract`` (what a store promises):
-``_kv`` (this surface) and ``_flags`` (its flags); ``_handle`` (a client
-process's side) and ``_maps`` (its view of the segments); ``_server`` (the
-store process), ``_index`` (objects and grants), ``_table`` (the index on
-file), ``_segments`` (the segment files), ``_allocator`` (room in a
-segment); ``_protocol`` (the wire), ``_limits`` (every limit), ``_paths``
-(files and processes), ``_copy`` (copies and checksums), ``_metrics``
-(Prometheus text). Importing this package imports nothing heavy: ``_kv``
-imports torch (the real ``simm.kv`` does too), the store process never does.
+One store process per name per user is shared by every process of the host
+(``manager_address: "local"``); ``inprocess`` runs the same store on a
+thread of this process, in a directory of its own. Its design:
+docs/local-store-design.md; its modules: docs/architecture.md. Importing
+this package imports nothing heavy (``_kv`` imports torch, as the real
+``simm.kv`` does; the store process never does).
 """
 
 from __future__ import annotations
@@ -34,11 +24,9 @@ from typing import Any
 
 #: name -> the module that defines it, imported on first use (PEP 562): the
 #: store process imports this package and must not pay for torch.
-_LAZY = {name: "_kv" for name in ("Block", "BlockView", "MrExt", "Store", "default_capacity_bytes",
-                                  "deregister_mr", "get_flag", "get_server", "register_mr", "reset_servers",
-                                  "server_names", "set_flag")}
-_LAZY["StoreHandle"] = "_handle"
-_LAZY["StoreUnreachable"] = "_handle"
+_LAZY = {name: "_kv" for name in ("Block", "BlockView", "MrExt", "Store", "deregister_mr", "get_flag",
+                                  "get_server", "register_mr", "reset_servers", "server_names", "set_flag")}
+_LAZY.update(StoreHandle="_handle", StoreUnreachable="_handle", default_capacity_bytes="_segments")
 
 
 def lazy_attributes(namespace: dict[str, Any], table: dict[str, str]) -> tuple[Any, Any]:

@@ -1,29 +1,17 @@
-"""A client process's handle on a local store.
+"""A client process's handle on a local store (``kv.Store`` reaches its store
+through it: the ``contract.StoreServer`` surface).
 
-``StoreHandle`` is what ``kv.Store`` reaches its store through (the
-``contract.StoreServer`` surface). Per batch it sends one control request
-(two for a put: room, then publish; a batch above the store's ``max_batch``
-goes in several) and copies the bytes itself, through the segments the
-store handed it (``_maps``).
-
-Its part of the memory rule (docs/local-store-design.md): a copy is counted
-in this process's row of the store's client table (``_maps.Busy``) from
-before the request that grants its memory until the copy is over. So the
-store hands that memory to nobody else meanwhile, whatever happens to the
-connection, and the handle may drop a connection at any time. A forked
-child starts afresh: it inherits no mapping and never uses its parent's
-connection, locks or rows.
-
-Calls wait only where they must: requests go out holding the GIL, a reply
-is waited for holding it for ``HELD_WAIT_S`` first (a thread that lets the
-GIL go beside a busy scheduler may wait 5 ms to get it back). It trusts no
-answer: offsets, sizes and segments are checked against what it mapped
-(a bad answer fails that call with ``INTERNAL_ERROR``), and an object the
-store asks it to check is read as a miss unless its checksum matches.
-Faults never raise into the data path: a store gone, stalled or restarting
-turns a call into transport codes within its time limit, the next calls
-reconnect, and a handle starts a store process only when no process holds
-the name's lock.
+Per batch one control request (two for a put: room, then publish), and the
+handle copies the bytes itself, through the segments the store handed it
+(``_maps``). Its part of the memory rule (docs/local-store-design.md): a
+copy is counted in this process's row of the store's client table
+(``_maps.Busy``) from before the request that grants its memory until the
+copy is over, so the handle may drop a connection at any time. It trusts no
+answer (offsets, sizes and segments are checked against what it mapped),
+reads an object that fails its checksum as a miss, and turns a store gone,
+stalled or restarting into transport codes within the call's time limit.
+A reply is first waited for keeping the GIL (``HELD_WAIT_S``): letting it
+go beside a busy scheduler may cost 5 ms to get it back.
 """
 
 from __future__ import annotations

@@ -1,34 +1,15 @@
-"""The store's objects and grants: keys, room, eviction, capacity. Pure bookkeeping.
+"""The store's objects and grants: keys, room, eviction, capacity. Pure
+bookkeeping, driven by the store process's one thread; no object byte.
 
-The store process owns one ``StoreIndex`` and drives it from its single
-thread; it touches no object byte. Objects live in segments: the store
-process's own (``segs[0]``), where it grants room for puts, and the earlier
-store processes' ones it recovered objects from, which it serves read-only
-(docs/local-store-design.md). Clients copy the bytes themselves, inside
-*grants*:
-
-* a put is two steps: ``begin_put`` grants room in the own segment
-  (evicting as needed), the client copies into it, ``commit_put``
-  publishes. Nothing is visible until then; a put that fails publishes
-  nothing and leaves the key's value alone;
-* a get pins what it hands out (``begin_get``) until ``release``. An object
-  deleted, overwritten or evicted while pinned leaves the index at once but
-  keeps its bytes until its last pin goes.
-
-Memory a grant covers is handed out again only when the grant ends: by its
-owner's commit, abort or release, or, once the owner's connection is closed
-(``close_owner``), when its process has no copy in flight or is gone
-(``end_orphans``). Nothing here ends a grant on a timer.
-
-An earlier segment is *held* until the store process finds it quiet
-(``release_earlier``): until then the bytes of objects that leave it stay
-where they are, counted against the capacity (``held_bytes``); after it,
-they are given back one by one, and an emptied segment is deleted.
-
-The index keeps no Python object per key: keys live in the table
-(``_table``), and a hash table of 64-bit hashes maps them to slots
-(``_Keys``); a slot's eviction stamp is one int64. Codes are the data
-server's; the client maps them as the real client does.
+A put is two steps: ``begin_put`` grants room in the own segment
+(``segs[0]``), evicting as needed, the client copies, ``commit_put``
+publishes; nothing is visible before, and a failed put leaves the key's
+value alone. A get pins what it hands out (``begin_get``) until
+``release``; an object that leaves the index while pinned keeps its bytes
+until its last pin goes. When a grant ends, and when the earlier segments'
+memory may be reused (``release_earlier``): docs/local-store-design.md.
+Keys live in the table (``_table``), found through a hash table of 64-bit
+hashes (``_Keys``): no Python object per key.
 """
 
 from __future__ import annotations

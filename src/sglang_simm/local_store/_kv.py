@@ -1,66 +1,12 @@
 """The ``simm.kv`` surface of the local store.
 
-Same names, signatures, return types and codes as SiMM's Python client
-(``python/simm/kv/__init__.py`` over the native ``_kv`` extension,
-``src/client/clnt_kv.cc`` and ``clnt_messenger.cc``), as of SiMM's HEAD
-(3b0d7ae, 2026-04-20) by default; ``local_store_simm_release=v0.1.0.post1``
-follows the only tag where it differs. Where the real client's code differs
-from its documentation, the code wins. Line numbers below are HEAD's:
-
-* Sync ``get``/``mget`` report every server-side failure (absent key, buffer
-  smaller than the object) as ``GET_OBJECT_FAILED`` (-2101,
-  ``clnt_messenger.cc:822-825``); ``get_async`` passes the server's code
-  through (``DS_KEY_NOT_FOUND`` -4003, ``INVALID_ARGUMENT`` -1000; 877-882).
-* Sync ``put`` overwrites (the real client deletes and re-puts on -4005,
-  ``clnt_kv.cc:91-111``; here the swap is atomic). Sync ``mput`` does too at
-  HEAD (dfe269a, ``clnt_kv.cc:310-334``); at the tag it answers
-  ``DS_DATA_ALREADY_EXISTS`` (-4005) and keeps the old object. ``put_async``
-  never overwrites (-4005, ``clnt_messenger.cc:747-753``).
-* A failed sync ``put``/``mput`` on the server side (no room) is
-  ``PUT_OBJECT_FAILED`` (-2100, ``clnt_messenger.cc:692-700``); ``put_async``
-  passes the server's ``DS_CACHE_POOL_ALLOC_FAILED`` (-4006) through.
-* ``exists`` passes the server's code (any non-zero reads False,
-  ``python/simm/kv/__init__.py:182,234``). ``delete`` passes it at HEAD
-  (-4003 for a missing key, ``clnt_messenger.cc:926-928``) and answers 0 on
-  every path at the tag.
-* Transport failures (a local store that is gone or stalled) pass through
-  unchanged on every path: SendRPCFailed (-2300), as HEAD reports a lost or
-  timed-out request; the client never produces Timeout (-1002). Only the
-  store's own refusals are mapped per path.
-* Get's bound is the view (``local_store_get_bound=view``, the default, safe);
-  ``region`` reproduces the real client, which sends the registered region's
-  size as the bound (``clnt_messenger.cc:799-801``), so an object longer
-  than its view is written past it and get returns the object's length.
-* Keys: at most 256 UTF-8 bytes, checked by every call; an empty key is an
-  ordinary key (``clnt_kv.cc:49-52`` and kin, ``consts.h:16``). Values: at
-  most 64 MiB - 20 KiB, checked on puts only (``clnt_kv.cc:73-78``); zero
-  bytes are not refused. One bad key or value fails a whole batch with -1000
-  (``clnt_kv.cc:294-302``).
-* Arguments are converted as the binding converts them: a key that is not a
-  ``str`` (or not valid UTF-8) raises ``TypeError`` (nanobind's caster); a
-  block that is not a ``BlockView`` raises ``AttributeError`` (the wrapper
-  reads ``block._data``, ``__init__.py:247-249``); lists of different
-  lengths answer -1000 for every key (``clnt_kv.cc:288-291``).
-
-Not modelled: the real overwrite's window in which readers miss (delete,
-then put), and ``exists`` answering True while a put is still copying
-(``kv_rpc_service.cc:855-860``): here objects appear only when whole.
-
-Local-store-only extras, absent from the real client (probe with ``hasattr``):
-``get_flag``, ``Store.server``, ``Store.close``, ``Store.delete_prefix`` and
-``Store.mput_absent`` (a batch put that skips keys already stored and
-answers which, in one request: a backup without the ``mexists`` before it).
-
-Flags are parsed once, when set (``_flags``). Every ``Store()`` of a name
-shares this process's handle on that store (``_handle.StoreHandle``).
-
-Checks done before the network, per the real client: batch-wide key and value
-limits, then per entry the view's memory region: a view made from a
-deregistered ``MrExt`` has no region (``INVALID_ARGUMENT``, as the real
-client's "no descr ptr", ``clnt_messenger.cc:658-660``); a view outside its
-live region, or whose region was deregistered after it was made, fails with
-``REGISTER_MR_FAILED`` (-2203). (On the real client that last case is an
-RDMA access error, not a defined code.)
+Same names, signatures, return types and codes as SiMM's Python client, as
+of SiMM's HEAD by default (``local_store_simm_release=v0.1.0.post1``: the
+only tag, where it differs); where the real client's code differs from its
+documentation, the code wins. Each rule, with the line of SiMM's source it
+follows, is in docs/local-store.md ("Semantics"). Local-store-only extras
+(probe with ``hasattr``): ``get_flag``, ``Store.server``, ``Store.close``,
+``Store.delete_prefix``, ``Store.mput_absent``, ``Store.mexists_codes``.
 """
 
 from __future__ import annotations
@@ -83,6 +29,7 @@ from sglang_simm.local_store._copy import human_bytes, wrap_memory
 from sglang_simm.local_store._flags import HEAD
 from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
 from sglang_simm.local_store._paths import StorePaths, lock_held, store_dir
+from sglang_simm.local_store._segments import default_capacity_bytes
 from sglang_simm.simm_rules import (
     BUILD_CONNECTION_FAILED,
     DS_DATA_ALREADY_EXISTS,
@@ -100,7 +47,6 @@ from sglang_simm.simm_rules import (
 logger = logging.getLogger("sglang_simm.local_store")
 
 DEFAULT_SERVER_NAME = "default"
-DEFAULT_CAPACITY_BYTES = 4 << 30
 
 get_flag = _flags.get_flag
 
@@ -111,37 +57,6 @@ def set_flag(name: str, value: str) -> bool:
     ``local_store_*`` flags apply to a store when this process starts or
     opens it; ``simm_release`` and ``get_bound`` on every call."""
     return _flags.set_value(name, value) is not None
-
-
-def physical_memory_bytes() -> int | None:
-    """Physical RAM, or the cgroup memory limit when lower; None if unknown."""
-    sizes = []
-    try:
-        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        pass
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 1 << 60:
-            sizes.append(int(text))
-    sizes = [s for s in sizes if s > 0]
-    return min(sizes) if sizes else None
-
-
-def default_capacity_bytes(root: str | None = None) -> int:
-    """On memory, 4 GiB capped at a quarter of physical memory; in a store
-    directory ``root`` on a disk, half of what is free there."""
-    ram = physical_memory_bytes()
-    memory = min(DEFAULT_CAPACITY_BYTES, ram // 4) if ram else DEFAULT_CAPACITY_BYTES
-    if root is None or not os.path.isdir(root):
-        return memory
-    from sglang_simm.local_store._segments import Backing
-
-    return Backing.of(root).default_capacity(memory)
 
 
 # -- stores ---------------------------------------------------------------------------------

@@ -1,18 +1,13 @@
-"""A client's side of the segments: reading and writing objects, and saying
-how many copies it has in flight.
+"""A client's side of the segments: copying objects in and out, and counting
+its copies in flight.
 
-The store hands a client each segment as an open descriptor (``SCM_RIGHTS``):
-a path could be removed or replaced under it. On memory (tmpfs) the client
-maps the segment whole and copies with ``memmove``; on a disk it reads and
-writes through the descriptor (``pread``/``pwrite``, the GIL let go), so
-its memory does not grow with the store and a full disk is an error code,
-never a SIGBUS. No mapping is inherited by a forked child (``MADV_DONTFORK``).
-
-``Busy`` is this process's row of a store process's client table: the
-copies it has in flight under that store process's grants. It counts a
-copy from before the request that grants its memory to after the copy, so
-the store never hands that memory to anyone else meanwhile, whatever
-happens to the connection (docs/local-store-design.md).
+Each segment comes as a descriptor (``SCM_RIGHTS``), never a path that could
+be replaced. On memory the client maps it whole and copies with
+``memmove``; on a disk it reads and writes through the descriptor
+(``pread``/``pwrite``), so its memory does not grow with the store and a
+full disk is an error code. No mapping is inherited by a forked child
+(``MADV_DONTFORK``). ``Busy`` is this process's row of a store process's
+client table (docs/local-store-design.md).
 """
 
 from __future__ import annotations

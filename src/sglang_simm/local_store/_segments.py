@@ -1,21 +1,13 @@
 """Segments: the files that hold a local store's objects, one per store process.
 
-Each store process makes one segment, ``NAME.<gen>.seg``, named by a random
-64-bit generation, and grants memory only inside it. A segment starts with
-a header page and the *client table*: a row per client process that was
-handed the segment (pid, start time, and ``busy``, the copies that process
-has in flight under this store process's grants, which the client itself
-counts). Objects lie from ``data_start`` to the end. The file is sparse:
-on memory (tmpfs) the store backs it in steps ahead of the grants
-(``commit``), so no client ever writes into a hole (that would be a SIGBUS
-on a full tmpfs, not an error); on a disk, writes allocate as they go, and
-a full disk is an error code.
-
-A segment outlives its store process. The next one serves the objects it
-finds there read-only, and gives its memory back (``punch``) only once the
-segment is *quiet* (``quiet``: every row's process gone or its ``busy`` 0),
-since a client of a dead process may still be copying under a grant the
-table does not name. docs/local-store-design.md states the rule.
+Each store process makes one, ``NAME.<gen>.seg`` (a random 64-bit
+generation), and grants memory only inside it. A header page, the *client
+table* (a row per client process: pid, start time, and ``busy``, the copies
+it has in flight, counted by the client itself), then the objects from
+``data_start``. On memory (tmpfs) the store backs the file a step ahead of
+its grants (``commit``), so no client writes into a hole (a SIGBUS on a
+full tmpfs); on a disk a full disk is an error code. A segment outlives its
+store process: docs/local-store-design.md says when its memory is reused.
 """
 
 from __future__ import annotations
@@ -125,11 +117,6 @@ class Backing:
     def free(self) -> int:
         return min(self.fs_free, self.mem_available) if self.medium == "memory" and self.mem_available else self.fs_free
 
-    def default_capacity(self, memory: int) -> int:
-        """On memory ``memory`` (4 GiB, at most a quarter of RAM); on a disk,
-        half of what is free now."""
-        return memory if self.medium == "memory" else max(self.fs_free // 2, 64 << 20)
-
     def figures(self) -> str:
         from sglang_simm.local_store._copy import human_bytes
 
@@ -149,6 +136,25 @@ class Backing:
             return None, (f"a capacity of {human_bytes(capacity)} is more than is free now ({self.figures()}): "
                           "puts will fail, and the store lower its capacity, when it runs out")
         return None, None
+
+
+def physical_memory_bytes() -> int | None:
+    """Physical RAM, or the cgroup's memory limit when lower; None if unknown."""
+    sizes = [_meminfo().get("MemTotal", 0)]
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        with contextlib.suppress(OSError), open(path) as f:
+            text = f.read().strip()
+            sizes.append(int(text) if text.isdigit() and int(text) < 1 << 60 else 0)
+    return min((s for s in sizes if s > 0), default=None)
+
+
+def default_capacity_bytes(root: str | None = None) -> int:
+    """In a store directory ``root`` on a disk, half of what is free there;
+    on memory, 4 GiB capped at a quarter of physical memory."""
+    if root is not None and os.path.isdir(root) and medium_of(root) == "disk":
+        return max(Backing.of(root).fs_free // 2, 64 << 20)
+    ram = physical_memory_bytes()
+    return min(4 << 30, ram // 4) if ram else 4 << 30
 
 
 #: A memory store's segment is mapped whole by every client, beside the

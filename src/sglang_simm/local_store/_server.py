@@ -1,25 +1,12 @@
 """The store process: one per store name per user, serving every client
 process on the host over a Unix socket.
 
-It owns the index (``_index``, kept in ``_table``) and its own segment
-(``_segments``), and never touches an object's bytes: clients copy them,
-inside grants. Single-threaded (a ``selectors`` loop), so the index needs
-no lock and a batch is one step; batches are bounded (``max_batch``).
-
-Memory rule (docs/local-store-design.md): it grants memory only in the
-segment it made; a grant ends by its connection's own message, or once its
-connection is closed and its process has no copy in flight (``busy`` 0 in
-the client table) or is gone. Earlier store processes' segments are served
-read-only and given back only once quiet.
-
-Every input is checked (``_limits``); a limit passed is a SiMM code, a
-rate-limited log line and a ``refused_<reason>`` counter, never a crash.
-Started by the first client that finds no store (``_handle``), by
-``sglang-simm store start``, or on a thread of a process of its own
-(``serve_in_thread``: the ``inprocess`` store). It keeps its objects when it
-stops or dies; it gives them up on ``store stop --discard``, on ``store
-clear``, and on an idle exit from memory (which would otherwise never give
-the RAM back).
+It owns the index and its own segment and never touches an object's bytes:
+clients copy them, inside grants. Single-threaded (a ``selectors`` loop), so
+the index needs no lock and a batch is one step. Its memory rule, and when
+it keeps or gives up its objects: docs/local-store-design.md. Every input is
+checked (``_limits``): a limit passed is a SiMM code, a rate-limited log line
+and a ``refused_<reason>`` counter, never a crash.
 
     python -m sglang_simm.local_store._server --dir DIR --name NAME --capacity BYTES [--policy fifo|lru]
         [--idle-exit S] [--started-by client|operator] [--limits JSON] [--detach] [--force]
@@ -48,9 +35,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_simm.local_store._index import GrantError, StoreIndex
-from sglang_simm.local_store._limits import EVICTION_POLICIES
-from sglang_simm.local_store._limits import REFUSALS, RateLimitedLog, StoreLimits
+from sglang_simm.local_store._index import GrantError, StoreIndex, check_capacity
+from sglang_simm.local_store._limits import EVICTION_POLICIES, REFUSALS, RateLimitedLog, StoreLimits, check_policy
 from sglang_simm.local_store._paths import (
     StoreAccessError,
     StorePaths,
@@ -107,42 +93,22 @@ class StoreSettings:
         os.replace(tmp, path)  # atomic: a crash leaves the old or the new
 
     @classmethod
-    def load(cls, path: str, fallback: StoreSettings) -> StoreSettings | None:
-        """The settings in ``path``, each field checked on its own (one out of
-        range is ``fallback``'s, logged); None when there are none."""
+    def load(cls, path: str) -> StoreSettings | None:
+        """The settings in ``path``; None when there are none, or they do not
+        hold (logged: the launcher's apply then)."""
         try:
             with os.fdopen(open_private(path, os.O_RDONLY)) as f:
                 data = json.loads(f.read(1 << 20))
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
+            kept = cls(check_capacity(data["capacity"]), check_policy(data["policy"]),
+                       StoreLimits.from_dict(data["limits"]), data["started_by"])
+            if kept.started_by not in ("client", "operator"):
+                raise ValueError(f"started_by {kept.started_by!r}")
+            return kept
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, UnicodeError, RecursionError) as exc:
-            logger.warning("ignoring unreadable store settings %s (%s)", path, exc)
+        except (OSError, ValueError, TypeError, KeyError, UnicodeError, RecursionError) as exc:
+            logger.warning("store settings %s are unusable (%s): the launcher's apply instead", path, exc)
             return None
-        out, bad = StoreSettings(fallback.capacity, fallback.policy, fallback.limits, fallback.started_by), []
-        capacity = data.get("capacity")
-        if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
-            out.capacity = capacity
-        else:
-            bad.append(f"capacity {capacity!r}")
-        if data.get("policy") in EVICTION_POLICIES:
-            out.policy = data["policy"]
-        else:
-            bad.append(f"policy {data.get('policy')!r}")
-        limits = fallback.limits.as_dict()
-        for key, value in (data.get("limits") or {}).items() if isinstance(data.get("limits"), dict) else ():
-            try:
-                StoreLimits.from_dict({**limits, key: value})
-                limits[key] = value
-            except (TypeError, ValueError) as exc:
-                bad.append(f"limit {key} ({exc})")
-        out.limits = StoreLimits.from_dict(limits)
-        if data.get("started_by") in ("client", "operator"):
-            out.started_by = data["started_by"]
-        if bad:
-            logger.warning("store settings %s: %s out of range: the launcher's kept instead", path, ", ".join(bad))
-        return out
 
 
 class _Conn:
@@ -732,14 +698,13 @@ def open_store(paths: StorePaths, asked: StoreSettings, *, force: bool = False) 
     settings (a client's start keeps the store's own), the index and the
     earlier segments. Raises ``StoreRefused`` for a capacity this host can
     never hold. The caller holds the name's lock."""
-    kept = StoreSettings.load(paths.settings, asked)
+    kept = StoreSettings.load(paths.settings)
     settings = asked if kept is None or asked.started_by == "operator" else kept
-    if kept is not None and (kept.capacity, kept.policy) != (asked.capacity, asked.policy):
-        logger.warning("store %r starts with %s settings (capacity %d, %s eviction), not %s (capacity %d, %s)",
-                       paths.name, "the operator's" if settings is asked else "the ones it was started with",
-                       settings.capacity, settings.policy, "its earlier ones" if settings is asked else
-                       "the launcher's", (kept if settings is asked else asked).capacity,
-                       (kept if settings is asked else asked).policy)
+    other = kept if settings is asked else asked
+    if other is not None and (other.capacity, other.policy) != (settings.capacity, settings.policy):
+        logger.warning("store %r starts with %s capacity %d and %s eviction, not %s %d and %s", paths.name,
+                       "the operator's" if settings is asked else "the", settings.capacity, settings.policy,
+                       "its earlier" if settings is asked else "the launcher's", other.capacity, other.policy)
     refusal, warning = capacity_problem(paths.root, settings.capacity, rows=settings.limits.max_clients,
                                         force=force or settings.started_by != "operator")
     if refusal:

@@ -1,20 +1,13 @@
-"""The store's objects, kept crash-consistently in ``NAME.index``.
+"""The store's objects, kept crash-consistently in ``NAME.index``: a header,
+then one fixed-size entry per slot (state, publish order, segment, offset,
+size, checksum, key) in a shared mapping.
 
-A header, then one fixed-size entry per object slot: state, publish order,
-segment, offset, size, checksum, key. A published object's entry is
-written when its writer commits, its state word ``COMMITTED`` last; an
-object that leaves is set ``FREE`` first. So a store process killed at any
-instruction leaves every entry whole or not committed. The entries are
-plain stores into a shared mapping (no system call per batch, nothing to
-compact); the file is sparse, and only the parts ever written hold memory.
-
-The next store process of the name (``recover``) keeps every committed
-entry that is sound: inside its segment, aligned, no larger than SiMM's
-largest value, numbered below ``SEQ_LIMIT``, the newest of its key, sharing
-no byte with a kept object; the rest are set free. What it keeps it serves
-read-only (docs/local-store-design.md, "Recovery"). A power loss can leave
-an entry whose bytes never reached the disk: the checksum, checked on the
-object's first read, catches it.
+A published entry's state word is written last, and an object that leaves
+is set ``FREE`` first, so a store process killed at any instruction leaves
+every entry whole or not committed. The next store process (``recover``)
+keeps the committed entries that are sound (docs/local-store-design.md,
+"Recovery"); a power loss that kept an entry but not its bytes is caught
+by the object's checksum on its first read.
 """
 
 from __future__ import annotations
