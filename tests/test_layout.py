@@ -239,7 +239,8 @@ STORE_RULES, STORE_ADMIN, STORE_CONTRACT = f"{STORE}.simm_rules", f"{STORE}.admi
 #: What of the store each module of the backend core may import, and nothing
 #: else of it (``client``: the package, by ``importlib.import_module`` as it
 #: imports ``simm.kv``; ``errors`` and ``keys``: SiMM's codes, limits and key
-#: rule, which they re-export; ``config``: the store naming rule).
+#: rule, which they re-export; ``config``: the store naming rule and
+#: where a store lives).
 CORE_REACHES_THE_STORE = {
     f"{PACKAGE}.client": {STORE},
     f"{PACKAGE}.errors": {STORE_RULES},
@@ -288,7 +289,7 @@ def test_the_core_reaches_the_store_only_where_it_is_allowed_to():
       ``sglang_simm.embedded.simm_rules`` (SiMM's codes, limits and key
       rule, re-exported);
     * ``sglang_simm.config`` -> ``sglang_simm.embedded.admin`` (the store
-      naming rule).
+      naming rule, and where a store lives).
 
     The operator's commands (``sglang_simm.tools.*``) import
     ``sglang_simm.embedded`` and ``sglang_simm.embedded.admin`` only."""

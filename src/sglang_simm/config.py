@@ -20,7 +20,7 @@ warning naming the new one, until the next minor release; an old and a new
 name of one setting in one source is an error naming both.
 
 Importing this module is cheap: the standard library and this package's
-pure ``keys`` and ``values`` only.
+pure ``keys``, ``values`` and ``events_config`` only.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_simm.events_config import KVEventsSettings, parse_kv_events
 from sglang_simm.keys import KEY_SCHEMES, KeyScheme
 from sglang_simm.values import InvalidValue, parse_bool, parse_byte_size
 
 from sglang_simm.embedded.admin import NAME_RE as STORE_NAME_RE, NAME_RULE as STORE_NAME_RULE
-from sglang_simm.embedded.admin import RENAMED_FLAGS, both_given, deprecated
+from sglang_simm.embedded.admin import RENAMED_FLAGS, both_given, deprecated, store_dir
 
 __all__ = [
     "CONFIG_PATH_ENV",
@@ -238,6 +239,12 @@ class SiMMConfig:
     (200 ms at first, 6 s at the cap) instead of all hitting the store at
     once when it comes back."""
 
+    kv_events: KVEventsSettings | None = None
+    """Announce what L3 gains and loses as SGLang KV events, on a ZeroMQ
+    stream of this server's own beside SGLang's ``--kv-events-config`` one,
+    in its shape (``events_config.KVEventsSettings``; docs/kv-events.md).
+    Off by default; ``{"publisher": "zmq"}`` turns it on."""
+
     def __post_init__(self) -> None:
         # The same validation as load_config's, so a hand-built config is held
         # to the same rules; on values load_config already normalised it is a
@@ -283,6 +290,15 @@ class SiMMConfig:
         """The local store's name (``default`` when none is given); None for a cluster."""
         kind, name, _port = _parse_address(self.manager_address)
         return None if kind == "cluster" else name
+
+    @property
+    def local_store_dir(self) -> str | None:
+        """The directory the local store of this config lives in (the
+        client flag ``local_store_dir``, else ``$SGLANG_SIMM_STORE_DIR``,
+        else the store's default); None for a cluster."""
+        if not self.is_embedded:
+            return None
+        return store_dir(self.client_flags.get("local_store_dir"))
 
     @property
     def host(self) -> str | None:
@@ -357,6 +373,8 @@ def _display(name: str, value: Any) -> Any:
     """Value as shown in logs and ``doctor``. No field is secret: shown as is."""
     if isinstance(value, FlagMap):
         return dict(value)
+    if isinstance(value, KVEventsSettings):
+        return dataclasses.asdict(value)
     return value
 
 
@@ -895,6 +913,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "breaker_backoff_ms": lambda v: _parse_int(v, 1, 3_600_000),
     "breaker_backoff_max_ms": lambda v: _parse_int(v, 1, 3_600_000),
     "breaker_jitter": _parse_fraction,
+    "kv_events": parse_kv_events,
 }
 assert set(_PARSERS) == set(FIELD_NAMES), "every SiMMConfig field needs a parser"
 
