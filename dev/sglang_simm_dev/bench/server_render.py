@@ -10,7 +10,9 @@ from sglang_simm_dev.bench.server_itl import ITL_GOAL_RATIO
 from sglang_simm_dev.bench.server_tap import SIZE_CLASSES, size_class
 
 #: how each backend is named in tables
-TITLES = {"ours": "ours (local store)", "file": "file (/dev/shm)", "mooncake": "Mooncake (TCP)",
+TITLES = {"ours": "ours (local store)", "ours-events": "ours, kv_events on, subscriber reading",
+          "ours-events-stalled": "ours, kv_events on, subscriber stalled",
+          "file": "file (/dev/shm)", "mooncake": "Mooncake (TCP)",
           "mooncake-standalone": "Mooncake (standalone client)", "host": "host tier only", "none": "no HiCache"}
 
 LONG_LABELS = (("scratch", "from scratch"), ("after traffic", "host tier"), ("after flush", "L3 after flush"))
@@ -87,6 +89,12 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                     [[TITLES.get(g.get("against", "mooncake"), "?"), g["op"], g["pages"], f"{g['ours']:.2f}",
                       f"{g['mooncake']:.2f}", f"{g['ratio']:.2f}x" + ("" if g["met"] else " (behind)")]
                      for g in result["goals"]]))
+    if result.get("kv_events"):
+        out.append(("L3 events (kv_events): pages announced and dropped by each server (its /metrics), "
+                    "and what a reading subscriber received",
+                    ["backend", "subscriber", "pages announced", "dropped", "batches", "pages received"],
+                    [[TITLES.get(n, n), d["subscriber"], str(d["pages_announced"]), str(d["pages_dropped"]),
+                      str(d["batches"]), str(d.get("pages_received", "-"))] for n, d in result["kv_events"].items()]))
     if result["restart"]:
         out.append(("Restart on the same L3 (backups waited for with the scheduler idle, before the stop)",
                     ["backend", "L3 hits", "same answers", "pages in L3 after (s)"],
@@ -158,6 +166,13 @@ def notes(result: dict[str, Any]) -> list[str]:
                      f"{'met' if ratio <= ITL_GOAL_RATIO else 'behind'})"
                      + (f"; peers {', '.join(f'{n} {r:.2f}x' for n, r in peers.items() if r is not None)}"
                         + (f" (ours behind {', '.join(behind)})" if behind else " (ours no worse)") if peers else ""))
+    events = {n: (r.get("p99"), (result.get("itl_ratios", {}).get("ours") or {}).get("p99"))
+              for n, r in result.get("itl_ratios", {}).items() if n.startswith("ours-events")}
+    if events:
+        lines.append("decoders' p99 inter-token latency with L3 events on, over " + TITLES.get(result["itl_vs"], "?")
+                     + ": " + ", ".join(f"{TITLES.get(n, n)} {r:.2f}x" for n, (r, _) in events.items() if r is not None)
+                     + (f" (events off: {next(iter(events.values()))[1]:.2f}x)"
+                        if next(iter(events.values()))[1] is not None else ""))
     asked = [b for b in s["asked"] if b.startswith("mooncake")]
     if not result["mooncake"]["available"] and asked:
         lines.append(f"Mooncake left out: {result['mooncake']['why']}")
