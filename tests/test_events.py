@@ -20,22 +20,14 @@ from sglang_simm.events import MAX_BATCH_PAGES, NO_EVENTS, L3Events, event_hash
 from sglang_simm.events_config import DEFAULT_ENDPOINT, KVEventsSettings, parse_kv_events
 from sglang_simm.events_publisher import filesystem_of, medium_of, publisher_slot
 from sglang_simm.values import InvalidValue
-from sglang_simm_dev.kv_events_sub import StalledSubscriber, Subscriber, replay
+from sglang_simm_dev.kv_events_sub import StalledSubscriber, Subscriber, links, replay
 from sglang_simm_dev.sglang_server import free_port
+from polling import until
 from store_refusal import refused_puts
 
 
-def pairs(events) -> list[tuple[int, int | None]]:
-    """``(block hash, parent hash)`` of every page of ``BlockStored``
-    events, whether one event holds one page or a chain (SGLang's recorder
-    merges a chain into one event)."""
-    out = []
-    for e in events:
-        parent = e.parent_block_hash
-        for h in e.block_hashes:
-            out.append((h, parent))
-            parent = h
-    return out
+def list_links(events) -> list[tuple[int, int | None]]:
+    return list(links(events).items())
 
 
 def removed(events) -> list[int]:
@@ -160,7 +152,7 @@ def test_an_unsalted_prompts_pages_carry_sglangs_own_event_hashes_and_parents(st
     _back_up(backend, host, a, b)
     assert sub.wait_for(lambda s: len(s.events("BlockStored")) == 7, 10)
     ours = sub.events("BlockStored", medium="EXTERNAL")
-    assert pairs(ours) == pairs(gpu) and len(pairs(gpu)) == 7
+    assert list_links(ours) == list_links(gpu) and len(list_links(gpu)) == 7
     assert all(len(e.block_hashes) == 1 and e.token_ids == [] and e.block_size == ps for e in ours)
     assert {type(e).__name__ for e in gpu} == {"BlockStored"} and gpu[0].medium in (None, "GPU")
 
@@ -186,8 +178,8 @@ def test_a_namespaced_requests_pages_are_announced_one_event_each_under_their_st
     storage = get_storage_hash_str(RadixKey(tokens_a + tokens_b, **namespace), page_size=ps)
     assert a.hash_value + b.hash_value == storage  # the keys SGLang hands the backend
     assert [e.block_hashes for e in ours] == [[hash_str_to_int64(k)] for k in storage]
-    assert [h for h, _ in pairs(ours)].count(None) == 0 and pairs(ours)[0][1] is None
-    assert not {h for h, _ in pairs(ours)} & {h for h, _ in pairs(gpu)}
+    assert [h for h, _ in list_links(ours)].count(None) == 0 and list_links(ours)[0][1] is None
+    assert not {h for h, _ in list_links(ours)} & {h for h, _ in list_links(gpu)}
 
 
 def test_event_hash_is_sglangs_hash_str_to_int64():
@@ -209,7 +201,7 @@ def test_a_put_the_store_refused_announces_nothing(stream, store_name):
     flushed(backend)
     assert sub.wait_for(lambda s: len(s.events("BlockStored")) == 2, 10)
     time.sleep(0.2)
-    assert not sub.events("BlockRemoved") and pairs(sub.events("BlockStored")) == [
+    assert not sub.events("BlockRemoved") and list_links(sub.events("BlockStored")) == [
         (event_hash(k), p) for k, p in zip(hashes(2, "kept"), [None, event_hash(hashes(2, "kept")[0])])]
     assert backend.stats()["pages_write_failed"] == 3
 
@@ -224,7 +216,7 @@ def test_only_the_leading_run_of_stored_pages_is_announced(stream):
     flushed(backend)
     assert sub.wait_for(lambda s: len(s.events("BlockStored")) >= 2, 10)
     time.sleep(0.2)
-    assert [h for h, _ in pairs(sub.events("BlockStored"))] == [event_hash(k) for k in keys[:2]]
+    assert [h for h, _ in list_links(sub.events("BlockStored"))] == [event_hash(k) for k in keys[:2]]
 
 
 def test_a_lookup_or_read_that_misses_an_announced_page_announces_its_removal(stream):
@@ -331,7 +323,7 @@ def test_a_full_queue_drops_and_counts_while_the_data_path_goes_on():
     events = L3Events(stuck, medium=StorageMedium.EXTERNAL, max_queue_pages=10, remember_pages=100)
     try:
         events.stored(hashes(4, "a"), [True] * 4, None, 16)  # taken by the thread, which then blocks
-        assert _eventually(lambda: events.snapshot()["queued_pages"] == 0)
+        until(lambda: events.snapshot()["queued_pages"] == 0, "the thread to take the first item")
         for i in range(6):
             events.stored(hashes(4, f"b{i}"), [True] * 4, None, 16)
         snap = events.snapshot()
@@ -378,10 +370,16 @@ def test_a_subscriber_that_stops_reading_or_dies_costs_the_data_path_nothing(str
         snap = backend.stats()["kv_events"]
         assert snap["stored_pages"] == 800 and snap["batches"] == 200
         assert snap["dropped_pages"] == {"stored": 0, "removed": 0}
-        # the stream goes on for those who read
-        last = hashes(1, "after the stall")
-        assert all(backend.batch_set_v1(last, slots(host, 5, 1)))
-        assert sub.wait_for(lambda s: any(e.block_hashes == [event_hash(last[0])] for e in s.events("BlockStored")), 10)
+        # the stream goes on for those who read (the reader may lag and lose
+        # batches past the same high-water mark, so a page goes out until one arrives)
+        after = iter(hashes(100, "after the stall"))
+
+        def one_more_arrived() -> bool:
+            key = next(after)
+            assert all(backend.batch_set_v1([key], slots(host, 5, 1)))
+            return sub.wait_for(lambda s: any(e.block_hashes == [event_hash(key)] for e in s.events("BlockStored")), 0.5)
+
+        until(one_more_arrived, "a page stored after the stall to reach the reading subscriber", timeout=30)
     finally:
         stalled.close()
 
@@ -467,10 +465,20 @@ def test_the_streams_counters_reach_metrics_only_where_it_is_on(stream, attach):
     assert samples and not [line for line in samples if "kv_events" in line]
 
 
-def _eventually(check, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.01)
-    return check()
+def test_the_upstream_change_applies_to_the_installed_sglang():
+    """docs/upstream-sglang-l3-events.md's change, as its e2e test applies it
+    (``tests/e2e/test_upstream_l3_events.py``): every text it changes is in
+    the installed SGLang exactly once, and the changed modules compile."""
+    import importlib.util
+
+    from sglang_simm_dev.upstream_l3_events import CHANGES, changed_source
+
+    for module in CHANGES:
+        origin = importlib.util.find_spec(module).origin
+        with open(origin, encoding="utf-8") as fh:
+            source = fh.read()
+        changed = changed_source(module, source)
+        assert changed != source and "record_backup_stored" in changed
+        compile(changed, origin, "exec")
+    with pytest.raises(ValueError, match="occurs 0 times"):
+        changed_source("sglang.srt.mem_cache.unified_radix_cache", "not SGLang's text")

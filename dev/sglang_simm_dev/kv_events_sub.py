@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Received", "StalledSubscriber", "Subscriber", "local_endpoint", "replay"]
+__all__ = ["Received", "StalledSubscriber", "Subscriber", "links", "local_endpoint", "replay"]
 
 
 def local_endpoint(endpoint: str) -> str:
@@ -26,6 +26,19 @@ def local_endpoint(endpoint: str) -> str:
         if endpoint.startswith(wildcard):
             return "tcp://127.0.0.1:" + endpoint[len(wildcard):]
     return endpoint
+
+
+def links(events: Any) -> dict[int, int | None]:
+    """block hash -> parent hash over ``BlockStored`` events, in order,
+    whether an event holds one page or a chain of them (SGLang's recorder
+    merges a chain into one event)."""
+    out: dict[int, int | None] = {}
+    for e in events:
+        parent = e.parent_block_hash
+        for h in e.block_hashes:
+            out[h] = parent
+            parent = h
+    return out
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import time
 import pytest
 from e2e_util import DEVICE_TOKENS, PAGE, prompt
 
-from sglang_simm_dev.kv_events_sub import Subscriber
+from sglang_simm_dev.kv_events_sub import Subscriber, links
 from sglang_simm_dev.sglang_server import ServerConfig, SGLangServer, free_port
 from store_refusal import refusing_server
 
@@ -102,26 +102,14 @@ def metric(server: SGLangServer, name: str, at_least: float = 0.0, timeout: floa
         time.sleep(0.5)
 
 
-def pairs(events) -> dict[int, int | None]:
-    """block hash -> parent hash, over ``BlockStored`` events of one page
-    or of a chain."""
-    out = {}
-    for e in events:
-        parent = e.parent_block_hash
-        for h in e.block_hashes:
-            out[h] = parent
-            parent = h
-    return out
-
-
 def test_every_page_announced_on_gpu_is_announced_on_l3_after_its_backup_with_sglangs_hashes(streams):
     from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
 
     s = streams["both"]
     ids = prompt(381, PROMPT)
     s.server.generate(ids)
-    gpu = lambda: pairs(s.gpu.events("BlockStored", medium="GPU"))  # noqa: E731
-    l3 = lambda: pairs(s.l3.events("BlockStored", medium="EXTERNAL"))  # noqa: E731
+    gpu = lambda: links(s.gpu.events("BlockStored", medium="GPU"))  # noqa: E731
+    l3 = lambda: links(s.l3.events("BlockStored", medium="EXTERNAL"))  # noqa: E731
     assert s.gpu.wait_for(lambda _: len(gpu()) >= PROMPT // PAGE, 60), why(s.server, "SGLang announced no GPU pages")
     assert s.l3.wait_for(lambda _: set(gpu()) <= set(l3()), 120), why(
         s.server, f"{len(set(gpu()) - set(l3()))} of {len(gpu())} GPU pages never announced on L3")
@@ -159,7 +147,7 @@ def test_a_namespaced_requests_pages_are_announced_one_event_per_page(streams):
     events = announced(s.l3)
     assert sorted(h for e in events for h in e.block_hashes) == sorted(want)
     assert all(len(e.block_hashes) == 1 for e in events)
-    assert not set(want) & set(pairs(s.gpu.events("BlockStored"))), "SGLang's own hashes are not the storage keys'"
+    assert not set(want) & set(links(s.gpu.events("BlockStored"))), "SGLang's own hashes are not the storage keys'"
 
 
 def test_a_put_the_store_refused_announces_nothing(streams):
