@@ -301,6 +301,23 @@ def test_replay_serves_the_batches_a_subscriber_missed_as_sglang_does(stream):
 # ------------------------------------------------------ never on the request path
 
 
+def test_an_event_that_fails_never_changes_what_the_backend_answers(stream, monkeypatch):
+    backend, host, _ = stream()
+    keys = hashes(3, "answers")
+    assert all(backend.batch_set_v1(keys, slots(host, 0, 3)))
+    flushed(backend)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an event that cannot be queued")
+
+    monkeypatch.setattr(backend.events, "_put", broken)
+    assert backend.batch_set_v1(hashes(2, "more"), slots(host, 3, 2)) == [True, True]
+    for obj in backend.pools.kv.suffixes:
+        backend.client.delete(backend.pools.kv.prefix + keys[1] + obj)
+    assert backend.batch_exists(keys) == 1  # a miss of a remembered page, whose event fails
+    assert backend.stats()["errors"] == {}
+
+
 class _StuckPublisher:
     """SGLang's publisher with its queue full: ``publish`` blocks until released."""
 

@@ -47,9 +47,9 @@ from sglang_simm.breaker import Breaker
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, log_resolved
 from sglang_simm.errors import PoolLeftOutError, is_fault
+from sglang_simm.events import NO_EVENTS
 from sglang_simm.events_publisher import events_for
 from sglang_simm.exporter import exporter_for
-from sglang_simm.events import NO_EVENTS
 from sglang_simm.inflight import Call, Pools, release
 from sglang_simm.keys import PROBE_KEY
 from sglang_simm.metrics import BackendCounters, RateLimitedLog

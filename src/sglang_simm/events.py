@@ -46,6 +46,7 @@ data path reads it without a lock (``key in dict`` is one atomic step).
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 import time
@@ -79,6 +80,20 @@ def event_hash(page_key: str) -> int:
     if len(page_key) < 16:
         raise ValueError(f"page key {page_key!r} is shorter than 16 hex digits")
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _never_raises(method):
+    """A data-path entry point: whatever goes wrong in it is logged (at most
+    every 10 s) and dropped, never raised into the backend's call, whose
+    answer to SGLang must not change because of an event."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            method(self, *args, **kwargs)
+        except Exception as exc:
+            self._warn("sglang-simm kv_events: %s failed (%s: %s); its events are lost",
+                       method.__name__, type(exc).__name__, exc)
+    return wrapper
 
 
 class _Item(NamedTuple):
@@ -152,6 +167,7 @@ class L3Events(NoEvents):
 
     # ------------------------------------------------------------ the data path
 
+    @_never_raises
     def stored(self, page_keys: Sequence[Any], ok: Sequence[bool], prefix_keys: Sequence[str] | None,
                page_size: int) -> None:
         """The store confirmed ``page_keys`` where ``ok``: announce the
@@ -173,6 +189,7 @@ class L3Events(NoEvents):
         parent = prefix_keys[-1] if prefix_keys else None
         self._put(_Item(_STORED, list(page_keys[:n]), parent, page_size), n)
 
+    @_never_raises
     def missed(self, page_keys: Iterable[Any]) -> None:
         """The store answered "not there" for ``page_keys`` (a lookup or a
         read): announce the removal of those this server announced."""
@@ -181,6 +198,7 @@ class L3Events(NoEvents):
         if gone:
             self._put(_Item(_MISSED, gone), len(gone))
 
+    @_never_raises
     def removed(self, page_keys: Iterable[Any]) -> None:
         """``page_keys`` left the store (evicted, deleted, overwritten by
         other bytes): announce their removal."""
@@ -188,6 +206,7 @@ class L3Events(NoEvents):
         if keys:
             self._put(_Item(_REMOVED, keys), len(keys))
 
+    @_never_raises
     def cleared(self) -> None:
         """Everything this server stored is gone: announce the removal of
         every page it remembers."""
@@ -299,11 +318,8 @@ class L3Events(NoEvents):
             with self._count_lock:
                 self.dropped[_STORED] += stored
                 self.dropped[_REMOVED] += removed
-            now = time.monotonic()
-            if now - self._last_error > 10.0:
-                self._last_error = now
-                logger.warning("sglang-simm kv_events: SGLang's publisher refused a batch (%s: %s); "
-                               "its pages are counted as dropped", type(exc).__name__, exc)
+            self._warn("sglang-simm kv_events: SGLang's publisher refused a batch (%s: %s); "
+                       "its pages are counted as dropped", type(exc).__name__, exc)
             return
         with self._count_lock:
             self.batches += 1
@@ -311,6 +327,13 @@ class L3Events(NoEvents):
             self.removed_pages += removed
 
     # ------------------------------------------------------------ the rest
+
+    def _warn(self, msg: str, *args: Any) -> None:
+        """A warning at most every 10 s: a failure repeats on every call."""
+        now = time.monotonic()
+        if now - self._last_error > 10.0:
+            self._last_error = now
+            logger.warning(msg, *args)
 
     def snapshot(self) -> dict[str, Any]:
         """Pages announced and dropped, batches published, and what waits."""
