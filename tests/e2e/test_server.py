@@ -3,7 +3,8 @@
 One server per route, shared by the module's tests:
 
 * ``simm``: the plugin entry point, ``page_first`` host layout with the
-  ``kernel`` io backend, ``--enable-metrics``;
+  ``kernel`` io backend, ``--enable-metrics``, SGLang's own KV event stream
+  (``--kv-events-config``) and not the plugin's (``kv_events``);
 * ``dynamic``: module path and ``interface_v1``, ``page_first_direct`` with the
   ``direct`` io backend, metrics off (SGLang's default), a small local
   store (so the soak runs at its capacity, evicting), SGLang 0.5.23's
