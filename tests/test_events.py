@@ -19,7 +19,6 @@ from sglang_simm.config import SiMMConfig
 from sglang_simm.events import MAX_BATCH_PAGES, NO_EVENTS, L3Events, event_hash
 from sglang_simm.events_config import DEFAULT_ENDPOINT, KVEventsSettings, parse_kv_events
 from sglang_simm.events_publisher import filesystem_of, medium_of, publisher_slot
-from sglang_simm.values import InvalidValue
 from sglang_simm_dev.kv_events_sub import StalledSubscriber, Subscriber, links, replay
 from sglang_simm_dev.sglang_server import free_port
 from polling import until
@@ -178,7 +177,7 @@ def test_a_namespaced_requests_pages_are_announced_one_event_each_under_their_st
     storage = get_storage_hash_str(RadixKey(tokens_a + tokens_b, **namespace), page_size=ps)
     assert a.hash_value + b.hash_value == storage  # the keys SGLang hands the backend
     assert [e.block_hashes for e in ours] == [[hash_str_to_int64(k)] for k in storage]
-    assert [h for h, _ in list_links(ours)].count(None) == 0 and list_links(ours)[0][1] is None
+    assert [p for _, p in list_links(ours)].count(None) == 1 and list_links(ours)[0][1] is None  # one chain
     assert not {h for h, _ in list_links(ours)} & {h for h, _ in list_links(gpu)}
 
 
@@ -265,12 +264,20 @@ def test_what_the_store_says_it_removed_or_cleared_is_announced_for_this_backend
 
 def test_clear_and_close_announce_every_remembered_page_removed_and_free_the_port(stream, attach):
     backend, host, sub = stream()
-    keys = hashes(3, "close")
-    assert all(backend.batch_set_v1(keys, slots(host, 0, 3)))
+    keys = hashes(5, "clear-close")
+    assert all(backend.batch_set_v1(keys[:3], slots(host, 0, 3)))
+    flushed(backend)
+    backend.clear()  # SGLang's storage clear: the local store deletes the namespace
+    assert backend.batch_exists(keys[:3]) == 0
+    flushed(backend)
+    assert sub.wait_for(lambda s: len(removed(s.events("BlockRemoved"))) == 3, 10)
+    assert sorted(removed(sub.events("BlockRemoved"))) == sorted(map(event_hash, keys[:3]))
+    assert all(backend.batch_set_v1(keys[3:], slots(host, 3, 2)))
     flushed(backend)
     endpoint = backend.config.kv_events.endpoint
     backend.close()
-    assert sub.wait_for(lambda s: len(removed(s.events("BlockRemoved"))) == 3, 10)
+    assert sub.wait_for(lambda s: len(removed(s.events("BlockRemoved"))) == 5, 10)
+    assert removed(sub.events("BlockRemoved"))[3:] == [event_hash(k) for k in keys[3:]]
     # SGLang detaches and attaches again: the new backend binds the same port
     again, _ = attach(tiny(), extra={"kv_events": {"publisher": "zmq", "endpoint": endpoint}})
     assert again.events.on

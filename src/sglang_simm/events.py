@@ -76,9 +76,9 @@ def event_hash(page_key: str) -> int:
     """SGLang's event hash of a page key (``mem_cache/utils.py``
     ``hash_str_to_int64``): its first 16 hex digits as a signed int64.
     ValueError for a key that does not start with 16 hex digits."""
-    value = int(page_key[:16], 16)
     if len(page_key) < 16:
         raise ValueError(f"page key {page_key!r} is shorter than 16 hex digits")
+    value = int(page_key[:16], 16)
     return value - (1 << 64) if value >= 1 << 63 else value
 
 

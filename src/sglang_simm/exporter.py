@@ -217,7 +217,6 @@ class L3Exporter:
                         f.breaker_transitions.labels(**labels, to=to).inc(delta)
                         self._last_transitions[to] = n
 
-
     def _flush_events(self, events: Mapping[str, Any]) -> None:
         """The event stream's totals into its series (under ``_lock``)."""
         f, labels = self._families, self.labels

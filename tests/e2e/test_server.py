@@ -236,7 +236,7 @@ def test_a_server_without_kv_events_publishes_nothing(servers):
     sub = Subscriber(config["endpoint"], b"gpu")
     try:
         time.sleep(0.5)  # ZMQ's slow joiner
-        ids = prompt(9, LONG)
+        ids = prompt(11, LONG)
         stored = server.l3_pages_stored()
         backed_up(server, server.generate(ids), stored)
         assert sub.wait_for(lambda s: s.events("BlockStored", medium="GPU"), 30), why(server, "SGLang announced nothing")

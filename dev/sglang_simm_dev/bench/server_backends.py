@@ -262,8 +262,9 @@ class Environment:
 
     def hold_store(self, shape: Shape, *, idle_exit_s: float | None = None, backend: str = "ours") -> None:
         """Start the local store of ``backend`` (one of ``OURS_BACKENDS``)
-        here and keep a connection to it until ``close()``. A store a server started exits ``local_store_idle_exit_s``
-        (600 s) after its last client left, and its objects with it: between
+        here and keep a connection to it until ``close()``. A store a server
+        started exits ``local_store_idle_exit_s`` (600 s) after its last
+        client left, and its objects with it: between
         the stop of the first servers and the start of the restarted ones,
         which took 751 s side by side in run 1, it would have emptied the
         L3 the restart is meant to find again. The bench's connection keeps

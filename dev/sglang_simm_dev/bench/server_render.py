@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_simm_dev.bench.server_backends import L3_BACKENDS, MOONCAKE_INSTALL
+from sglang_simm_dev.bench.server_backends import EVENT_BACKENDS, L3_BACKENDS, MOONCAKE_INSTALL
 from sglang_simm_dev.bench.server_itl import ITL_GOAL_RATIO
 from sglang_simm_dev.bench.server_tap import SIZE_CLASSES, size_class
 
@@ -159,20 +159,21 @@ def notes(result: dict[str, Any]) -> list[str]:
     ]
     ratio = (result.get("itl_ratios", {}).get("ours") or {}).get("p99")
     if ratio is not None:
-        peers = {n: r.get("p99") for n, r in result["itl_ratios"].items() if n in L3_BACKENDS and n != "ours"}
+        peers = {n: r.get("p99") for n, r in result["itl_ratios"].items()
+                 if n in L3_BACKENDS and n != "ours" and n not in EVENT_BACKENDS}
         behind = [n for n, r in peers.items() if r is not None and r < ratio]
         lines.append(f"decoders' p99 inter-token latency under L3 traffic: ours {ratio:.2f}x "
                      f"{TITLES.get(result['itl_vs'], result['itl_vs'])} (goal <= {ITL_GOAL_RATIO:.2f}x: "
                      f"{'met' if ratio <= ITL_GOAL_RATIO else 'behind'})"
                      + (f"; peers {', '.join(f'{n} {r:.2f}x' for n, r in peers.items() if r is not None)}"
                         + (f" (ours behind {', '.join(behind)})" if behind else " (ours no worse)") if peers else ""))
-    events = {n: (r.get("p99"), (result.get("itl_ratios", {}).get("ours") or {}).get("p99"))
-              for n, r in result.get("itl_ratios", {}).items() if n.startswith("ours-events")}
+    ratios = result.get("itl_ratios", {})
+    events = {n: r["p99"] for n, r in ratios.items() if n in EVENT_BACKENDS and r.get("p99") is not None}
     if events:
-        lines.append("decoders' p99 inter-token latency with L3 events on, over " + TITLES.get(result["itl_vs"], "?")
-                     + ": " + ", ".join(f"{TITLES.get(n, n)} {r:.2f}x" for n, (r, _) in events.items() if r is not None)
-                     + (f" (events off: {next(iter(events.values()))[1]:.2f}x)"
-                        if next(iter(events.values()))[1] is not None else ""))
+        off = (ratios.get("ours") or {}).get("p99")
+        lines.append(f"decoders' p99 inter-token latency with L3 events on, over {TITLES.get(result['itl_vs'], '?')}: "
+                     + ", ".join(f"{TITLES.get(n, n)} {r:.2f}x" for n, r in events.items())
+                     + (f" (events off: {off:.2f}x)" if off is not None else ""))
     asked = [b for b in s["asked"] if b.startswith("mooncake")]
     if not result["mooncake"]["available"] and asked:
         lines.append(f"Mooncake left out: {result['mooncake']['why']}")
