@@ -73,8 +73,24 @@ def test_each_backend_gets_its_own_l3_and_the_same_shape(tmp_path):
     if not env.mooncake.available:
         with pytest.raises(RuntimeError, match="Mooncake is not available"):
             env.config("mooncake", shape)
-    with pytest.raises(ValueError, match="unknown backend 'x'; known: ours, file"):
+    with pytest.raises(ValueError, match="unknown backend 'x'; known: ours, ours-events, ours-events-stalled, file"):
         env.config("x", shape)
+
+
+def test_the_event_servers_each_get_a_store_and_a_stream_of_their_own(tmp_path):
+    from sglang_simm.config import SiMMConfig
+
+    env = Environment(tag="t", root=str(tmp_path), tap_dir=str(tmp_path / "tap"),
+                      mooncake=mooncake_status(sys.executable), file_dir=str(tmp_path / "f"))
+    shape = Shape(model_path="m", device_tokens=1024)
+    ours, reading, stalled = (env.config(b, shape) for b in ("ours", "ours-events", "ours-events-stalled"))
+    stores = {c.extra_config["manager_address"] for c in (ours, reading, stalled)}
+    assert len(stores) == 3 and "kv_events" not in ours.extra_config
+    streams = [SiMMConfig.from_mapping(c.extra_config).kv_events for c in (reading, stalled)]
+    assert all(k.enabled for k in streams) and streams[0].endpoint != streams[1].endpoint
+    assert streams[1].hwm < streams[0].hwm
+    # the restarted server publishes where its subscriber listens
+    assert env.config("ours-events", shape).extra_config["kv_events"] == reading.extra_config["kv_events"]
 
 
 def test_mooncake_standalone_attaches_to_a_client_process_that_holds_the_segment(tmp_path):
@@ -110,7 +126,7 @@ def test_mooncake_missing_names_the_install_line():
 
 
 def test_plan_errors_name_the_flag():
-    with pytest.raises(ValueError, match="--backends takes a comma list of ours, file"):
+    with pytest.raises(ValueError, match="--backends takes a comma list of ours, ours-events, ours-events-stalled, file"):
         plan_from_args(argparse.Namespace(backends="ours,redis"))
     with pytest.raises(ValueError, match="--repeat must be >= 1"):
         plan_from_args(argparse.Namespace(repeat=0))

@@ -245,6 +245,7 @@ SIMM_RULES = f"{PACKAGE}.simm_rules"
 CORE_REACHES_THE_STORE = {
     f"{PACKAGE}.client": {STORE},
     f"{PACKAGE}.config": {STORE_ADMIN},
+    f"{PACKAGE}.events_publisher": {STORE_ADMIN},
     f"{PACKAGE}.embedded": {STORE},
 }
 #: What of the store the operator's commands may import.
@@ -286,6 +287,8 @@ def test_the_core_reaches_the_store_only_where_it_is_allowed_to():
       outright;
     * ``sglang_simm.config`` -> ``sglang_simm.local_store.admin`` (the store
       naming rule, its settings' old and moved names);
+    * ``sglang_simm.events_publisher`` -> ``sglang_simm.local_store.admin``
+      (whether the store's directory is memory or a disk: the events' medium);
     * ``sglang_simm.embedded``, the old name, -> the package.
 
     The operator's commands (``sglang_simm.tools.*``) import

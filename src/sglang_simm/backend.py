@@ -13,7 +13,11 @@ the objects it holds, each with one job:
   (``metrics.RateLimitedLog``): what happened, and faults logged
   rate-limited;
 * ``breaker`` (``breaker.Breaker``): one circuit breaker for the backend,
-  shared by its pools and SGLang's threads (docs/resilience.md).
+  shared by its pools and SGLang's threads (docs/resilience.md);
+* ``events`` (``events.L3Events``, or ``events.NO_EVENTS`` when
+  ``kv_events`` is off or this rank does not publish): what L3 gains and
+  loses, announced as SGLang KV events off the request path
+  (docs/kv-events.md).
 
 Every data-path method reads the same way: ask the breaker (``call.allow()``:
 while it is open, answer misses at once, holding nothing), resolve (the
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from time import perf_counter
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
@@ -42,7 +46,10 @@ from sglang_simm.binding import Batch, PoolBinding, bind_kv_pool, bind_side_pool
 from sglang_simm.breaker import Breaker
 from sglang_simm.client import KVClient, connect
 from sglang_simm.config import SiMMConfig, load_config, local_store_place, log_resolved
-from sglang_simm.errors import PoolLeftOutError
+from sglang_simm.errors import PoolLeftOutError, is_fault
+from sglang_simm.events import NO_EVENTS
+from sglang_simm.events_publisher import events_for
+from sglang_simm.removal_feed import RemovalFeed
 from sglang_simm.exporter import exporter_for
 from sglang_simm.inflight import Call, Pools, release
 from sglang_simm.keys import PROBE_KEY
@@ -148,12 +155,23 @@ class HiCacheSiMM(HiCacheStorage):
         self.answers = Answers(self.client, self.counters, self.log, profile=bool(config.enable_profile))
         # while open, the breaker probes by itself, so no request waits on a probe
         self.breaker.set_prober(self._probe)
+        self.events, self.removals = NO_EVENTS, None
         try:
+            self.events = events_for(storage_config, config)
+            if self.events.on:
+                self.answers.on_absent = self._absent
+                self.counters.events = self.events
+                removed_since = getattr(self.client, "removed_since", None)
+                if removed_since is not None:
+                    self.removals = RemovalFeed(removed_since, self.l3_removed, self.l3_cleared)
             if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
                 self.register_mem_pool_host(mem_pool_host)
         except BaseException:
             # A failed attach releases what it opened; an injected client
             # stays its owner's.
+            if self.removals is not None:
+                self.removals.close()
+            self.events.close()
             self.pools.close()
             self.breaker.close()
             if client is None:
@@ -261,6 +279,10 @@ class HiCacheSiMM(HiCacheStorage):
         dt = perf_counter() - t0
         call.record(codes, dt)
         (pages,) = self.answers.found([lookup], codes, dt)
+        if self.events.on and not all(pages) and not any(map(is_fault, codes)):
+            # the store answered every object: a page it lacks left L3 (a
+            # call with a fault in it tells nothing, so it announces nothing)
+            self.events.missed([k for k, here in zip(keys, pages) if not here])
         return leading(pages)
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
@@ -307,7 +329,9 @@ class HiCacheSiMM(HiCacheStorage):
             codes = self.client.mput_views(batch.keys, batch.views)
             dt = perf_counter() - t0
             call.record(codes, dt)
-            return self.answers.written([batch], codes, dt, "batch_set_v1")[0]
+            (pages,) = self.answers.written([batch], codes, dt, "batch_set_v1")
+            self.events.stored(keys, pages, getattr(extra_info, "prefix_keys", None), batch.binding.page_size)
+            return pages
         return [False] * n
 
     # -------------------------------------------------- v2: hybrid side pools
@@ -482,7 +506,9 @@ class HiCacheSiMM(HiCacheStorage):
                     raise RuntimeError(f"mput answered {len(put)} results for {len(missing)} objects")
                 for i, code in zip(missing, put):
                     codes[i] = code
-            return all(self.answers.written([batch], codes, perf_counter() - t0, "batch_set")[0])
+            (pages,) = self.answers.written([batch], codes, perf_counter() - t0, "batch_set")
+            self.events.stored(keys, pages, None, b.page_size)
+            return all(pages)
         return False
 
     # ------------------------------------------------------ resolve, faults
@@ -554,6 +580,41 @@ class HiCacheSiMM(HiCacheStorage):
                 batches.append(batch)
         return names, batches
 
+    def _absent(self, binding: PoolBinding, object_keys: list[str]) -> None:
+        """A read found these objects absent (``Answers.on_absent``): their
+        KV pages left L3."""
+        if binding is self.pools.kv:
+            self.events.missed(dict.fromkeys(filter(None, map(binding.page_key, object_keys))))
+
+    # ------------------------------------------- what the store says it lost
+
+    def l3_removed(self, object_keys: Iterable[str]) -> None:
+        """The store removed these objects (evicted them, deleted them, or
+        replaced them with other bytes), keys as the store holds them, of
+        any namespace: the KV pages of this backend among them are
+        announced removed (``kv_events``). For a channel from the store to
+        its clients; any thread; never blocks, never raises
+        (docs/kv-events.md)."""
+        try:
+            kv = self.pools.kv
+            if not self.events.on or kv is None:
+                return
+            self.events.removed(dict.fromkeys(filter(None, map(kv.page_key, object_keys))))
+        except Exception as exc:
+            self._fault("l3_removed", exc)
+
+    def l3_cleared(self, prefix: str = "") -> None:
+        """The store removed every object whose key starts with ``prefix``
+        (``""``: every object): when that covers this backend's pages, every
+        page it announced is announced removed. Any thread; never blocks,
+        never raises."""
+        try:
+            kv = self.pools.kv
+            if self.events.on and kv is not None and kv.prefix.startswith(prefix):
+                self.events.cleared()
+        except Exception as exc:
+            self._fault("l3_cleared", exc)
+
     def _fault(self, where: str, exc: BaseException) -> None:
         """An exception in a data-path call: counted by type, logged
         rate-limited; the call answers misses."""
@@ -575,9 +636,10 @@ class HiCacheSiMM(HiCacheStorage):
             return None
 
     def stats(self) -> dict[str, Any]:
-        """Our own counters: hits, misses, bytes, errors by code; and
+        """Our own counters: hits, misses, bytes, errors by code;
         ``breaker``, the circuit breaker's state and counters
-        (``Breaker.snapshot()``)."""
+        (``Breaker.snapshot()``); and ``kv_events`` where this backend
+        publishes (``L3Events.snapshot()``)."""
         out = self.counters.snapshot()
         out["breaker"] = self.breaker.snapshot()
         return out
@@ -609,6 +671,7 @@ class HiCacheSiMM(HiCacheStorage):
         for prefix in prefixes:
             removed = self.client.delete_prefix(prefix)
             logger.info("SiMM clear(): removed %d objects under %r", removed, prefix)
+        self.events.cleared()
 
     def _probe(self) -> list[int]:
         """The breaker's probe: one lookup of a key no page has (a healthy
@@ -620,7 +683,11 @@ class HiCacheSiMM(HiCacheStorage):
         """No new call starts; calls in flight finish (for up to ``wait_s``,
         default ``CLOSE_WAIT_S``, here; after that in the background); then
         every pool's memory is deregistered; then the client closes.
-        Idempotent (errors: the class's contract)."""
+        Idempotent (errors: the class's contract). The event stream, if
+        any, announces every page it announced as removed, then closes."""
+        if self.removals is not None:
+            self.removals.close()
+        self.events.close()
         self.breaker.close()
         bindings = self.pools.close()
         if bindings is None:  # closed already

@@ -408,6 +408,17 @@ class PoolBinding:
             rows = [i for i in rows if wanted[i]]
         return rows, [page_keys[i] for i in rows]
 
+    def page_key(self, object_key: str) -> str | None:
+        """The page key one of this pool's object keys names (``prefix +
+        page key + suffix``), or None when ``object_key`` is not one of its."""
+        if not isinstance(object_key, str) or not object_key.startswith(self.prefix):
+            return None
+        start = len(self.prefix)
+        for suffix in self.suffixes:
+            if object_key.endswith(suffix) and len(object_key) > start + len(suffix):
+                return object_key[start:len(object_key) - len(suffix)]
+        return None
+
     def views(self, starts: np.ndarray) -> list[Any]:
         """The view of every object of the pages at ``starts`` (their first
         slots), page-major, made now."""

@@ -125,6 +125,8 @@ class KVClient:
         self.exists = store.exists
         self.delete = store.delete
         self.allocate = store.allocate
+        #: what the store removed since a cursor (``Store.removed_since``): the local store only
+        self.removed_since: Callable[..., Any] | None = getattr(store, "removed_since", None)
         native = native_layer(kv, store)
         #: whether the batch calls below skip SiMM's Python layer (``native_layer``)
         self.native = native is not None

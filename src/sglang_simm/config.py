@@ -20,7 +20,7 @@ warning naming the new one, until the next minor release; an old and a new
 name of one setting in one source is an error naming both.
 
 Importing this module is cheap: the standard library and this package's
-pure ``keys`` and ``values`` only.
+pure ``keys``, ``values`` and ``events_config`` only.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_simm.events_config import KVEventsSettings, parse_kv_events
 from sglang_simm.keys import KEY_SCHEMES, KeyScheme
 from sglang_simm.values import InvalidValue, parse_bool, parse_byte_size
 
@@ -263,6 +264,12 @@ class SiMMConfig:
     (200 ms at first, 6 s at the cap) instead of all hitting the store at
     once when it comes back."""
 
+    kv_events: KVEventsSettings | None = None
+    """Announce what L3 gains and loses as SGLang KV events, on a ZeroMQ
+    stream of this server's own beside SGLang's ``--kv-events-config`` one,
+    in its shape (``events_config.KVEventsSettings``; docs/kv-events.md).
+    Off by default; ``{"publisher": "zmq"}`` turns it on."""
+
     def __post_init__(self) -> None:
         # The same validation as load_config's, so a hand-built config is held
         # to the same rules; on values load_config already normalised it is a
@@ -382,6 +389,8 @@ def _display(name: str, value: Any) -> Any:
     """Value as shown in logs and ``doctor``. No field is secret: shown as is."""
     if isinstance(value, FlagMap):
         return dict(value)
+    if isinstance(value, KVEventsSettings):
+        return dataclasses.asdict(value)
     return value
 
 
@@ -999,6 +1008,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "breaker_backoff_ms": lambda v: _parse_int(v, 1, 3_600_000),
     "breaker_backoff_max_ms": lambda v: _parse_int(v, 1, 3_600_000),
     "breaker_jitter": _parse_fraction,
+    "kv_events": parse_kv_events,
 }
 assert set(_PARSERS) == set(FIELD_NAMES), "every SiMMConfig field needs a parser"
 

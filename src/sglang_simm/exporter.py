@@ -66,6 +66,10 @@ COUNTERS = (
 #: operations whose latency is kept: the client's batch call of each
 OPERATIONS = ("get", "set", "exists")
 
+#: the KV event stream's counters (``kv_events`` on): series made at the
+#: first flush that has them, so a server without the stream has none
+EVENT_KINDS = ("stored", "removed")
+
 
 class LatencyTally:
     """Counts of call latencies per bucket and their sum, per operation;
@@ -135,6 +139,14 @@ class _Families:
         self.store = Gauge(f"{PREFIX}l3_store_info", "The store this backend's L3 is, always 1: its address "
                            "and, for a local store, the directory it lives in and what chose it",
                            labelnames=(*LABELS, *STORE_LABELS), registry=registry, multiprocess_mode="mostrecent")
+        self.event_pages = Counter(f"{PREFIX}kv_events_pages", "L3 pages announced as SGLang KV events "
+                                   "(kv_events), by event: stored (BlockStored) or removed (BlockRemoved)",
+                                   labelnames=(*LABELS, "event"), registry=registry)
+        self.event_drops = Counter(f"{PREFIX}kv_events_dropped_pages", "L3 pages whose event was dropped, "
+                                   "by event: the plugin's queue was full (max_queue_size), or SGLang's "
+                                   "publisher refused the batch", labelnames=(*LABELS, "event"), registry=registry)
+        self.event_batches = Counter(f"{PREFIX}kv_events_batches", "KVEventBatch messages handed to SGLang's "
+                                     "publisher (kv_events)", labelnames=LABELS, registry=registry)
 
     @classmethod
     def of(cls, registry: Any) -> _Families:
@@ -166,6 +178,7 @@ class L3Exporter:
         self._last_sums = dict.fromkeys(OPERATIONS, 0.0)
         self._breaker: str | None = None
         self._last_transitions: dict[str, int] = {}
+        self._last_events: dict[str, int] = {}
         # every series of this backend exists, at 0, from its attach: a scrape
         # tells "the plugin counts, nothing happened" from "no plugin here"
         f = self._families
@@ -205,6 +218,9 @@ class L3Exporter:
                     if any(grew):
                         _add_to_histogram(f.latency.labels(**labels, op=op), grew, sums[op] - self._last_sums[op])
                         self._last_counts[op], self._last_sums[op] = counts[op], sums[op]
+            events = snapshot.get("kv_events")
+            if events:
+                self._flush_events(events)
             if breaker is not None:
                 state, transitions = breaker
                 if state is not None and state != self._breaker:
@@ -215,6 +231,24 @@ class L3Exporter:
                     if delta > 0:
                         f.breaker_transitions.labels(**labels, to=to).inc(delta)
                         self._last_transitions[to] = n
+
+    def _flush_events(self, events: Mapping[str, Any]) -> None:
+        """The event stream's totals into its series (under ``_lock``)."""
+        f, labels = self._families, self.labels
+        totals = {("pages", kind): events.get(f"{kind}_pages", 0) for kind in EVENT_KINDS}
+        totals.update({("drops", kind): (events.get("dropped_pages") or {}).get(kind, 0) for kind in EVENT_KINDS})
+        totals[("batches", "")] = events.get("batches", 0)
+        first = not self._last_events
+        for (what, kind), value in totals.items():
+            key = f"{what}:{kind}"
+            delta = value - self._last_events.get(key, 0)
+            if what == "batches":
+                child = f.event_batches.labels(**labels)
+            else:
+                child = (f.event_pages if what == "pages" else f.event_drops).labels(**labels, event=kind)
+            if delta > 0 or first:  # every series exists from the first flush
+                child.inc(max(delta, 0))
+                self._last_events[key] = value
 
 
 def _add_to_histogram(child: Any, per_bucket: list[int], total: float) -> None:

@@ -82,6 +82,9 @@ class BackendCounters:
         self._get_buckets = self._latency.counts["get"] if self._latency is not None else None
         self._set_buckets = self._latency.counts["set"] if self._latency is not None else None
         self._flushed_at = float("-inf")
+        #: the backend's KV event stream (``events.L3Events``) when
+        #: ``kv_events`` is on: its counters join the snapshot and /metrics
+        self.events: Any = None
         self.breaker_state: str | None = None
         self.breaker_transitions: Counter[str] = Counter()
         self.pages_read = 0
@@ -197,6 +200,7 @@ class BackendCounters:
                 "bytes_written": self.bytes_written,
                 "exists_queries": self.exists_queries,
                 "errors": dict(self.errors),
+                **({"kv_events": self.events.snapshot()} if self.events is not None else {}),
             }
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from sglang_simm import errors
-from sglang_simm.binding import Batch
+from sglang_simm.binding import Batch, PoolBinding
 from sglang_simm.client import KVClient
 from sglang_simm.metrics import BackendCounters, RateLimitedLog
 
@@ -57,6 +57,10 @@ class Answers:
         self.counters = counters
         self.log = log
         self.profile = profile
+        #: told ``(binding, object keys)`` when a read finds objects absent
+        #: (``DataServerKeyNotFound``, or a GetObjectFailed whose object a
+        #: lookup does not find): evicted since SGLang's lookup. None: nobody asks
+        self.on_absent: Callable[[PoolBinding, list[str]], None] | None = None
 
     # ------------------------------------------------------------ lookups
 
@@ -110,7 +114,11 @@ class Answers:
         failed = codes < 0
         get_failed = np.flatnonzero(codes == _GET_FAILED)
         if get_failed.size:
-            self._get_failed([batch.keys[i] for i in get_failed.tolist()], call)
+            self._get_failed([batch.keys[i] for i in get_failed.tolist()], call, b)
+        if self.on_absent is not None:
+            absent = np.flatnonzero(np.isin(codes, _MISS_CODES)).tolist()
+            if absent:
+                self.on_absent(b, [batch.keys[i] for i in absent])
         other = codes[failed & (codes != _GET_FAILED) & ~np.isin(codes, _MISS_CODES)]
         if other.size:
             counted = Counter(other.tolist())
@@ -141,7 +149,7 @@ class Answers:
         )
         return reached
 
-    def _get_failed(self, keys: list[str], call: Call | None = None) -> None:
+    def _get_failed(self, keys: list[str], call: Call | None = None, binding: PoolBinding | None = None) -> None:
         """Sort GetObjectFailed answers into misses and faults. The
         synchronous client answers it for any server-side failure, an absent
         key included (SiMM's only answer for a miss there, and the local
@@ -165,6 +173,9 @@ class Answers:
             if call is not None:
                 call.record(exc=exc)
             faults = len(keys)
+        else:
+            if self.on_absent is not None and binding is not None and faults < len(keys):
+                self.on_absent(binding, [k for k, here in zip(keys, present) if not here])
         if not faults:
             return
         self.counters.record_codes(Counter({_GET_FAILED: faults}))

@@ -15,12 +15,13 @@ this pytest process never installs them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
 from e2e_util import DEVICE_TOKENS, PAGE
 
-from sglang_simm_dev.sglang_server import SGLangServer, ServerConfig
+from sglang_simm_dev.sglang_server import SGLangServer, ServerConfig, free_port
 from sglang_simm_dev.tiny_model import write_model
 
 #: SiMM's client gives a request 1 s (``request_timeout_ms``, its flag
@@ -49,8 +50,13 @@ def _server(name: str, route: str, store: dict | None = None, *, store_of: str |
 
 #: name -> the server's config, given the model directory
 SERVERS: dict[str, Callable[[str], ServerConfig]] = {
-    # the plugin entry point; page_first with the kernel io backend; metrics on
-    "route-simm": _server("route-simm", "simm", mem_layout="page_first", io_backend="kernel", enable_metrics=True),
+    # the plugin entry point; page_first with the kernel io backend; metrics on;
+    # SGLang's own KV event stream on and the plugin's (kv_events) off, the
+    # server that announces nothing of L3 (tests/e2e/test_kv_events.py has
+    # servers with it on)
+    "route-simm": _server("route-simm", "simm", mem_layout="page_first", io_backend="kernel", enable_metrics=True,
+                          extra_args=("--kv-events-config", json.dumps(
+                              {"publisher": "zmq", "endpoint": f"tcp://*:{free_port()}", "topic": "gpu"}))),
     # module path + interface_v1; page_first_direct with the direct io
     # backend; metrics off (SGLang's default); a small local store, which the
     # soak fills to capacity; SGLang 0.5.23's buffer_only host mode (the host

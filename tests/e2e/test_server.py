@@ -3,7 +3,8 @@
 One server per route, shared by the module's tests:
 
 * ``simm``: the plugin entry point, ``page_first`` host layout with the
-  ``kernel`` io backend, ``--enable-metrics``;
+  ``kernel`` io backend, ``--enable-metrics``, SGLang's own KV event stream
+  (``--kv-events-config``) and not the plugin's (``kv_events``);
 * ``dynamic``: module path and ``interface_v1``, ``page_first_direct`` with the
   ``direct`` io backend, metrics off (SGLang's default), a small local
   store (so the soak runs at its capacity, evicting), SGLang 0.5.23's
@@ -35,6 +36,7 @@ once, on one worker.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -228,6 +230,30 @@ def test_plugin_series_in_metrics_only_with_the_flag(server):
                                                              "env SGLANG_SIMM_STORE_DIR"), store
     assert f"lives in {store['store_dir']} (env SGLANG_SIMM_STORE_DIR)" in server.log_text()
     print("\n".join(line for line in text.splitlines() if line.startswith("sglang_simm:l3_pages")))
+
+
+def test_a_server_without_kv_events_publishes_nothing(servers):
+    """``route-simm`` runs SGLang's own KV event stream and not the plugin's:
+    its L3 backups are announced nowhere (no medium below the host tier on
+    SGLang's stream, no socket, no series, no log line of the plugin's)."""
+    from sglang_simm_dev.kv_events_sub import Subscriber
+
+    server = servers.get("route-simm")
+    config = json.loads(server.config.extra_args[server.config.extra_args.index("--kv-events-config") + 1])
+    sub = Subscriber(config["endpoint"], b"gpu")
+    try:
+        time.sleep(0.5)  # ZMQ's slow joiner
+        ids = prompt(11, LONG)
+        stored = server.l3_pages_stored()
+        backed_up(server, server.generate(ids), stored)
+        assert sub.wait_for(lambda s: s.events("BlockStored", medium="GPU"), 30), why(server, "SGLang announced nothing")
+        time.sleep(1.0)
+        media = {getattr(e, "medium", None) for e in sub.events()}
+        assert not media & {"EXTERNAL", "DISK"}, media
+    finally:
+        sub.close()
+    assert "sglang-simm kv_events" not in server.log_text()
+    assert not [line for line in scrape(server)[1].splitlines() if line.startswith("sglang_simm:kv_events")]
 
 
 def test_doctor_server_names_what_it_reads(server, capsys):

@@ -30,12 +30,15 @@ from typing import Any, Callable
 from sglang_simm_dev.bench.server_backends import (
     BACKENDS,
     DEFAULT_BACKENDS,
+    EVENT_BACKENDS,
     L3_BACKENDS,
     MOONCAKE_BACKENDS,
+    OURS_BACKENDS,
     RESTART_KEEPS_L3,
     Environment,
     Shape,
 )
+from sglang_simm_dev.bench.server_events import Listeners
 from sglang_simm_dev.bench.server_metrics import scrape, summary
 from sglang_simm_dev.bench.server_itl import against, decode_under_l3, pooled
 from sglang_simm_dev.bench.server_tap import RESERVE_ENV, TAP_ENV, by_size, read_ops, write_tap
@@ -288,11 +291,14 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
                      "standalone_why": env.standalone_why},
         "long_prompt": {n: [] for n in names}, "multi_turn": {n: [] for n in names}, "itl": {n: [] for n in names},
         "server_start_s": {}, "histograms": {}, "per_op": {}, "calls": {}, "restart": {}, "failed": {},
+        "kv_events": {},
     }
     servers: dict[str, SGLangServer] = {}
+    listeners: Listeners | None = None
     try:
-        if "ours" in names:
-            env.hold_store(shape)
+        for name in names:
+            if name in OURS_BACKENDS:
+                env.hold_store(shape, backend=name)
         progress(f"starting {len(names)} servers side by side ({', '.join(names)})")
         servers = _launch(env, shape, names, os.path.join(workdir, "servers"), tap)
         for name, server in list(servers.items()):
@@ -307,6 +313,7 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
         if not names:
             raise ServerError("no server started: " + "; ".join(result["failed"].values()))
         result["settings"]["backends"] = names
+        listeners = Listeners(env, names)
         backups = {n: Backups(os.path.join(env.tap_dir, n)) if n in L3_BACKENDS else None for n in names}
         w, vocab = plan.workload, preset.vocab_size
         for rep in range(plan.repeat):
@@ -323,6 +330,9 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
                 result["itl"][name].append(decode_under_l3(servers[name], backups[name], w, seed + 700, vocab))
         for name, server in servers.items():
             result["histograms"][name] = summary(scrape(server.url))
+        if listeners is not None:
+            time.sleep(1.0)  # the last batches out, the servers' counters pushed
+            result["kv_events"] = listeners.report({n: servers[n].metrics() for n in names if n in EVENT_BACKENDS})
         l3 = [n for n in names if n in L3_BACKENDS]
         if plan.restart and l3:
             prompts = restart_prompts(w, plan.seed * 1000 + 999, vocab)
@@ -348,6 +358,8 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
                 # every call, for a look past the quantiles: op, pages, pages that succeeded, µs
                 result["calls"][name] = [[o.op, o.pages, o.ok, round(o.seconds * 1e6)] for o in ops]
     finally:
+        if listeners is not None:
+            listeners.close()
         for server in servers.values():
             server.stop()
         env.close()

@@ -3,6 +3,10 @@ the same model, flags and pool sizes for each, and what each needs outside
 the server (a local store, a folder, a Mooncake master).
 
 * ``ours``: this plugin on a local store of the bench's own (``local://NAME``);
+* ``ours-events``, ``ours-events-stalled``: the same, each on a store of its
+  own, with its L3 event stream on (``kv_events``): read by a subscriber
+  that keeps up, or by one that connected and stopped reading, past a
+  high-water mark of ``STALLED_HWM`` batches (``server_events``);
 * ``file``: SGLang's ``file`` backend in a folder on /dev/shm (memory, like
   the others);
 * ``mooncake``: SGLang's Mooncake Store over TCP, its segment inside the
@@ -31,17 +35,25 @@ from typing import Any
 
 from sglang_simm_dev.sglang_server import ServerConfig, free_port
 
+#: ours with its L3 event stream on: a subscriber reading, one stalled
+EVENT_BACKENDS = ("ours-events", "ours-events-stalled")
+#: this plugin's servers, each on a local store of its own
+OURS_BACKENDS = ("ours", *EVENT_BACKENDS)
 #: every backend the bench knows, in its order
-BACKENDS = ("ours", "file", "mooncake", "mooncake-standalone", "host", "none")
+BACKENDS = (*OURS_BACKENDS, "file", "mooncake", "mooncake-standalone", "host", "none")
 #: what runs when ``--backends`` is not given (one Mooncake server)
 DEFAULT_BACKENDS = ("ours", "file", "mooncake", "host", "none")
 #: the Mooncake servers: both need its master
 MOONCAKE_BACKENDS = ("mooncake", "mooncake-standalone")
 #: the ones with an L3 tier (restarts, L3 reads)
-L3_BACKENDS = ("ours", "file", "mooncake", "mooncake-standalone")
+L3_BACKENDS = (*OURS_BACKENDS, "file", "mooncake", "mooncake-standalone")
 #: those whose L3 outlives the server, so a restart must find its pages
 #: again (``mooncake``'s segment lives inside the server: a restart loses it)
-RESTART_KEEPS_L3 = ("ours", "file", "mooncake-standalone")
+RESTART_KEEPS_L3 = (*OURS_BACKENDS, "file", "mooncake-standalone")
+
+#: ZMQ's high-water mark of the stalled subscriber's stream, in batches: a
+#: run publishes far more, so the stream runs past it (ZMQ drops for it)
+STALLED_HWM = 4
 
 #: what to run when Mooncake does not import (the Debian libraries are what
 #: its binaries link against)
@@ -204,6 +216,8 @@ class Environment:
     standalone_why: str = ""
     #: the bench's own connection to each local store it started (by name)
     held: dict[str, Any] = field(default_factory=dict)
+    #: the L3 event endpoint of each ``EVENT_BACKENDS`` server (``tcp://*:PORT``)
+    event_endpoints: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def create(cls, python: str, *, want_mooncake: bool, workdir: str, want_standalone: bool = False,
@@ -239,19 +253,25 @@ class Environment:
 
     @property
     def ours_store(self) -> str:
-        return f"{self.tag}-ours"
+        return self.store_of("ours")
 
-    def hold_store(self, shape: Shape, *, idle_exit_s: float | None = None) -> None:
-        """Start ours' local store here and keep a connection to it until
-        ``close()``. A store a server started exits ``local_store_idle_exit_s``
-        (600 s) after its last client left, and its objects with it: between
+    def store_of(self, backend: str) -> str:
+        """The local store of one of ``OURS_BACKENDS``: each its own, so no
+        server finds another's pages."""
+        return f"{self.tag}-{backend}"
+
+    def hold_store(self, shape: Shape, *, idle_exit_s: float | None = None, backend: str = "ours") -> None:
+        """Start the local store of ``backend`` (one of ``OURS_BACKENDS``)
+        here and keep a connection to it until ``close()``. A store a server
+        started exits ``local_store_idle_exit_s`` (600 s) after its last
+        client left, and its objects with it: between
         the stop of the first servers and the start of the restarted ones,
         which took 751 s side by side in run 1, it would have emptied the
         L3 the restart is meant to find again. The bench's connection keeps
         it a client; if the bench dies, the idle exit still frees it."""
         from sglang_simm.local_store.admin import DEFAULT_IDLE_EXIT_S, StoreHandle
 
-        store = self.ours_store
+        store = self.store_of(backend)
         if store in self.held:
             return
         handle = StoreHandle(store, capacity=shape.l3_bytes, timeout_s=REQUEST_TIMEOUT_MS / 1000,
@@ -263,13 +283,17 @@ class Environment:
 
     def config(self, backend: str, shape: Shape) -> ServerConfig:
         """``backend``'s server (one of ``BACKENDS``)."""
-        if backend == "ours":
-            store = self.ours_store
+        if backend in OURS_BACKENDS:
+            store = self.store_of(backend)
             if store not in self.stores:
                 self.stores.append(store)
-            return shape.config(route="simm", extra_config={
-                "manager_address": f"local://{store}", "request_timeout_ms": REQUEST_TIMEOUT_MS,
-                "local_store_capacity_bytes": shape.l3_bytes})
+            extra: dict[str, Any] = {"manager_address": f"local://{store}", "request_timeout_ms": REQUEST_TIMEOUT_MS,
+                                     "local_store_capacity_bytes": shape.l3_bytes}
+            if backend in EVENT_BACKENDS:
+                endpoint = self.event_endpoints.setdefault(backend, f"tcp://*:{free_port()}")
+                extra["kv_events"] = {"publisher": "zmq", "endpoint": endpoint, "topic": "l3",
+                                      **({"hwm": STALLED_HWM} if backend == "ours-events-stalled" else {})}
+            return shape.config(route="simm", extra_config=extra)
         if backend == "file":
             return shape.config(route="file", extra_config={"file_storage_path": self.file_dir})
         if backend == "mooncake":

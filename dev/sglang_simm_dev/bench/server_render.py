@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_simm_dev.bench.server_backends import L3_BACKENDS, MOONCAKE_INSTALL
+from sglang_simm_dev.bench.server_backends import EVENT_BACKENDS, L3_BACKENDS, MOONCAKE_INSTALL
 from sglang_simm_dev.bench.server_itl import ITL_GOAL_RATIO
 from sglang_simm_dev.bench.server_tap import SIZE_CLASSES, size_class
 
 #: how each backend is named in tables
-TITLES = {"ours": "ours (local store)", "file": "file (/dev/shm)", "mooncake": "Mooncake (TCP)",
+TITLES = {"ours": "ours (local store)", "ours-events": "ours, kv_events on, subscriber reading",
+          "ours-events-stalled": "ours, kv_events on, subscriber stalled",
+          "file": "file (/dev/shm)", "mooncake": "Mooncake (TCP)",
           "mooncake-standalone": "Mooncake (standalone client)", "host": "host tier only", "none": "no HiCache"}
 
 LONG_LABELS = (("scratch", "from scratch"), ("after traffic", "host tier"), ("after flush", "L3 after flush"))
@@ -87,6 +89,12 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                     [[TITLES.get(g.get("against", "mooncake"), "?"), g["op"], g["pages"], f"{g['ours']:.2f}",
                       f"{g['mooncake']:.2f}", f"{g['ratio']:.2f}x" + ("" if g["met"] else " (behind)")]
                      for g in result["goals"]]))
+    if result.get("kv_events"):
+        out.append(("L3 events (kv_events): pages announced and dropped by each server (its /metrics), "
+                    "and what a reading subscriber received",
+                    ["backend", "subscriber", "pages announced", "dropped", "batches", "pages received"],
+                    [[TITLES.get(n, n), d["subscriber"], str(d["pages_announced"]), str(d["pages_dropped"]),
+                      str(d["batches"]), str(d.get("pages_received", "-"))] for n, d in result["kv_events"].items()]))
     if result["restart"]:
         out.append(("Restart on the same L3 (backups waited for with the scheduler idle, before the stop)",
                     ["backend", "L3 hits", "same answers", "pages in L3 after (s)"],
@@ -151,13 +159,21 @@ def notes(result: dict[str, Any]) -> list[str]:
     ]
     ratio = (result.get("itl_ratios", {}).get("ours") or {}).get("p99")
     if ratio is not None:
-        peers = {n: r.get("p99") for n, r in result["itl_ratios"].items() if n in L3_BACKENDS and n != "ours"}
+        peers = {n: r.get("p99") for n, r in result["itl_ratios"].items()
+                 if n in L3_BACKENDS and n != "ours" and n not in EVENT_BACKENDS}
         behind = [n for n, r in peers.items() if r is not None and r < ratio]
         lines.append(f"decoders' p99 inter-token latency under L3 traffic: ours {ratio:.2f}x "
                      f"{TITLES.get(result['itl_vs'], result['itl_vs'])} (goal <= {ITL_GOAL_RATIO:.2f}x: "
                      f"{'met' if ratio <= ITL_GOAL_RATIO else 'behind'})"
                      + (f"; peers {', '.join(f'{n} {r:.2f}x' for n, r in peers.items() if r is not None)}"
                         + (f" (ours behind {', '.join(behind)})" if behind else " (ours no worse)") if peers else ""))
+    ratios = result.get("itl_ratios", {})
+    events = {n: r["p99"] for n, r in ratios.items() if n in EVENT_BACKENDS and r.get("p99") is not None}
+    if events:
+        off = (ratios.get("ours") or {}).get("p99")
+        lines.append(f"decoders' p99 inter-token latency with L3 events on, over {TITLES.get(result['itl_vs'], '?')}: "
+                     + ", ".join(f"{TITLES.get(n, n)} {r:.2f}x" for n, r in events.items())
+                     + (f" (events off: {off:.2f}x)" if off is not None else ""))
     asked = [b for b in s["asked"] if b.startswith("mooncake")]
     if not result["mooncake"]["available"] and asked:
         lines.append(f"Mooncake left out: {result['mooncake']['why']}")

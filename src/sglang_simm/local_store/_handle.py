@@ -645,6 +645,17 @@ class StoreHandle:
         finally:
             busy.leave()
 
+    def removed_since(self, cursor: tuple[str, int] | None) -> tuple[tuple[str, int], bool, list[str], list[str]]:
+        """What left the store since ``cursor`` (this call's last answer;
+        None: from now): ``(cursor, lost, keys, prefixes cleared)``."""
+        conn = self._current()
+        gen = conn.info["gen"]
+        at = -1 if cursor is None else cursor[1] if cursor[0] == gen else 0  # a new store process: all of it
+        r = self._request(Op.REMOVED, pack_i64(at), conn=conn)[1]
+        end, lost = _ints(r, 2)
+        keys, prefixes = ([k.decode("utf-8", "surrogatepass") for k in r.keys()] for _ in range(2))
+        return (gen, end), bool(lost), keys, prefixes
+
     def delete(self, key: str) -> int:
         return self._request(Op.DELETE, encode_keys([key]))[1].ints()[0]
 

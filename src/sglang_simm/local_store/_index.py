@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from array import array
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,6 +223,9 @@ class StoreIndex:
         self._proc_bytes: dict[Hashable, int] = {}
         self._ids = itertools.count(secrets.randbits(40) << 20)  # grant ids never repeat across store processes
         self.stats = dict.fromkeys(STAT_NAMES, 0)
+        #: what left the index, for clients that follow it: (a prefix?, key or prefix)
+        self.removals: deque[tuple[bool, bytes]] = deque(maxlen=self.limits.removals_kept)
+        self.removals_end = 0  # removals ever noted
 
     def _check_capacity(self, value: object) -> int:
         value = check_capacity(value)
@@ -283,6 +287,29 @@ class StoreIndex:
             else:
                 self._drop_bytes(slot)
 
+    def note(self, items: list[tuple[bool, bytes]]) -> None:
+        self.removals.extend(items)
+        self.removals_end += len(items)
+
+    def _note_keys(self, slots: list[int]) -> None:
+        self.note([(False, bytes(k)) for k in self.table.key[slots]] if slots else [])
+
+    def removed_since(self, cursor: int, most: int) -> tuple[int, bool, list[bytes], list[bytes]]:
+        """What left the index from ``cursor`` on (an end this answered
+        before; -1: from now): ``(end, lost, keys, prefixes)``, at most
+        ``most`` entries. ``lost``: entries past ``removals_kept`` were
+        dropped meanwhile. A key stored again since is left out: it is there."""
+        first = self.removals_end - len(self.removals)
+        if cursor < 0:
+            return self.removals_end, False, [], []
+        lost = not first <= cursor <= self.removals_end
+        at = cursor if not lost else first
+        items = list(itertools.islice(self.removals, at - first, at - first + most))
+        keys = [k for prefix, k in items if not prefix]
+        here = self._keys.find(keys) if keys else []
+        return (at + len(items), lost, [k for k, slot in zip(keys, here) if slot < 0],
+                [k for prefix, k in items if prefix])
+
     def _drop_bytes(self, slot: int) -> None:
         """Nobody holds ``slot``'s bytes any more: its room and its slot come back."""
         seg = self.segs[self.segi[slot]]
@@ -321,6 +348,7 @@ class StoreIndex:
         seg_of.reverse()
         dropped = np.setdiff1d(found.slots, np.asarray(keep, np.int64))
         if len(dropped):
+            self._note_keys(dropped.tolist())
             self.table.free(dropped.tolist())
         for segi in sorted(set(seg_of)):
             mine = [s for s, i in zip(keep, seg_of) if i == segi]
@@ -384,6 +412,7 @@ class StoreIndex:
                 victims.append(slot)
                 freed += int(size[slot])
             i += 1
+        self._note_keys(victims)
         self._unpublish(victims)
         self.stats["evictions"] += len(victims)
         if self._head > 4096 and self._head * 2 > len(q_slot):
@@ -601,6 +630,7 @@ class StoreIndex:
         for entry, slot in grant.entries:
             if entry in failed and self.stamp[slot] >= 0:
                 self.stats["checksum_failures"] += 1
+                self._note_keys([slot])
                 self._unpublish([slot])
             elif self.stamp[slot] >= 0:
                 self.verified[slot] = 1
@@ -658,6 +688,7 @@ class StoreIndex:
         slot = int(self._keys.find([key])[0])
         if slot < 0:
             return DS_KEY_NOT_FOUND
+        self.note([(False, key)])
         self._unpublish([slot])
         self.stats["deletes"] += 1
         return OK
@@ -665,6 +696,7 @@ class StoreIndex:
     def delete_prefix(self, prefix: bytes) -> int:
         slots = self._keys.slots()
         doomed = slots[np.char.startswith(self.table.key[slots], prefix)].tolist() if len(slots) else []
+        self.note([(True, prefix)] if doomed else [])
         self._unpublish(doomed)
         self.stats["prefix_deletes"] += len(doomed)
         return len(doomed)
@@ -672,6 +704,7 @@ class StoreIndex:
     def clear(self) -> int:
         """Drop every object (grants stay: their holders may be copying); how many."""
         slots = self._keys.slots().tolist()
+        self.note([(True, b"")] if slots else [])
         self._unpublish(slots)
         self._queue_slot, self._queue_stamp, self._head = array("q"), array("q"), 0
         return len(slots)

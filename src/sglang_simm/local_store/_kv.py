@@ -6,7 +6,8 @@ only tag, where it differs); where the real client's code differs from its
 documentation, the code wins. Each rule, with the line of SiMM's source it
 follows, is in docs/local-store.md ("Semantics"). Local-store-only extras
 (probe with ``hasattr``): ``get_flag``, ``Store.server``, ``Store.close``,
-``Store.delete_prefix``, ``Store.mput_absent``, ``Store.mexists_codes``.
+``Store.delete_prefix``, ``Store.mput_absent``, ``Store.mexists_codes``,
+``Store.removed_since``.
 """
 
 from __future__ import annotations
@@ -415,6 +416,17 @@ class Store:
             return self._handle.delete_prefix(prefix)
         except StoreUnreachable:
             return 0
+
+    def removed_since(self, cursor: object = None) -> tuple[object, bool, list[str], list[str]]:
+        """What left the store since ``cursor`` (this call's last answer;
+        None: from now): ``(cursor, lost, keys removed, prefixes cleared)``;
+        ``lost``: the store kept too few removals to say all (read it as
+        everything cleared). Nothing, and the same cursor, while the store
+        cannot be reached. Local store only."""
+        try:
+            return self._handle.removed_since(cursor)  # type: ignore[arg-type]
+        except StoreUnreachable:
+            return cursor, False, [], []
 
     def mput(self, keys: list[str], blocks: list[BlockView]) -> list[int]:
         # SiMM HEAD (dfe269a) deletes and re-puts an existing key in mput; the

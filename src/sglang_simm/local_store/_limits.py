@@ -79,6 +79,11 @@ class StoreLimits:
     idle_exit_s: float = 0.0
     """Exit after this long with no client; 0: never."""
 
+    removals_kept: int = 65536
+    """Removals (keys evicted or deleted, prefixes cleared) kept for the
+    clients that follow them (``Store.removed_since``); one that falls
+    further behind is told it lost some."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)

@@ -25,7 +25,7 @@ from enum import IntEnum
 from typing import Any, Sequence
 
 #: Bumped on any change a client and a store process must agree on.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 HEADER = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
@@ -43,6 +43,7 @@ class Op(IntEnum):
     DELETE = 8  # keys (one) -> codes
     DELETE_PREFIX = 9  # keys (one prefix) -> [count]
     ADMIN = 10  # JSON -> JSON
+    REMOVED = 11  # i64 cursor -> [end, lost], keys removed, prefixes cleared
     ERROR = 255  # reply: JSON {"error": text, "code": SiMM code}
 
 
@@ -62,8 +63,12 @@ def encode_keys(keys: Sequence[str]) -> bytes:
     joined = "\0".join(keys)
     if joined.count("\0") > max(len(keys) - 1, 0):  # a key holds a NUL: it ends there
         joined = "\0".join(k.split("\0", 1)[0] for k in keys)
-    blob = joined.encode("utf-8", "surrogatepass")
-    return _U32.pack(len(keys)) + _U32.pack(len(blob)) + blob
+    return pack_keys(len(keys), joined.encode("utf-8", "surrogatepass"))
+
+
+def pack_keys(n: int, blob: bytes) -> bytes:
+    """A key list of ``n`` keys joined by NUL into ``blob``."""
+    return _U32.pack(n) + _U32.pack(len(blob)) + blob
 
 
 def pack_i64(value: int) -> bytes:

@@ -74,7 +74,10 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
 
 
 def medium_of(root: str) -> str:
-    """"memory" where ``root``'s filesystem is RAM (tmpfs, ramfs), else "disk"."""
+    """"memory" where ``root``'s filesystem (that of its nearest existing
+    parent) is RAM (tmpfs, ramfs), else "disk"."""
+    while not os.path.exists(root) and os.path.dirname(root) != root:
+        root = os.path.dirname(root)
     buf = ctypes.create_string_buffer(256)  # struct statfs: f_type first
     if _libc.statfs(os.fsencode(root), buf) != 0:
         return "disk"

@@ -56,6 +56,7 @@ from sglang_simm.local_store._protocol import (
     frame,
     pack_ints,
     pack_json,
+    pack_keys,
 )
 from sglang_simm.local_store._segments import Backing, OwnSegment, Segment, capacity_problem, medium_of, segment_bytes
 from sglang_simm.local_store._table import IndexTable
@@ -183,6 +184,8 @@ class StoreProcess:
         self.index = StoreIndex(capacity=settings.capacity, table=table, own=self.own, earlier=earlier,
                                 policy=settings.policy, limits=self.limits)
         self.recovered = self.index.recover(found)
+        if not self.recovered:  # for the clients that follow removals: the earlier objects are gone
+            self.index.note([(True, b"")])
         self.index.release_earlier()
         self.started = time.time()
         self.sel = selectors.DefaultSelector()
@@ -532,6 +535,12 @@ class StoreProcess:
             if len(prefixes) != 1:
                 raise _BadRequest(f"DELETE_PREFIX names one prefix, not {len(prefixes)}")
             return frame(op, pack_ints([index.delete_prefix(prefixes[0])]))
+        if op == Op.REMOVED:
+            cursor = r.i64()
+            r.done()
+            end, lost, keys, prefixes = index.removed_since(cursor, self.limits.max_batch)
+            return frame(op, pack_ints([end, int(lost)]), pack_keys(len(keys), b"\0".join(keys)),
+                         pack_keys(len(prefixes), b"\0".join(prefixes)))
         if op == Op.HELLO:
             if conn.started:
                 raise ProtocolError("a second HELLO")

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover (the same names as _LAZY, for readers and 
         wait_gone,
     )
     from sglang_simm.local_store._metrics import render_metrics
-    from sglang_simm.local_store._segments import Backing, capacity_problem
+    from sglang_simm.local_store._segments import Backing, capacity_problem, medium_of
     from sglang_simm.local_store._server import lock_name, remove_files
 
 _LAZY = {
@@ -49,6 +49,7 @@ _LAZY = {
     "running_status": "_handle",  # a running store's status with what its files hold
     "wait_gone": "_handle",  # wait until a stopped store's process is gone
     "Backing": "_segments",  # what can back a store in a directory (medium, size, free)
+    "medium_of": "_segments",  # "memory" or "disk": what a store directory's filesystem is
     "capacity_problem": "_segments",  # why a capacity cannot be, or a warning, before anything starts
     "remove_files": "_server",  # a stopped store's files removed (``store stop --discard``)
     "lock_name": "_server",  # the name's lock, held while a stopped store's files are removed
