@@ -97,7 +97,7 @@ dst = [ctypes.create_string_buffer(size) for _ in range(n)]
 puts = [(f"busy-{i}", ctypes.addressof(b), size) for i, b in enumerate(src)]
 gets = [(f"busy-{i}", ctypes.addressof(b), size) for i, b in enumerate(dst)]
 whole_src, whole_dst = bytearray(b"\x05") * (size * n), bytearray(size * n)
-longest, stop = [0.0], threading.Event()
+longest, turns, stop = [0.0], [0], threading.Event()
 
 def busy():
     last = time.perf_counter()
@@ -106,13 +106,19 @@ def busy():
         if now - last > longest[0]:
             longest[0] = now - last
         last = now
+        turns[0] += 1
+
+def busy_ran_again():
+    seen = turns[0]
+    while turns[0] < seen + 2:
+        time.sleep(0.001)
 
 def held_back(fn):
     longest[0] = 0.0
     t0 = time.perf_counter()
     fn()
     took = time.perf_counter() - t0
-    time.sleep(0.02)  # a stall is seen by the busy thread when it runs again
+    busy_ran_again()  # a stall is seen by the busy thread when it runs again
     return longest[0] / took
 
 def copy_holding_the_gil():
@@ -121,7 +127,7 @@ def copy_holding_the_gil():
 assert client.put_from(puts, True) == [0] * n
 t = threading.Thread(target=busy, daemon=True)
 t.start()
-time.sleep(0.05)
+busy_ran_again()
 ratios = {"held": [], "backup": [], "restore": []}
 for _ in range(5):
     ratios["held"].append(held_back(copy_holding_the_gil))
