@@ -213,7 +213,8 @@ def test_the_list_keeps_every_value_whole_when_piped(capsys, root, monkeypatch, 
         monkeypatch.delenv("COLUMNS", raising=False)
     else:
         monkeypatch.setenv("COLUMNS", columns)
-    stores = [StoreHandle(n, root=root, capacity=64 << 20) for n in ("short", "a-store-name-as-long-as-operators-write-them")]
+    stores = [StoreHandle(n, root=root, capacity=64 << 20)
+              for n in ("short", "a-store-name-as-long-as-operators-write-them")]
     for s in stores:
         s.open()
     try:
