@@ -5,20 +5,21 @@
   breaker; a probe finds no store process and starts the next one, which
   takes every published object over; a later probe reaches it, closes the
   breaker, and the pages written before the kill read back byte for byte.
-* SIGSTOP: calls that reach the stopped store wait out the request time
-  limit, and only until the breaker opens; from then on calls answer at once
-  without touching the client, and a probe waits one time limit at most.
-  Resumed, a probe closes the breaker and the pages read back.
+* SIGSTOP: calls reach the stopped store (and wait out the request time
+  limit) only until the breaker opens; from then on only its probes do,
+  the other calls answer without touching the client. Resumed, a probe
+  closes the breaker, the same store process serves, and the pages read
+  back.
 
 Afterwards no data-path call is counted in on the host pool and the store
-holds no lease of ours. Real SGLang host pools, as tests/test_backend.py.
+holds no grant of ours, open or orphaned. Real SGLang host pools, as
+tests/test_backend.py.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -81,7 +82,8 @@ def assert_healed(backend, host, keys, want, store_name):
     snap = backend.stats()["breaker"]
     assert snap["state"] == CLOSED and snap["opened_total"] >= 1 and snap["closed_total"] >= 1, snap
     assert sum(len(b.calls) for _, b in backend.pools.bound()) == 0  # no call counted in on a pool
-    until(lambda: get_server(store_name).status()["open_leases"] == 0, "our leases to end", timeout=10)
+    until(lambda: (lambda s: s["open_grants"] == 0 and s["orphaned_grants"] == 0)(get_server(store_name).status()),
+          "our grants to end", timeout=10)
 
 
 def test_a_killed_store_is_started_again_by_a_probe_and_its_pages_come_back(on_store, store_name):
@@ -99,8 +101,9 @@ def test_a_killed_store_is_started_again_by_a_probe_and_its_pages_come_back(on_s
     # one reaches it (its start is seconds on a loaded machine).
     until(lambda: backend.batch_exists(keys) == 4, "a probe to find the pages again", timeout=60, every=0.05,
           why=lambda: store_story(backend, store_name))
-    new_pid = get_server(store_name).pid
-    assert new_pid != pid and pid_alive(new_pid)
+    status = get_server(store_name).status()
+    assert status["pid"] != pid and pid_alive(status["pid"])
+    assert status["recovered"] >= 4  # the killed store's objects, served from its segment
     assert backend.stats()["breaker"]["probes"] >= 1
     assert_healed(backend, host, keys, want, store_name)
 
@@ -108,26 +111,26 @@ def test_a_killed_store_is_started_again_by_a_probe_and_its_pages_come_back(on_s
 def test_a_stopped_store_costs_one_time_limit_per_probe_and_heals_when_resumed(on_store, store_name):
     backend, host, keys, want, pid = on_store
     touched = counted_client(backend)
-    took = []
+    calls = []
     os.kill(pid, signal.SIGSTOP)
     try:
-        # about two seconds of calls: the first two wait out the time limit
-        # and open the breaker, every later one answers at once, but for a
-        # probe every 0.1-0.4 s
-        for i in range(40):
-            t0 = time.perf_counter()
+        # calls until the breaker has probed the stopped store twice: the
+        # first two wait out the time limit and open the breaker, the later
+        # ones are refused without touching the client, but for the probes
+        def probed_twice() -> bool:
+            i = len(calls)
             got = backend.batch_get_v1(keys, slots(host, 8, 4)) if i % 2 else backend.batch_exists(keys)
-            took.append(time.perf_counter() - t0)
+            calls.append(got)
             assert got in (0, [False] * 4)
-            time.sleep(0.05)
+            return backend.stats()["breaker"]["probes"] >= 2
+
+        until(probed_twice, "two probes of the stopped store", timeout=60, every=0.05,
+              why=lambda: store_story(backend, store_name))
         snap = backend.stats()["breaker"]
         assert snap["state"] != CLOSED and snap["opened_total"] == 1, snap
         # only the calls before the opening and the probes reached the store
         assert len(touched) <= BREAKER["breaker_threshold"] + snap["probes"], (touched, snap)
-        assert snap["refused"] >= 40 - len(touched)
-        # a generous bound (the store's tests check the limit itself): no
-        # call waited more than a few time limits, though the store never answered
-        assert max(took) < 10 * TIMEOUT_MS / 1000, took
+        assert snap["refused"] >= len(calls) - len(touched) and snap["refused"] >= 1, (len(calls), snap)
     finally:
         os.kill(pid, signal.SIGCONT)
     until(lambda: backend.batch_exists(keys) == 4, "a probe to reach the resumed store", timeout=30, every=0.05,

@@ -14,7 +14,7 @@ from sglang_simm.local_store._protocol import (
     pack_i64,
     pack_ints,
     pack_json,
-    pack_keys,
+    whole_frame,
 )
 
 
@@ -23,9 +23,7 @@ from sglang_simm.local_store._protocol import (
     [[], [""], ["a"], ["", "", ""], ["s1.abc/" + "f" * 64 + ".k", "ünïcödé", "\udcff-surrogate"], ["x"] * 300],
 )
 def test_keys_round_trip(keys):
-    raw = Reader(encode_keys(keys)).keys()
-    assert raw == [k.encode("utf-8", "surrogatepass") for k in keys]
-    assert Reader(pack_keys(raw)).keys() == raw
+    assert Reader(encode_keys(keys)).keys() == [k.encode("utf-8", "surrogatepass") for k in keys]
 
 
 def test_a_key_ends_at_its_first_nul_as_on_the_real_client():
@@ -42,6 +40,18 @@ def test_a_body_of_several_parts_reads_back_in_order():
 def test_frame_header_holds_length_and_op():
     data = frame(Op.LOOKUP, b"xyz")
     assert HEADER.unpack_from(data) == (3, Op.LOOKUP) and data[HEADER.size:] == b"xyz"
+
+
+def test_a_frame_is_whole_only_once_every_byte_of_its_body_is_in():
+    data = frame(Op.GET, pack_ints([1, 2, 3]))
+    assert all(not whole_frame(data[:n]) for n in range(len(data)))
+    assert whole_frame(data) and whole_frame(data + b"the next frame's first bytes")
+
+
+def test_ints_are_signed_64_bit():
+    values = [0, -1, 1, -(2**63), 2**63 - 1]
+    assert Reader(pack_ints(values)).ints() == values
+    assert Reader(pack_i64(-(2**63))).i64() == -(2**63)
 
 
 def test_json_part():

@@ -6,6 +6,8 @@ a gloo group of two, over the local store.
 * MHA: each rank stores and restores its own heads;
 * control: the in-process local store (one store per rank) gives MLA no hit on
   any rank, the very failure the local store exists to fix.
+
+The ranks' processes gone, the shared stores hold no grant of theirs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import sys
 import uuid
 
 import pytest
+
+from polling import until
+from sglang_simm.local_store._handle import StoreUnreachable, open_running, running_status
 
 pytest.importorskip("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller")
 
@@ -62,19 +67,29 @@ def run_ranks(tmp_path, runs: list[dict]) -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def shared_stores(host_store_dir):
+    """The names of the two stores the ranks share (started by the ranks, in
+    the session's store directory); stopped, their objects dropped, after
+    the module."""
     name = f"tp2-{uuid.uuid4().hex[:8]}"
-    runs = [
-        {"model": "mla", "manager": f"local://{name}-mla"},
-        {"model": "mha", "manager": f"local://{name}-mha"},
-        {"model": "mla", "manager": f"inprocess://{name}-own"},
-    ]
-    try:
-        yield dict(zip(("mla", "mha", "mla-inprocess"), run_ranks(tmp_path_factory.mktemp("tp2"), runs)))
-    finally:
-        from sglang_simm.local_store._handle import forget
+    names = {"mla": f"{name}-mla", "mha": f"{name}-mha"}
+    yield names
+    for store in names.values():
+        try:
+            handle = open_running(host_store_dir, store)
+        except StoreUnreachable:
+            continue
+        handle.stop(discard=True)
 
-        forget(f"{name}-mla", f"{name}-mha")
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, shared_stores):
+    runs = [
+        {"model": "mla", "manager": f"local://{shared_stores['mla']}"},
+        {"model": "mha", "manager": f"local://{shared_stores['mha']}"},
+        {"model": "mla", "manager": f"inprocess://{shared_stores['mla']}-own"},
+    ]
+    return dict(zip(("mla", "mha", "mla-inprocess"), run_ranks(tmp_path_factory.mktemp("tp2"), runs)))
 
 
 def test_mla_pages_written_by_rank_0_are_restored_on_both_ranks(results):
@@ -98,3 +113,13 @@ def test_an_in_process_store_per_rank_gives_mla_no_hit(results):
     r0, r1 = results["mla-inprocess"]
     assert r0["pages_written"] == PAGES
     assert (r0["hits"], r1["hits"]) == (0, 0)  # rank 1's own store is empty: MIN is 0 everywhere
+
+
+@pytest.mark.parametrize("model", ["mla", "mha"])
+def test_the_ranks_leave_no_grant_in_the_shared_store(results, shared_stores, host_store_dir, model):
+    def settled():
+        status = running_status(host_store_dir, shared_stores[model])
+        return status if status["open_grants"] == status["orphaned_grants"] == 0 else None
+
+    status = until(settled, what=f"the {model} store to end the exited ranks' grants")
+    assert status["objects"] >= PAGES and status["reserved_bytes"] == 0 and status["pinned_objects"] == 0
