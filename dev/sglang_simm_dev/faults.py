@@ -23,6 +23,7 @@ lost or timed-out request; an outage fails whole batches with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -137,19 +138,20 @@ def _faults_for(handle: Any) -> _Faults | None:
 
 
 def _through(real: Any, count: Any) -> Any:
-    def call(self: Any, items: Any, *args: Any) -> Any:
+    @functools.wraps(real)
+    def call(self: Any, items: Any, *args: Any, **kwargs: Any) -> Any:
         faults = _faults_for(self)
         if faults is None:
-            return real(self, items, *args)
+            return real(self, items, *args, **kwargs)
         single = isinstance(items, str)
         batch = [items] if single else list(items)
         faults.connect(len(batch), self.name)
         codes = faults.draw(len(batch))
         if codes is None:
-            out = real(self, items, *args)
+            out = real(self, items, *args, **kwargs)
         else:
             passed = [item for item, code in zip(batch, codes) if not code]
-            answers = iter(real(self, passed[0] if single else passed, *args) if passed else ())
+            answers = iter(real(self, passed[0] if single else passed, *args, **kwargs) if passed else ())
             out = [code or next(answers) for code in codes]
             out = out[0] if single else out
         count(faults, batch, out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from polling import until
 from raw_peer import StoreProc, env
 from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
+from sglang_simm.local_store._paths import stop_store_processes
 from store_child import check, fill
 
 CHILD = os.path.join(os.path.dirname(__file__), "store_child.py")
@@ -25,9 +27,12 @@ CHILD = os.path.join(os.path.dirname(__file__), "store_child.py")
 
 @pytest.fixture
 def root(host_store_dir):
-    """A store directory of the test's own (inside the session's, which stops
-    whatever store processes are left in it)."""
-    return tempfile.mkdtemp(prefix="t", dir=host_store_dir)
+    """A store directory of the test's own (inside the session's); whatever
+    store process a test, a client or the CLI left in it is stopped after."""
+    path = tempfile.mkdtemp(prefix="t", dir=host_store_dir)
+    yield path
+    stop_store_processes(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -102,16 +102,10 @@ def test_the_store_handle_has_every_member_of_the_contract_with_its_parameters(r
     assert handle_differences(root) == []
 
 
-@pytest.mark.xfail(strict=True, reason="StoreHandle.stats() is annotated dict[str, Any] (its status holds strings, "
-                                       "lists, a dict), the contract's dict[str, int]; capacity_bytes and used_bytes "
-                                       "are lambda properties with no return annotation, the contract's -> int")
 def test_the_store_handle_returns_what_the_contract_declares(root):
     assert handle_differences(root, returns=True) == []
 
 
-@pytest.mark.xfail(strict=True, reason="sglang_simm_dev.faults wraps StoreHandle's data calls as "
-                                       "(self, items, *args) without functools.wraps: put_from(items, overwrite=...) "
-                                       "raises TypeError once faults are installed")
 def test_the_fault_wrapper_keeps_the_contracts_signatures(root):
     assert handle_differences(root, faults=True) == []
 

@@ -17,7 +17,7 @@ pytest.importorskip("rich")
 
 from polling import until  # noqa: E402
 from sglang_simm.local_store._handle import StoreHandle, pid_alive  # noqa: E402
-from sglang_simm.local_store._paths import StorePaths, stop_store_processes  # noqa: E402
+from sglang_simm.local_store._paths import StorePaths  # noqa: E402
 from sglang_simm.simm_rules import DS_KEY_NOT_FOUND, OK  # noqa: E402
 from sglang_simm.tools.cli import main  # noqa: E402
 
@@ -32,14 +32,6 @@ def store(capsys, *args):
 def lines(capsys, *args):
     code = main(["store", *args])
     return code, capsys.readouterr().out.splitlines()
-
-
-@pytest.fixture(autouse=True)
-def _stores_stopped(root):
-    """The stores a test started (by the CLI or a client) stopped by their
-    pids after it, whatever it asserted."""
-    yield
-    stop_store_processes(root)
 
 
 @pytest.fixture

@@ -51,9 +51,6 @@ def _hello_refusal(proc: StoreProc) -> str:
     return ""
 
 
-@pytest.mark.xfail(strict=True, reason="_server.StoreProcess._admit reads /proc/PID/stat (proc_start) after "
-                                       "accept() took the last descriptor: EMFILE there closes the newcomer with no "
-                                       "refusal, uncounted, and accept() itself never fails")
 def test_out_of_fds_on_accept_refuses_and_keeps_serving(store):
     proc = store(nofile=64)  # accept() runs out of descriptors long before max_connections
     idle = []
@@ -218,10 +215,6 @@ def test_sizes_outside_simms_limit_are_refused(store, size):
     assert s["used_bytes"] == 0 and s["reserved_bytes"] == 0 and s["refused_size"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="_index.StoreIndex.commit_put indexes crcs[j] after _close() ended the grant "
-                                       "and _unpublish() dropped the overwritten object: too few checksums raise "
-                                       "IndexError (INTERNAL_ERROR), the granted room and slots leak for good and the "
-                                       "old value is gone")
 def test_a_commit_with_too_few_checksums_is_refused_and_leaks_nothing(store):
     proc = store(capacity=64 << 20)
     with Peer(proc.paths) as p:

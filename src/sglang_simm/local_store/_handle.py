@@ -676,9 +676,17 @@ class StoreHandle:
     def stats(self) -> dict[str, Any]:
         return self.status()
 
-    capacity_bytes = property(lambda self: int(self.status()["capacity_bytes"]))
-    used_bytes = property(lambda self: int(self.status()["used_bytes"]))
-    policy = property(lambda self: str(self.status()["policy"]))
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.status()["capacity_bytes"])
+
+    @property
+    def used_bytes(self) -> int:
+        return int(self.status()["used_bytes"])
+
+    @property
+    def policy(self) -> str:
+        return str(self.status()["policy"])
 
     @property
     def pid(self) -> int | None:

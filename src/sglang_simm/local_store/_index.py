@@ -536,6 +536,9 @@ class StoreIndex:
         when (without overwrite) its key was stored first. ``crcs``: the
         objects' checksums, one per granted entry. A key named twice: with
         overwrite the later entry wins, without it the earlier."""
+        grant = self._grants.get(grant_id)
+        if grant is not None and grant.owner == owner and grant.put and len(crcs) != len(grant.entries):
+            raise ValueError(f"COMMIT of {len(grant.entries)} entries with {len(crcs)} checksums")  # the grant stays
         grant = self._close(grant_id, owner, put=True)
         self.reserved -= grant.nbytes
         entries = grant.entries

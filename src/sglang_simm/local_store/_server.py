@@ -321,9 +321,14 @@ class StoreProcess:
     def _admit(self, sock: socket.socket) -> None:
         try:
             pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            start = proc_start(pid)
-        except OSError:
-            sock.close()
+            start = proc_start(pid)  # opens /proc/PID/stat: the descriptor accept() left may have been the last
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self._refuse("fds", "no descriptor left to admit a client (%d connections open): refused; raise "
+                             "the fd limit or lower max_connections", len(self.conns))
+                self._send_refusal(sock, "the local store is out of file descriptors")
+            else:
+                sock.close()
             return
         if uid != os.geteuid():
             logger.warning("refused a connection from uid %d (pid %d): this store is uid %d's", uid, pid, os.geteuid())

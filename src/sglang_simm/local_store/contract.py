@@ -10,7 +10,7 @@ Importing this module imports nothing of the store.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from sglang_simm.simm_rules import code_name
 
@@ -50,7 +50,7 @@ class StoreServer(Protocol):
       left alone. ``delete(key)``: OK or ``DS_KEY_NOT_FOUND``;
       ``delete_prefix(prefix)``: how many objects it deleted.
     * ``clear()``: drop every object (counters kept). ``keys()``: every key,
-      the next to be evicted first. ``stats()``: the counters.
+      the next to be evicted first. ``stats()``: the counters and settings.
     * ``capacity_bytes``, ``used_bytes``; ``set_capacity(n)`` (evicting until
       the objects fit; TypeError or ValueError for a bad ``n``, or one above
       what the store's segment holds) and ``set_policy(policy)`` ("fifo":
@@ -82,7 +82,7 @@ class StoreServer(Protocol):
 
     def keys(self) -> list[str]: ...
 
-    def stats(self) -> dict[str, int]: ...
+    def stats(self) -> dict[str, Any]: ...
 
     @property
     def capacity_bytes(self) -> int: ...
