@@ -118,8 +118,8 @@ def host_store_dir():
 
 
 @pytest.fixture(autouse=True)
-def _embedded_flags_restored():
-    """The embedded client's flags are process-global, as SiMM's are: a flag
+def _client_flags_restored():
+    """The local store client's flags are process-global, as SiMM's are: a flag
     one test sets (``local_store_scope`` by any ``local://`` backend, a fault
     flag) would otherwise hold for every later test, and a test would pass
     or fail by what ran before it. Each test leaves the flags as it found

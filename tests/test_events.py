@@ -19,6 +19,7 @@ from sglang_simm.config import SiMMConfig
 from sglang_simm.events import MAX_BATCH_PAGES, NO_EVENTS, L3Events, event_hash
 from sglang_simm.events_config import DEFAULT_ENDPOINT, KVEventsSettings, parse_kv_events
 from sglang_simm.events_publisher import medium_of, publisher_slot
+from sglang_simm.simm_rules import OK
 from sglang_simm.local_store.admin import medium_of as store_medium
 from sglang_simm_dev.kv_events_sub import StalledSubscriber, Subscriber, links, replay
 from sglang_simm_dev.sglang_server import free_port
@@ -261,6 +262,25 @@ def test_what_the_store_says_it_removed_or_cleared_is_announced_for_this_backend
     assert sub.wait_for(lambda s: len(removed(s.events("BlockRemoved"))) == 3, 10)
     assert removed(sub.events("BlockRemoved"))[1:] == [event_hash(k) for k in keys[1:]]
     assert backend.stats()["kv_events"]["remembered_pages"] == 0
+
+
+def test_what_another_client_removes_from_the_shared_store_is_announced(stream, store_name):
+    """The local store's own removals reach the server that announced the
+    pages, whoever made them leave: another client's delete, then a
+    ``store clear`` (``removal_feed``, no call of this backend in between)."""
+    from sglang_simm.local_store import get_server
+
+    backend, host, sub = stream()
+    keys = hashes(3, "shared")
+    assert all(backend.batch_set_v1(keys, slots(host, 0, 3)))
+    flushed(backend)
+    assert sub.wait_for(lambda s: len(s.events("BlockStored")) == 3, 10)
+    other = get_server(store_name)  # this process's handle: a client of the same store process
+    kv = backend.pools.kv
+    assert other.delete(kv.prefix + keys[0] + kv.suffixes[0]) == OK
+    assert sub.wait_for(lambda s: removed(s.events("BlockRemoved")) == [event_hash(keys[0])], 10)
+    other.admin("clear")
+    assert sub.wait_for(lambda s: sorted(removed(s.events("BlockRemoved"))) == sorted(map(event_hash, keys)), 10)
 
 
 def test_clear_and_close_announce_every_remembered_page_removed_and_free_the_port(stream, attach):

@@ -36,9 +36,9 @@ class RemovalFeed:
         self._thread.start()
 
     def _run(self) -> None:
-        cursor = None
-        while not self._stop.wait(self.poll_s):
-            while not self._stop.is_set():  # a full answer: ask again at once
+        cursor = None  # the first answer: from now, before this backend has announced anything
+        while True:
+            while True:  # a full answer: ask again at once
                 try:
                     before = cursor
                     cursor, lost, keys, prefixes = self._removed_since(cursor)
@@ -52,8 +52,10 @@ class RemovalFeed:
                         logger.warning("sglang-simm kv_events: asking the store what it removed failed (%s: %s)",
                                        type(exc).__name__, exc)
                     break
-                if before is None or cursor == before:
+                if before is None or cursor == before or self._stop.is_set():
                     break
+            if self._stop.wait(self.poll_s):
+                return
 
     def close(self, wait_s: float = 2.0) -> None:
         self._stop.set()

@@ -13,9 +13,9 @@ it ends (as ``test_store_faults.py`` does):
 A server without ``kv_events`` (SGLang's stream only) is the shared
 ``route-simm`` (``test_server.py::test_a_server_without_kv_events_publishes_nothing``).
 
-What the store evicts or ``store clear`` removes is announced through a
-channel of the local store's own, not built yet; its removals are covered
-by the backend's tests (``tests/test_events.py``).
+What the store evicts or ``store clear`` removes, with no request of the
+server's own in between, is announced through the local store's removals
+(``Store.removed_since``, followed by the server): the module's last test.
 """
 
 from __future__ import annotations
@@ -48,14 +48,15 @@ class Streams:
         self.l3.close()
 
 
-def _config(model: str, name: str, *, kv_events: dict, extra: dict | None = None) -> tuple[ServerConfig, str]:
+def _config(model: str, name: str, *, kv_events: dict, extra: dict | None = None,
+            env: dict | None = None) -> tuple[ServerConfig, str]:
     gpu_endpoint = f"tcp://*:{free_port()}"
     sglang_events = {"publisher": "zmq", "endpoint": gpu_endpoint, "topic": "gpu"}
     store = {"manager_address": f"local://e2e-{name}", "request_timeout_ms": REQUEST_TIMEOUT_MS,
              "hicache_storage_pass_prefix_keys": True, "kv_events": kv_events, **(extra or {})}
     config = ServerConfig(model_path=model, route="simm", extra_config=store, page_size=PAGE,
                           max_total_tokens=DEVICE_TOKENS, sleep_on_idle=True, enable_metrics=True,
-                          extra_args=("--kv-events-config", json.dumps(sglang_events)))
+                          extra_args=("--kv-events-config", json.dumps(sglang_events)), env=env or {})
     return config, gpu_endpoint
 
 
@@ -68,8 +69,8 @@ def streams(tiny_llama, tmp_path_factory):
     for name, refused in (("both", False), ("refused", True)):
         l3_endpoint = f"tcp://*:{free_port()}"
         kv_events = {"publisher": "zmq", "endpoint": l3_endpoint, "topic": "l3"}
-        extra = refusing_server({}) if refused else None
-        config, gpu_endpoint = _config(tiny_llama, f"kv-events-{name}", kv_events=kv_events, extra=extra)
+        extra, env = refusing_server({}, f"e2e-kv-events-{name}") if refused else (None, None)
+        config, gpu_endpoint = _config(tiny_llama, f"kv-events-{name}", kv_events=kv_events, extra=extra, env=env)
         plans[name] = (SGLangServer(config, root / name, name=f"kv-events-{name}").launch(), gpu_endpoint,
                        l3_endpoint)
     out: dict[str, Streams] = {}
@@ -161,3 +162,35 @@ def test_a_put_the_store_refused_announces_nothing(streams):
     assert metrics.get("sglang_simm:l3_pages_written_total", 0) == 0
     assert s.l3.received == [], [r.batch for r in s.l3.received]
     assert metrics.get("sglang_simm:kv_events_pages_total", -1) == 0
+
+
+def test_what_the_store_evicts_and_what_a_clear_removes_is_announced_removed(streams):
+    """Run last: it empties the server's store."""
+    from sglang_simm.local_store.admin import open_running, store_dir
+
+    s = streams["both"]
+    s.server.generate(prompt(384, PROMPT))
+    stored = lambda: set(links(s.l3.events("BlockStored", medium="EXTERNAL")))  # noqa: E731
+    removed = lambda: {h for e in s.l3.events("BlockRemoved", medium="EXTERNAL") for h in e.block_hashes}  # noqa: E731
+    assert s.l3.wait_for(lambda _: len(stored()) >= 3 * PROMPT // PAGE, 120), why(s.server, "too few L3 pages")
+    assert not removed()
+    handle = open_running(store_dir(), "e2e-kv-events-both")
+    capacity = handle.capacity_bytes
+    try:
+        handle.set_capacity(handle.used_bytes // 2)  # the oldest half evicted, by the store alone
+        kept = {page_hash(k) for k in handle.keys()}
+        assert s.l3.wait_for(lambda _: removed() == stored() - kept, 30), why(
+            s.server, f"{len(removed())} pages announced removed, {len(stored() - kept)} evicted")
+        handle.admin("clear")
+        assert s.l3.wait_for(lambda _: removed() == stored(), 30), why(s.server, "a clear left pages announced")
+    finally:
+        handle.set_capacity(capacity)
+        handle.close()
+
+
+def page_hash(object_key: str) -> int:
+    """SGLang's event hash of the page an object of the store holds
+    (``<namespace>/<page key>.<part>``)."""
+    from sglang.srt.mem_cache.utils import hash_str_to_int64
+
+    return hash_str_to_int64(object_key.rsplit("/", 1)[-1].split(".", 1)[0])
