@@ -1,44 +1,13 @@
 """What L3 gains and loses, announced as SGLang KV events off the request path.
 
 ``L3Events`` is what the backend's data path calls; the events are SGLang's
-own classes (``BlockStored``, ``BlockRemoved`` in ``KVEventBatch``es),
-handed to SGLang's own publisher (``events_publisher`` builds both), so a
-consumer of SGLang's stream reads this one with the same parser.
-
-Two threads, one queue:
-
-* the data path (SGLang's backup, prefetch and scheduler threads) calls
-  ``stored``, ``missed``, ``removed`` or ``cleared``: each appends one item
-  (the page keys, as SGLang gave them) to a queue bounded in pages
-  (``max_queue_pages``) and returns. A full queue drops the item, counted:
-  SGLang's own publisher would block its caller instead. Nothing on the
-  data path hashes, encodes or touches a socket;
-* one thread of ours turns items into events, at most ``MAX_BATCH_PAGES``
-  pages a batch, and hands each batch to SGLang's publisher, whose own
-  thread encodes and sends it. ZMQ's PUB socket never blocks a sender: a
-  subscriber that stops reading loses batches past its high-water mark, a
-  dead one costs nothing.
-
-Which pages, under which hash:
-
-* **stored**: the leading run of pages the store confirmed (SGLang's
-  backup stops at a batch's first failure too, and a page after a gap
-  cannot be reached by a prefix match), each a ``BlockStored`` of one
-  page. Its hash is SGLang's event hash of the page
-  (``hash_str_to_int64``, the first 16 hex digits of the page key as a
-  signed int64: ``event_hash``), its parent the previous page's, the
-  first page's parent the last of SGLang's ``prefix_keys`` (None where
-  SGLang passes none). ``token_ids`` is empty: a backend never sees tokens.
-* **removed**: ``missed`` (a lookup or read the store answered "not
-  there") announces a ``BlockRemoved`` only for pages this server
-  announced and still remembers; ``removed`` (pages the store says left
-  it) and ``cleared`` (everything remembered) announce without that check.
-  The remembered pages are bounded (``remember_pages``): the oldest is
-  forgotten past it and announced removed then, so a consumer never keeps
-  more of this server's L3 pages than it can take back. ``AllBlocksCleared``
-  is never sent: it has no medium and would wipe a consumer's GPU and CPU
-  entries of the worker too.
-
+own classes (``BlockStored``, ``BlockRemoved`` in ``KVEventBatch``es), handed
+to SGLang's own publisher (``events_publisher``), so a consumer of SGLang's
+stream reads this one with the same parser. The data path only appends page
+keys to a queue bounded in pages (a full queue drops, counted, where
+SGLang's publisher would block its caller); one thread of ours turns them
+into events, at most ``MAX_BATCH_PAGES`` pages a batch. Which pages, under
+which hash, and why ``AllBlocksCleared`` is never sent: docs/kv-events.md.
 The remembered pages are a dict only the publishing thread writes; the
 data path reads it without a lock (``key in dict`` is one atomic step).
 """

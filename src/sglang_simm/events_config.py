@@ -1,26 +1,9 @@
-"""The ``kv_events`` setting: what L3 holds, announced as SGLang KV events.
-
-The shape of SGLang's own ``--kv-events-config`` (``KVEventsConfig`` in
-``sglang/srt/disaggregation/kv_events.py``): the same keys with the same
-meaning, so an operator writes both alike and a consumer reads both alike,
-plus two of ours (``medium``, ``remember_pages``). Standard library only,
-so ``import sglang_simm.config`` stays cheap; ``parse_kv_events`` returns
-the settings or raises ``InvalidValue`` naming the key, the value and what
-would be accepted.
-
-Where it differs from SGLang's, and why:
-
-* unknown keys are refused with the closest known one (SGLang's pydantic
-  model drops them silently, so a typo there publishes on the default);
-* ``endpoint`` defaults to port 5570, not SGLang's 5557, so both streams
-  can be on with their defaults;
-* ``max_queue_size`` bounds the plugin's own queue, counted in pages, and
-  a full queue drops (counted), where SGLang's publisher blocks its caller;
-* ``hwm`` (10,000 batches, SGLang: 100,000) and ``buffer_steps`` (1,000,
-  SGLang: 10,000) are lower: each is a number of batches a stopped
-  subscriber (``hwm``) or the replay buffer (``buffer_steps``) may hold in
-  the scheduler's memory, and a batch of ours holds up to
-  ``events.MAX_BATCH_PAGES`` pages.
+"""The ``kv_events`` setting, in the shape of SGLang's ``--kv-events-config``
+(``KVEventsConfig``): the same keys with the same meaning, plus ``medium``
+and ``remember_pages``. Standard library only, so ``import
+sglang_simm.config`` stays cheap. Where it differs from SGLang's, and why
+(unknown keys refused, port 5570, a queue that drops, lower ``hwm`` and
+``buffer_steps``): docs/kv-events.md.
 """
 
 from __future__ import annotations

@@ -266,7 +266,12 @@ class StoreProcess:
                            self.paths.socket)
             self._listen(False)
             self.listener.close()
-            self._bind()
+            try:
+                self._bind()
+            except OSError as exc:  # its directory went too: nobody can reach it any more
+                logger.warning("store %r: cannot listen again (%s): stopping", self.paths.name, exc)
+                self.stop_reason, self.running = "socket gone", False
+                return
         idle = self.limits.idle_exit_s
         if idle and self.idle_since is not None and now - self.idle_since >= idle:
             logger.info("no client for %g s (idle exit): stopping", idle)
