@@ -105,29 +105,5 @@ def key_fits(key: object, budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False
 
 
 def keys_fit(keys: Sequence[object], budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False) -> bool:
-    """``key_fits`` for every key of a batch, with C-level checks for the
-    common case: every key an ASCII string of one length (SGLang's page
-    keys are hex digests).
-
-    That case is proved from one ``"\n".join``: it holds exactly n - 1
-    newlines, its length is n keys of the first key's width plus n - 1
-    separators, and every place a separator would stand between keys of
-    that width holds one; so no key holds a newline and every key has that
-    width. Anything else takes the per-key rule."""
-    try:
-        joined = "\n".join(keys)  # type: ignore[arg-type]  # TypeError: a key that is not a str
-    except TypeError:
-        return False
-    n = len(keys)
-    if not n:
-        return True
-    width = len(keys[0])  # type: ignore[arg-type]
-    if (
-        0 < width <= budget
-        and len(joined) == n * (width + 1) - 1
-        and joined.isascii()
-        and joined.count("\n") == n - 1
-        and (n == 1 or joined[width:: width + 1] == "\n" * (n - 1))
-    ):
-        return True
+    """``key_fits`` for every key of a batch."""
     return all(key_fits(k, budget, empty_ok=empty_ok) for k in keys)
