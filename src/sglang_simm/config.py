@@ -19,8 +19,7 @@ flags (``RENAMED_FLAGS``) are still read under their old names, each with a
 warning naming the new one, until the next minor release; an old and a new
 name of one setting in one source is an error naming both.
 
-Importing this module is cheap: the standard library and this package's
-pure ``keys`` and ``values`` only.
+Importing this module is cheap: the standard library and pure modules only.
 """
 
 from __future__ import annotations
@@ -94,10 +93,7 @@ OTHER_ENV_VARS: tuple[str, ...] = (
     "SGLANG_SIMM_STORE_METRICS_HOST",
 )
 
-#: Fields renamed, old name -> new name. The old name is still read (from
-#: the extra config, the file and ``SGLANG_SIMM_<OLD>``) with a warning
-#: naming the new one, until the next minor release; both in one source is
-#: an error naming both.
+#: Fields renamed, old name -> new name (read as the module docstring says).
 RENAMED_FIELDS: dict[str, str] = {"embedded_capacity_bytes": "local_store_capacity_bytes"}
 
 #: Keys SGLang itself reads from (or puts into) ``extra_config``. They share the
@@ -135,10 +131,9 @@ _INT_RE = re.compile(r"[+-]?\d+")
 _LOCAL_STORE_DEFAULT_NAME = "default"
 #: Local store address forms -> where its store runs (client flag
 #: ``local_store_scope``): one store process per name per host, or a thread
-#: of this process (``inprocess``, deprecated: a store a server's ranks
-#: cannot share; read until the next minor release).
+#: of this process (``inprocess``, deprecated: its ranks cannot share it).
 _LOCAL_STORE_FORMS = {"local": "host", "inprocess": "process"}
-GIB = 1024**3
+
 
 class FlagMap(Mapping[str, str]):
     """A read-only, hashable ``str -> str`` mapping (``client_flags``)."""
@@ -214,9 +209,7 @@ class SiMMConfig:
     local_store_capacity_bytes: int | None = None
     """Capacity of the local store when this process starts it; accepts
     ``"512MiB"`` etc.; None: 4 GiB on memory (at most a quarter of RAM),
-    half of what is free on a disk. A running store keeps its own.
-    Formerly ``embedded_capacity_bytes``, still read until the next minor
-    release."""
+    half of what is free on a disk. A running store keeps its own."""
 
     local_store_dir: str | None = None
     """The local store's directory: any local filesystem, memory (tmpfs) or a
@@ -230,43 +223,30 @@ class SiMMConfig:
     """Do a put/exists/get round trip at start, so a broken path fails early."""
 
     breaker_enabled: bool = True
-    """Fail fast while the store is down (``sglang_simm.breaker``): after
-    ``breaker_threshold`` faults in a row every L3 call answers a miss at
-    once, and one call now and then probes the store. On by default: without
-    it a hung store or a partitioned cluster costs every request up to
-    ``request_timeout_ms``; off only to see the raw faults while debugging."""
+    """Fail fast while the store is down (``sglang_simm.breaker``): without
+    it a hung store costs every request up to ``request_timeout_ms``; off
+    only to see the raw faults while debugging."""
 
     breaker_threshold: int = 5
     """Faults in a row (timeouts, transport and routing failures; never a
-    miss) that open the breaker, 1..1000. Five, as Envoy's outlier detection
-    (``consecutive_5xx``): one lost request or a data server restarting
-    must not switch L3 off for everyone, and a store that is really gone
-    costs at most five calls' time limits before requests stop waiting."""
+    miss) that open the breaker, 1..1000: one lost request or a data server
+    restarting must not switch L3 off for everyone."""
 
     breaker_backoff_ms: int = 1000
     """Wait before the first probe after the breaker opens, doubled after
-    each failed probe, 1..3,600,000. One second: a short blip (a data server
-    restart, a store respawned after a crash) is over after one or two
-    probes, and each probe costs at most one call's time limit."""
+    each failed probe, 1..3,600,000."""
 
     breaker_backoff_max_ms: int = 30000
     """The longest wait between probes, at least ``breaker_backoff_ms``,
-    at most 3,600,000. Thirty seconds: L3 is back within 30 s (plus one call)
-    of a store coming back after a long outage, while probing a dead store
-    costs one call's time limit per 30 s (about 3% of one thread's time at
-    SiMM's 1 s). Jitter only shortens a wait, so this is a hard bound."""
+    at most 3,600,000: L3 is back within it (plus one call) of the store
+    coming back. Jitter only shortens a wait, so this is a hard bound."""
 
     breaker_jitter: float = 0.2
-    """Share by which each wait is shortened at random, 0 <= x < 1. Every
-    TP rank of every server opens its own breaker at the same moment when a
-    cluster partitions; 0.2 spreads their probes over a fifth of the wait
-    (200 ms at first, 6 s at the cap) instead of all hitting the store at
-    once when it comes back."""
+    """Share by which each wait is shortened at random, 0 <= x < 1, so the
+    ranks whose breakers opened together do not all probe at once."""
 
     def __post_init__(self) -> None:
-        # The same validation as load_config's, so a hand-built config is held
-        # to the same rules; on values load_config already normalised it is a
-        # no-op.
+        # load_config's validation, so a hand-built config obeys the same rules
         raw = {f.name: (getattr(self, f.name), "SiMMConfig()") for f in dataclasses.fields(self)}
         for name, value in _validate(raw).items():
             object.__setattr__(self, name, value)
@@ -282,8 +262,6 @@ class SiMMConfig:
             raise ValueError(f"SiMM config from {source} must be a mapping, got {type(data).__name__}")
         partial = _fields_of(data, source, label=lambda _key: source)
         return cls(**_validate(partial))
-
-    # -- manager address -------------------------------------------------
 
     @property
     def embedded_capacity_bytes(self) -> int:
@@ -363,32 +341,20 @@ class ResolvedConfig:
     """Field -> ``"extra_config"``, ``"file:/path"``, ``"env:NAME"`` or ``"default"``."""
 
     def describe(self) -> list[tuple[str, Any, str]]:
-        """``(field, value, source)`` for every field, in declaration order.
-
-        ``log_file`` shows the effective path when it defaults. Values go
-        through :func:`_display` (the place to mask a secret field, should one
-        ever appear; none does today).
-        """
+        """``(field, value, source)`` for every field, in declaration order;
+        ``log_file`` shows the effective path when it defaults. No field is
+        secret: values are shown as they are."""
         rows = []
         for name in FIELD_NAMES:
             value = getattr(self.config, name)
             if name == "log_file" and value is None:
                 value = self.config.effective_log_file
-            rows.append((name, _display(name, value), self.sources.get(name, "default")))
+            shown = dict(value) if isinstance(value, FlagMap) else value
+            rows.append((name, shown, self.sources.get(name, "default")))
         return rows
 
 
-def _display(name: str, value: Any) -> Any:
-    """Value as shown in logs and ``doctor``. No field is secret: shown as is."""
-    if isinstance(value, FlagMap):
-        return dict(value)
-    return value
-
-
-# --------------------------------------------------------------------------
-# Sources. Each returns {field: (raw value, source label)}.
-# --------------------------------------------------------------------------
-
+#: What each source returns: {field: (raw value, source label)}
 Sourced = dict[str, tuple[Any, str]]
 SourceFn = Callable[[Mapping[str, Any] | None, Mapping[str, str]], Sourced]
 
@@ -441,12 +407,10 @@ def _our_env_vars() -> dict[str, str]:
 
 
 def unknown_env_vars(environ: Mapping[str, str]) -> list[UnknownKey]:
-    """Variables that look like one of ours but are none, each ignored,
-    so said with the right name: a near miss (``SGLANG_SIMM_REQUEST_TIMOUT_MS``,
-    ``SIMM_CLUSTER_MANGER``, ``SGLANG_HICACHE_SIMM_CONFIG``) or another case
-    (``sglang_simm_warmup``: variables are case-sensitive). Only names with
-    ``SIMM`` in them are looked at, and only near misses count: other
-    ``SGLANG_SIMM_*`` variables belong to the tools and the tests."""
+    """Variables with ``SIMM`` in their name that are a near miss of one of
+    ours (``SIMM_CLUSTER_MANGER``) or one of ours in another case (variables
+    are case-sensitive), each with the right name; other ``SGLANG_SIMM_*``
+    variables belong to the tools and the tests."""
     ours = _our_env_vars()
     prefixed = {var[len(ENV_PREFIX):]: var for var in ours if var.startswith(ENV_PREFIX)}
     whole = {var: var for var in ours if not var.startswith(ENV_PREFIX)}
@@ -467,22 +431,24 @@ def unknown_env_vars(environ: Mapping[str, str]) -> list[UnknownKey]:
     return out
 
 
+def _readable_sources(extra_config: Any, env: Mapping[str, str]) -> list[tuple[Mapping[str, Any], str]]:
+    """The extra config and the JSON file with their labels, each where it
+    can be read (``load_config`` reports the others)."""
+    named = [(extra_config, "extra_config")] if isinstance(extra_config, Mapping) else []
+    try:
+        in_file = _read_json_file(env)
+    except ValueError:
+        in_file = None
+    return named + ([in_file] if in_file is not None else [])
+
+
 def find_unknown_keys(
     extra_config: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
 ) -> list[UnknownKey]:
-    """Every ignored key of the extra config and the JSON file, without
-    logging (for ``doctor``); a source that cannot be read is skipped
-    (``load_config`` reports it)."""
+    """Every ignored key of the extra config, the JSON file and the
+    environment, without logging (for ``doctor``)."""
     env = os.environ if environ is None else environ
-    found: list[UnknownKey] = []
-    if isinstance(extra_config, Mapping):
-        found += unknown_keys_of(extra_config, "extra_config")
-    try:
-        named = _read_json_file(env)
-    except ValueError:
-        named = None
-    if named is not None:
-        found += unknown_keys_of(*named)
+    found = [u for data, where in _readable_sources(extra_config, env) for u in unknown_keys_of(data, where)]
     return found + unknown_env_vars(env)
 
 
@@ -491,20 +457,10 @@ def find_deprecated_names(
 ) -> list[str]:
     """One line per old name (``RENAMED_FIELDS``, ``RENAMED_FLAGS``) that
     the extra config, the JSON file or the environment still uses, naming
-    the new one, without logging (for ``doctor``); a source that cannot be
-    read is skipped (``load_config`` reports it)."""
+    the new one, without logging (for ``doctor``)."""
     env = os.environ if environ is None else environ
     found: list[str] = []
-    named: list[tuple[Mapping[str, Any], str]] = []
-    if isinstance(extra_config, Mapping):
-        named.append((extra_config, "extra_config"))
-    try:
-        in_file = _read_json_file(env)
-    except ValueError:
-        in_file = None
-    if in_file is not None:
-        named.append(in_file)
-    for data, where in named:
+    for data, where in _readable_sources(extra_config, env):
         found += [f"{deprecated(old, new)} (in {where})" for old, new in RENAMED_FIELDS.items() if old in data]
         try:
             flags = _raw_client_flags(data.get("client_flags"))
@@ -597,25 +553,21 @@ def _read_json_file(environ: Mapping[str, str]) -> tuple[dict[str, Any], str] | 
     path = environ.get(CONFIG_PATH_ENV, "").strip()
     if not path:
         return None
-    fix = f'fix the file (a JSON object, e.g. {{"manager_address": "10.0.0.1:30001"}}) or unset {CONFIG_PATH_ENV}'
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) {problem}; fix the file (a "
+                          f'JSON object, e.g. {{"manager_address": "10.0.0.1:30001"}}) or unset {CONFIG_PATH_ENV}')
+
     try:
         with open(path, encoding="utf-8") as fin:
             text = fin.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(
-            f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) cannot be read: {exc}; {fix}"
-        ) from exc
+        raise bad(f"cannot be read: {exc}") from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) is not valid JSON: {exc}; {fix}"
-        ) from exc
+        raise bad(f"is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise ValueError(
-            f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) must hold a JSON object, "
-            f"got {type(data).__name__}; {fix}"
-        )
+        raise bad(f"must hold a JSON object, got {type(data).__name__}")
     return data, f"file:{path}"
 
 
@@ -723,8 +675,7 @@ def load_config(
     """
     env = os.environ if environ is None else environ
     merged = _merge([source(extra_config, env) for _name, source in SOURCES])
-    values = _validate(merged)
-    config = SiMMConfig(**values)
+    config = SiMMConfig(**_validate(merged))
     sources = {name: merged[name][1] if name in merged else "default" for name in FIELD_NAMES}
     return ResolvedConfig(config=config, sources=sources)
 
@@ -737,14 +688,16 @@ def log_resolved(resolved: ResolvedConfig, log: logging.Logger | None = None) ->
         log.info("  %-24s %r  (%s)", name, value, source)
 
 
-# --------------------------------------------------------------------------
-# Validation: one place. Each parser returns the value or raises InvalidValue.
-# --------------------------------------------------------------------------
+# Validation: each parser returns the value or raises InvalidValue.
 
 
-def _parse_int(value: Any, lo: int | None = None, hi: int | None = None) -> int:
-    rng = f"{lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}"
-    accepted = f"an integer in {rng} (a number or a digit string)"
+def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``parse``, with None (unset) let through."""
+    return lambda value: None if value is None else parse(value)
+
+
+def _parse_int(value: Any, lo: int, hi: int | None = None, accepted: str | None = None) -> int:
+    accepted = accepted or f"an integer in {lo}..{hi if hi is not None else 'inf'} (a number or a digit string)"
     if isinstance(value, bool):
         raise InvalidValue("is a bool, not an integer", accepted)
     if isinstance(value, int):
@@ -753,14 +706,12 @@ def _parse_int(value: Any, lo: int | None = None, hi: int | None = None) -> int:
         number = int(value.strip())
     else:
         raise InvalidValue(f"is not an integer ({type(value).__name__})", accepted)
-    if (lo is not None and number < lo) or (hi is not None and number > hi):
+    if number < lo or (hi is not None and number > hi):
         raise InvalidValue("is out of range", accepted)
     return number
 
 
-def _parse_optional_name(value: Any) -> str | None:
-    if value is None:
-        return None
+def _parse_tag(value: Any) -> str:
     if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise InvalidValue(
             "is not a valid tag: it goes into every key, and SiMM caps keys at 256 bytes, "
@@ -772,8 +723,6 @@ def _parse_optional_name(value: Any) -> str | None:
 
 def _parse_devices(value: Any) -> tuple[str, ...] | None:
     accepted = 'a list of RDMA device names or a comma string like "mlx5_0,mlx5_1"; null picks by NUMA node'
-    if value is None:
-        return None
     if isinstance(value, str):
         items: list[Any] = value.split(",")
     elif isinstance(value, (list, tuple)):
@@ -793,18 +742,7 @@ def _parse_devices(value: Any) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names)) or None  # de-duplicated, order kept; empty = unset
 
 
-def _parse_optional_node(value: Any) -> int | None:
-    if value is None:
-        return None
-    try:
-        return _parse_int(value, lo=0)
-    except InvalidValue as exc:
-        raise InvalidValue(exc.problem, "a NUMA node id >= 0, or null to work it out") from None
-
-
-def _parse_log_file(value: Any) -> str | None:
-    if value is None:
-        return None
+def _parse_log_file(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidValue(
             "is not a file path",
@@ -813,9 +751,7 @@ def _parse_log_file(value: Any) -> str | None:
     return value.strip()
 
 
-def _parse_store_dir(value: Any) -> str | None:
-    if value is None:
-        return None
+def _parse_store_dir(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidValue("is not a directory path", "a directory of this user's on a local filesystem (tmpfs: "
                            "memory; a disk: kept across restarts, bigger than RAM), or null for the default")
@@ -983,15 +919,15 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "manager_address": _parse_manager_address,
     "clnt_threadpool_size": lambda v: _parse_int(v, 1, 1024),
     "enable_profile": parse_bool,
-    "extra_backend_tag": _parse_optional_name,
-    "rdma_devices": _parse_devices,
+    "extra_backend_tag": _optional(_parse_tag),
+    "rdma_devices": _optional(_parse_devices),
     "numa_aware": parse_bool,
-    "numa_node": _parse_optional_node,
+    "numa_node": _optional(lambda v: _parse_int(v, 0, accepted="a NUMA node id >= 0, or null to work it out")),
     "request_timeout_ms": lambda v: _parse_int(v, 1, 3_600_000),
-    "log_file": _parse_log_file,
+    "log_file": _optional(_parse_log_file),
     "client_flags": lambda v: FlagMap(parse_client_flags(v)),
-    "local_store_capacity_bytes": lambda v: None if v is None else parse_byte_size(v),
-    "local_store_dir": lambda v: _parse_store_dir(v),
+    "local_store_capacity_bytes": _optional(parse_byte_size),
+    "local_store_dir": _optional(_parse_store_dir),
     "key_scheme": _parse_key_scheme,
     "warmup": parse_bool,
     "breaker_enabled": parse_bool,
@@ -1062,18 +998,12 @@ def _cross_field_problems(out: Mapping[str, Any], raw: Mapping[str, tuple[Any, s
     return problems
 
 
-# --------------------------------------------------------------------------
-# Where a local store lives
-# --------------------------------------------------------------------------
-
-
 def local_store_place(config: SiMMConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
     """The directory a ``local`` address's store lives in, as this
     process's client finds it, and what chose it: ``client flag
     local_store_dir``, ``local_store_dir``, ``env SGLANG_SIMM_STORE_DIR`` or
     ``default``; None for a cluster or the in-process store. Servers report
-    it (their log, their ``/metrics``), so that ``doctor --server`` reads
-    theirs, not its own."""
+    it, so that ``doctor --server`` reads theirs, not its own."""
     if config.local_store_scope != "host":
         return None
     env = os.environ if environ is None else environ
@@ -1083,10 +1013,6 @@ def local_store_place(config: SiMMConfig, environ: Mapping[str, str] | None = No
            f"env {STORE_DIR_ENV}" if variable else "default")
     return store_dir(flag or field or variable or None), why
 
-
-# --------------------------------------------------------------------------
-# The client's log file
-# --------------------------------------------------------------------------
 
 _LOG_STAMP: dict[int, str] = {}
 
