@@ -7,9 +7,12 @@ adds a problem, and any problem makes the exit status 1.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,16 +31,20 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
-def _grid(title: str) -> Any:
+def _grid(title: str, *columns: str, right: tuple[str, ...] = (), dim: tuple[str, ...] = ()) -> Any:
+    """A titled table with ``columns``; those in ``right`` right-aligned (numbers), in ``dim`` dimmed."""
     from rich.table import Table
 
     table = Table(title=title, title_justify="left", title_style="bold", show_header=True, header_style="dim")
+    for column in columns:
+        table.add_column(column, justify="right" if column in right else "left", style="dim" if column in dim else None)
     return table
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
+def version_tuple(text: Any) -> tuple[int, ...]:
+    """``"0.5.11rc1"`` -> ``(0, 5, 11)``; ``()`` for no version."""
     out = []
-    for piece in text.split("."):
+    for piece in str(text or "").split("."):
         digits = "".join(ch for ch in piece if ch.isdigit())
         if not digits:
             break
@@ -55,7 +62,7 @@ def sglang_status() -> dict[str, Any]:
         sglang_version = None
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "simm"]
     ours = [ep for ep in eps if ep.value.startswith("sglang_simm")]
-    plugin_ok = bool(sglang_version) and _version_tuple(sglang_version) >= PLUGIN_SINCE
+    plugin_ok = bool(sglang_version) and version_tuple(sglang_version) >= PLUGIN_SINCE
     return {
         "version": sglang_version,
         "entry_point": ours[0].value if ours else None,
@@ -111,8 +118,6 @@ def address_only(extra: dict[str, Any]) -> Any:
     """A configuration of the manager address alone, as the sources resolve
     it (None when it is missing or invalid): what the client checks go by
     when another field is wrong."""
-    import os
-
     from sglang_simm import config as cfg
 
     for _name, source in cfg.SOURCES:
@@ -134,22 +139,16 @@ def _store_description(config: Any) -> str:
     return f"in-process local store {config.local_store_name!r} (inside one process, no cluster)"
 
 
-def _quiet_config_log() -> Any:
+@contextlib.contextmanager
+def _quiet_config_log() -> Iterator[None]:
     """The config's warnings go into the report as problems instead."""
-    import contextlib
-    import logging
-
-    @contextlib.contextmanager
-    def quiet() -> Any:
-        log = logging.getLogger("sglang_simm.config")
-        saved = log.level
-        log.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            log.setLevel(saved)
-
-    return quiet()
+    log = logging.getLogger("sglang_simm.config")
+    saved = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(saved)
 
 
 def _text(value: Any) -> str:
@@ -184,21 +183,16 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     # and the new names of renamed fields and flags, each old one a warning
     report.warnings += [f"configuration: {line}" for line in find_deprecated_names(extra)]
     extra = with_current_names(extra)
-    config_problems: list[str] = []
     try:
         with _quiet_config_log():
             resolved = load_config(extra)
         config = resolved.config
-        table = _grid("Configuration")
-        table.add_column("field")
-        table.add_column("value")
-        table.add_column("source", style="dim")
+        table = _grid("Configuration", "field", "value", "source", dim=("source",))
         for name, value, source in resolved.describe():
             table.add_row(_text(name), _text(value), _text(source))
         console.print(table)
     except ValueError as exc:
-        config_problems.append(f"configuration: {exc}")
-    report.problems += config_problems
+        report.problems.append(f"configuration: {exc}")
     # Where the rest of the configuration is wrong, the address alone still
     # says which client the checks below are about.
     if config is not None:
@@ -208,9 +202,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
             target = address_only(extra)
 
     # 2. the client
-    table = _grid("SiMM client")
-    table.add_column("check")
-    table.add_column("result")
+    table = _grid("SiMM client", "check", "result")
     if target is not None and target.is_local_store:
         table.add_row("client", _text(_store_description(target)))
     else:
@@ -241,11 +233,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
 
     # 3. RDMA devices
     devices = list_rdma_devices(sysfs_root)
-    table = _grid("RDMA devices")
-    table.add_column("device")
-    table.add_column("NUMA node", justify="right")
-    table.add_column("ports")
-    table.add_column("active")
+    table = _grid("RDMA devices", "device", "NUMA node", "ports", "active", right=("NUMA node",))
     for dev in devices:
         ports = ", ".join(f"{n}: {s}" for n, s in sorted(dev.port_states.items())) or "-"
         table.add_row(_text(dev.name), str(dev.numa_node), _text(ports), "yes" if dev.active else "[yellow]no[/yellow]")
@@ -265,9 +253,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
 
     # 4. SGLang
     status = sglang_status()
-    table = _grid("SGLang")
-    table.add_column("check")
-    table.add_column("result")
+    table = _grid("SGLang", "check", "result")
     table.add_row("installed", _text(status["version"]) if status["version"] else "[red]no[/red]")
     table.add_row("entry point 'simm'",
                   _text(status["entry_point"]) if status["entry_point"] else "[yellow]not registered[/yellow]")
@@ -279,7 +265,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     if not status["version"]:
         report.notes.append(f"SGLang is not installed here: {SGLANG_INSTALL} (on a CPU machine, see the README's Install)")
 
-    if config_problems or resolved is None:
+    if resolved is None:
         console.print("[bold]Launch lines[/bold]: [yellow]none until the configuration problems below are fixed[/yellow]")
     else:
         _print_launch_lines(console, extra, resolved)
@@ -443,9 +429,8 @@ def _round_trip(console: Any, config: Any, report: Report, *, size: int = 1 << 2
             timings["get"].append(t3 - t2)
     finally:
         client.close()
-    table = _grid(f"Round trip to {client.description} ({size >> 20} MiB, median of {rounds})")
-    table.add_column("call")
-    table.add_column("latency", justify="right")
+    table = _grid(f"Round trip to {client.description} ({size >> 20} MiB, median of {rounds})", "call", "latency",
+                  right=("latency",))
     for call, values in timings.items():
         table.add_row(call, f"{statistics.median(values) * 1e6:,.0f} us")
     console.print(table)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_simm.local_store.admin import STORE_DIR_ENV
+from sglang_simm.tools.doctor import _reach, version_tuple
 
 #: SGLang's default for the extra-config key ``prefetch_threshold`` (tokens)
 DEFAULT_PREFETCH_THRESHOLD = 256
@@ -145,16 +146,6 @@ def metric_sum(metrics: dict[str, list[tuple[dict[str, str], float]]] | None, na
 # -------------------------------------------------------------- analysing
 
 
-def _version(text: Any) -> tuple[int, ...]:
-    out = []
-    for piece in str(text or "").split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
 def extra_config_of(info: dict[str, Any], storage: dict[str, Any] | None = None) -> dict[str, Any]:
     """The server's ``--hicache-storage-backend-extra-config`` as a dict (the
     runtime attachment's where one is known); {} where it cannot be read."""
@@ -194,7 +185,7 @@ def analyse(info: dict[str, Any], metrics: dict[str, Any] | None = None, storage
     """Every reason this server's L3 cannot or does not hit that its
     ``/server_info``, ``/metrics`` and ``/hicache/storage-backend`` show."""
     out: list[Finding] = []
-    version = _version(info.get("version"))
+    version = version_tuple(info.get("version"))
     if not info.get("enable_hierarchical_cache"):
         out.append(Finding("block", "HiCache is off: the server has no host tier and no L3 tier",
                            "--enable-hierarchical-cache --hicache-storage-backend simm"))
@@ -338,17 +329,15 @@ def _from_metrics(metrics: dict[str, Any]) -> list[Finding]:
 def store_of(extra: dict[str, Any]) -> tuple[str, str] | None:
     """(store directory, name) of a local store named by the extra config's
     manager address; None for a cluster."""
-    from sglang_simm import config as cfg
+    from sglang_simm.config import SiMMConfig, client_flag
+    from sglang_simm.local_store.admin import store_dir
 
     try:
-        config = cfg.SiMMConfig(manager_address=extra.get("manager_address", ""))
+        config = SiMMConfig(manager_address=extra.get("manager_address", ""))
     except (ValueError, TypeError):
         return None
     if config.local_store_scope != "host":
         return None
-    from sglang_simm.config import client_flag
-    from sglang_simm.local_store.admin import store_dir
-
     return store_dir(client_flag(extra, "local_store_dir")), config.local_store_name
 
 
@@ -410,10 +399,9 @@ def server_l3_works(metrics: dict[str, Any] | None) -> str | None:
 def reconcile_store(name: str, looked_in: str, reported: tuple[str, str] | None, status: dict[str, Any],
                     keys: list[str] | None, metrics: dict[str, Any] | None,
                     shell_dir: str | None) -> list[Finding]:
-    """The local store's findings where doctor's own look and the server's
-    report may differ: the store ``status`` describes is the one in the
-    directory the server reports (``reported``), else the one doctor's own
-    sources name (``looked_in``); where doctor cannot reach it and the
+    """The local store's findings: ``status`` describes the store in the
+    directory the server reports (``reported``), else in the one doctor's
+    sources name (``looked_in``). Where doctor cannot reach it and the
     server's counters show L3 at work, the server's view wins, and the
     finding says where the two differ and why, most likely."""
     out: list[Finding] = []
@@ -558,11 +546,10 @@ def _store_findings(extra: dict[str, Any], metrics: dict[str, Any] | None = None
     where it does), or a cluster manager's reachability."""
     where = store_of(extra)
     if where is None:
-        from sglang_simm import config as cfg
-        from sglang_simm.tools.doctor import _reach
+        from sglang_simm.config import SiMMConfig
 
         try:
-            config = cfg.SiMMConfig(manager_address=extra.get("manager_address", ""))
+            config = SiMMConfig(manager_address=extra.get("manager_address", ""))
         except (ValueError, TypeError) as exc:
             return [Finding("block", f"the extra config's manager_address is not valid ({exc})",
                             "\"manager_address\": \"host:port\" or \"local\"")]
