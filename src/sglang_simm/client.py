@@ -205,13 +205,10 @@ class KVClient:
         return self.store is None
 
     def close(self) -> None:
-        """Close the store where it can be closed, and drop it either way:
-        SiMM's ``Store`` has no ``close``; its connections and threads go
-        with the last reference. The local store's ``Store.close`` drops
-        the store's connection with the last client of it in this process,
-        so a process whose backends are all closed holds none (the store
-        can stop, or go idle). Idempotent; calls after it raise (the backend
-        closes its client only once no call of its own is in flight)."""
+        """Close the store where it can be closed (SiMM's ``Store`` cannot:
+        its connections go with the last reference), and drop it either
+        way, so a process whose backends are all closed holds no connection
+        to a local store. Idempotent; calls after it raise."""
         store, self.store = self.store, None
         if store is None:
             return
@@ -228,14 +225,10 @@ def native_layer(kv: ModuleType, store: Any) -> tuple[Callable[..., Any], Any] |
     client is built in SiMM's layers; else None.
 
     SiMM's Python ``BlockView`` wraps one native ``_kv.DataView``, and its
-    ``Store.mput``/``mget`` unwrap every view in a Python loop before
-    calling the native ``_impl.MPut``/``MGet`` (``mexists`` turns the native
-    codes into bools the same way). Zero-copy batches make a view per
-    object, so calling the native layer with native views saves a
-    classmethod, a wrapper and a loop step per object: half of a batch's
-    work in Python (docs/backend-core.md). Only a client that has every
-    piece is taken this way; any other (the local store, a future SiMM
-    that moves them) takes the public calls."""
+    ``Store.mput``/``mget``/``mexists`` unwrap every view (or wrap every
+    code) in a Python loop around the native ``_impl`` calls; zero-copy
+    batches skip that per-object work. Only a client that has every piece
+    is taken this way; any other takes the public calls."""
     native = getattr(kv, "_kv", None)
     data_view = getattr(native, "DataView", None)
     store_type = getattr(native, "KVStore", None)

@@ -7,10 +7,9 @@ call. Its pointer formula is affine in the page's index::
 
 for every layout we accept, so it is sampled once at registration (first,
 second and last page), checked, and then evaluated with numpy for a whole
-batch. A stride per page, not per token slot: pools whose page rows are not
-a whole number of bytes per token (DeepSeek V4's compressed KV and state
-pools, one row of a few hundred bytes per 256-token page) follow it too. Sampling the pool's own method keeps us right across SGLang releases
-whose formulas differ, instead of re-deriving each one.
+batch. A stride per page, not per token slot, so pools whose page rows are
+not a whole number of bytes per token follow it too. Sampling the pool's own
+method keeps us right across SGLang releases whose formulas differ.
 
 Objects larger than SiMM's value limit are cut into equal chunks, which are
 just more parts with their own base offsets.
@@ -260,16 +259,11 @@ def page_starts(
 
     The one check of a batch's indices, for every path: a malformed batch is
     a controller bug we refuse to act on rather than read or write the wrong
-    slots. Every slot is checked: a page named by its first slot but
-    reordered inside would put its tokens in the wrong slots; two pages on
-    the same slots would leave one page holding the other's bytes while both
-    answer True.
-
-    How: the page starts (at most SGLang's 128 per batch) are aligned,
-    distinct and inside the pool, checked over a Python list of them; and
-    every slot minus its page's start is its place in the page: one
-    broadcast subtraction over the batch's slots, compared in one
-    ``memcmp`` with a row of ``0 .. page_size - 1`` per page.
+    slots. Every slot is checked: a page reordered inside would put its
+    tokens in the wrong slots; two pages on the same slots would leave one
+    page holding the other's bytes while both answer True. Every slot minus
+    its page's start must be its place in the page, compared in one
+    ``memcmp`` with rows of ``0 .. page_size - 1``.
     """
     if host_indices.ndim != 1 or host_indices.dtype.kind not in "iu":
         return None

@@ -1,26 +1,17 @@
 """Which host pools are bound, and which data-path calls are using each.
 
-``Pools`` holds a backend's bound pools (the KV pool and the hybrid side
-pools by name) and whether the backend is closed. Every data-path method
-runs its body in ``with Call(fault, where) as call``: ``pools.use(call,
-name)`` hands it a pool counted in (None once the pool is retired), and
-leaving the block counts it out of every pool it used, whatever happened.
-An exception in the body is a fault, handed to ``fault`` and swallowed,
-so the method goes on to answer its misses after the block (the error
-contract on ``backend.HiCacheSiMM``).
-
-A call also carries the backend's circuit breaker (``breaker.Breaker``):
-``call.allow()`` before each client call (False: the breaker is open, or
-this call's previous client call was a fault; answer misses without
-touching the client), ``call.record(codes, seconds)`` after it, and
-leaving the block releases the permit (an exception that is the store's is
-a fault; a probe that ended without an answer frees its slot).
+Every data-path method runs its body in ``with Call(fault, where) as
+call``: ``pools.use(call, name)`` hands it a pool counted in, leaving the
+block counts it out, and an exception in the body is a fault, handed to
+``fault`` and swallowed, so the method answers its misses after the block
+(the error contract on ``backend.HiCacheSiMM``). The call also holds the
+breaker's permit (``allow``, ``record``).
 
 A retired pool (replaced by a re-registration, or the backend closed) is
-deregistered by ``release`` once *its* calls are over: at once when none
-is in flight, otherwise by a background thread that waits for them. A
-data-path thread only sets the pool's ``drained`` event on its way out,
-so no call ever pays for another pool's deregistration.
+deregistered by ``release`` once *its* calls are over, by a background
+thread where some are in flight: a data-path thread only sets the pool's
+``drained`` event on its way out, so no call pays for another pool's
+deregistration.
 """
 
 from __future__ import annotations
@@ -71,8 +62,7 @@ class Call:
         """Leave to make the next client call: False while the breaker is
         open (or a probe is in flight), and after a client call of this
         call was a fault (a hung store must not cost one call two time
-        limits); the method then answers misses without touching the
-        client. Ask before resolving or allocating anything, so a refused
+        limits). Ask before resolving or allocating anything, so a refused
         call holds no pool and no host memory."""
         if self.faulted:
             return False
@@ -122,8 +112,8 @@ class Call:
 
 class Pools:
     """The host pools bound to one backend: ``kv``, the KV pool, and
-    ``side``, the hybrid side pools by name (Mamba, SWA, draft, DSA
-    indexer); and ``closed``, once the backend is.
+    ``side``, the hybrid side pools by name; and ``closed``, once the
+    backend is.
 
     Attach and close change them under ``lock``; data-path threads read
     them without it (an attribute or a dict read is atomic) and count

@@ -87,10 +87,8 @@ class PageIdentity:
 
 def pool_dtype(pool_dtype: str, region_dtypes: Sequence[str]) -> str:
     """The ``dtype`` a pool's keys carry: the pool's own, followed by its
-    regions' where any differs from it. A pool's ``dtype`` names one dtype
-    (SGLang's Mamba host pool: the conv state's), while its pages hold each
-    region's; a bf16 and an fp16 temporal state of one model must not share
-    keys. Pools whose every region has the pool's dtype keep their keys."""
+    regions' where any differs from it (a Mamba pool's ``dtype`` is its conv
+    state's; a bf16 and an fp16 temporal state must not share keys)."""
     if all(d == pool_dtype for d in region_dtypes):
         return pool_dtype
     return f"{pool_dtype}[{','.join(region_dtypes)}]"
@@ -218,11 +216,7 @@ def _chunked(parts: Sequence[str], chunks: int) -> tuple[str, ...]:
 
 
 def object_keys(prefix: str, page_keys: Sequence[str], suffixes: Sequence[str]) -> list[str]:
-    """Flat, page-major list: every suffix of page 0, then page 1, ...
-
-    Making the strings (one per object) is the cost: an f-string per object
-    in one comprehension (``join``/``split`` per suffix, ``str.format`` or
-    ``%`` through ``map`` and an ``append`` loop all cost more)."""
+    """Flat, page-major list: every suffix of page 0, then page 1, ..."""
     return [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
 
 
