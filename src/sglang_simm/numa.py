@@ -98,12 +98,9 @@ def _read_text(path: str) -> str | None:
 
 
 def _read_int(path: str) -> int | None:
-    text = _read_text(path)
-    if text is None:
-        return None
     try:
-        return int(text)
-    except ValueError:
+        return int(_read_text(path))  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # unreadable (None), or not a number
         return None
 
 
@@ -236,6 +233,7 @@ def choose_nics(
         return NicChoice(devices=chosen, numa_node=node, reason=reason)
 
     active = [d for d in devices if d.active]
+    every = tuple(d.name for d in active)
     if not active:
         if devices:
             states = "; ".join(
@@ -247,11 +245,7 @@ def choose_nics(
         return NicChoice(devices=(), numa_node=None, reason=reason)
 
     if not numa_aware:
-        return NicChoice(
-            devices=tuple(d.name for d in active),
-            numa_node=None,
-            reason=f"numa_aware is off: every ACTIVE NIC ({_names(active)})",
-        )
+        return NicChoice(every, None, f"numa_aware is off: every ACTIVE NIC ({_names(active)})")
 
     node: int | None = None
     evidence = ""
@@ -270,11 +264,8 @@ def choose_nics(
                 evidence += " (the CPU affinity spans the whole machine)"
 
     if node is None:
-        return NicChoice(
-            devices=tuple(d.name for d in active),
-            numa_node=None,
-            reason=f"NUMA node unknown (no narrow CPU affinity, no GPU node): every ACTIVE NIC ({_names(active)})",
-        )
+        return NicChoice(every, None, "NUMA node unknown (no narrow CPU affinity, no GPU node): every ACTIVE NIC "
+                         f"({_names(active)})")
     local = [d for d in active if d.numa_node in (node, _UNKNOWN_NODE)]
     if local:
         uma = " (UMA NICs count as any node)" if any(d.numa_node == _UNKNOWN_NODE for d in local) else ""
@@ -283,11 +274,7 @@ def choose_nics(
             numa_node=node,
             reason=f"{evidence}: ACTIVE NICs on node {node}: {_names(local)}{uma}",
         )
-    return NicChoice(
-        devices=tuple(d.name for d in active),
-        numa_node=node,
-        reason=f"{evidence}, but no ACTIVE NIC on node {node}: every ACTIVE NIC ({_names(active)})",
-    )
+    return NicChoice(every, node, f"{evidence}, but no ACTIVE NIC on node {node}: every ACTIVE NIC ({_names(active)})")
 
 
 def select_nics(
