@@ -100,25 +100,19 @@ RENAMED_FIELDS: dict[str, str] = {"embedded_capacity_bytes": "local_store_capaci
 #: dict with ours, so they are accepted silently, never warned about.
 SGLANG_EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
     {
-        # mem_cache/storage/backend_factory.py: the dynamic route's required fields
+        # the dynamic route's fields (backend_factory.py, cache_controller.py)
         "backend_name",
         "module_path",
         "class_name",
-        # managers/cache_controller.py: zero-copy page path for "dynamic"
         "interface_v1",
-        # managers/cache_controller.py _generate_storage_config (popped)
+        # popped by SGLang's controller and radix caches before the backend sees them
         "tp_lcm_size",
-        # hiradix_cache.py / hi_mamba_radix_cache.py (0.5.8, 0.5.11) and
-        # hybrid_cache/hybrid_cache_controller.py (0.5.23): popped by the
-        # extra-config parser before the backend sees them
         "prefetch_threshold",
         "prefetch_timeout_base",
         "prefetch_timeout_per_ki_token",
         "hicache_storage_pass_prefix_keys",
-        # mem_cache/pool_host/common.py get_allocator_type (0.5.23, "dynamic")
+        # read or set by SGLang 0.5.23 (pool_host/common.py, unified_radix_cache.py)
         "allocator",
-        # mem_cache/unified_radix_cache.py (0.5.23): setdefault'ed into every
-        # backend's extra_config when --file-storage-path is set
         "file_storage_path",
     }
 )
@@ -152,13 +146,8 @@ class FlagMap(Mapping[str, str]):
     def __len__(self) -> int:
         return len(self._items)
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # equality is Mapping's: equal to any mapping of the same items
         return hash(tuple(self._items.items()))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Mapping):
-            return dict(self._items) == dict(other)
-        return NotImplemented
 
     def __repr__(self) -> str:
         return f"FlagMap({self._items!r})"
@@ -260,7 +249,7 @@ class SiMMConfig:
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"SiMM config from {source} must be a mapping, got {type(data).__name__}")
-        partial = _fields_of(data, source, label=lambda _key: source)
+        partial = _fields_of(data, source)
         return cls(**_validate(partial))
 
     @property
@@ -520,19 +509,19 @@ def _warn(text: str, *args: Any) -> None:
         logger.warning(text, *args)
 
 
-def _fields_of(data: Mapping[str, Any], where: str, label: Callable[[str], str]) -> Sourced:
-    """Our fields out of ``data``; SGLang's keys skipped, others warned
-    about; an old field name read as its new one, warned about."""
+def _fields_of(data: Mapping[str, Any], where: str) -> Sourced:
+    """Our fields out of ``data``, labelled ``where``; SGLang's keys skipped,
+    others warned about; an old field name read as its new one, warned about."""
     for unknown in unknown_keys_of(data, where):
         _warn("SiMM config: %s", unknown.message())
-    out = {key: (value, label(key)) for key, value in data.items() if key in FIELD_NAMES}
+    out = {key: (value, where) for key, value in data.items() if key in FIELD_NAMES}
     for old, new in RENAMED_FIELDS.items():
         if old not in data:
             continue
         if new in data:
             raise ValueError(f"SiMM config: {where}: {both_given(old, new)}")
         _warn("SiMM config: %s (in %s)", deprecated(old, new), where)
-        out[new] = (data[old], label(old))
+        out[new] = (data[old], where)
     return out
 
 
@@ -544,7 +533,7 @@ def _from_extra_config(extra_config: Mapping[str, Any] | None, environ: Mapping[
             f"extra_config must be a JSON object (a dict), got {type(extra_config).__name__}: "
             f"{extra_config!r}; pass --hicache-storage-backend-extra-config '{{\"manager_address\": ...}}'"
         )
-    return _fields_of(extra_config, "extra_config", label=lambda _key: "extra_config")
+    return _fields_of(extra_config, "extra_config")
 
 
 def _read_json_file(environ: Mapping[str, str]) -> tuple[dict[str, Any], str] | None:
@@ -553,6 +542,7 @@ def _read_json_file(environ: Mapping[str, str]) -> tuple[dict[str, Any], str] | 
     path = environ.get(CONFIG_PATH_ENV, "").strip()
     if not path:
         return None
+
     def bad(problem: str) -> ValueError:
         return ValueError(f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) {problem}; fix the file (a "
                           f'JSON object, e.g. {{"manager_address": "10.0.0.1:30001"}}) or unset {CONFIG_PATH_ENV}')
@@ -575,8 +565,7 @@ def _from_json_file(extra_config: Mapping[str, Any] | None, environ: Mapping[str
     named = _read_json_file(environ)
     if named is None:
         return {}
-    data, where = named
-    return _fields_of(data, where, label=lambda _key: where)
+    return _fields_of(*named)
 
 
 def _from_environ(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
