@@ -17,6 +17,7 @@ just more parts with their own base offsets.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -140,19 +141,9 @@ def derive_geometry(
             "the host pool's page objects overlap the next page; " + _LAYOUT_FIX
         )
 
-    object_bytes = tuple(int(s) for s in sizes)
-    chunks = max(chunk_count(s, value_limit) for s in object_bytes)
-    if chunks > 1:
-        base, sizes = _split(base, sizes, chunks)
-    return PageGeometry(
-        page_size=page_size,
-        num_pages=num_pages,
-        page_stride=page_stride,
-        base=base,
-        sizes=sizes,
-        chunks=chunks,
-        object_bytes=object_bytes,
-    )
+    whole = PageGeometry(page_size=page_size, num_pages=num_pages, page_stride=page_stride, base=base, sizes=sizes,
+                         chunks=1, object_bytes=tuple(int(s) for s in sizes))
+    return _chunked(whole, value_limit)
 
 
 def derive_region_geometry(
@@ -214,26 +205,23 @@ def derive_region_geometry(
         )
         region_of.append(owner)
 
-    base = np.concatenate([g.base for g in fitted])
     sizes = np.concatenate([g.sizes for g in fitted])
-    strides = np.asarray([g.page_stride for g in fitted], dtype=np.int64)
-    owners = np.asarray(region_of, dtype=np.int64)
-    object_bytes = tuple(int(s) for s in sizes)
-    chunks = max(chunk_count(s, value_limit) for s in object_bytes)
-    if chunks > 1:
-        base, sizes = _split(base, sizes, chunks)
-        strides = np.repeat(strides, chunks)
-        owners = np.repeat(owners, chunks)
-    geometry = PageGeometry(
-        page_size=page_size,
-        num_pages=fitted[0].num_pages,
-        page_stride=strides,
-        base=base,
-        sizes=sizes,
-        chunks=chunks,
-        object_bytes=object_bytes,
-    )
-    return geometry, owners
+    whole = PageGeometry(page_size=page_size, num_pages=fitted[0].num_pages,
+                         page_stride=np.asarray([g.page_stride for g in fitted], dtype=np.int64),
+                         base=np.concatenate([g.base for g in fitted]), sizes=sizes, chunks=1,
+                         object_bytes=tuple(int(s) for s in sizes))
+    geometry = _chunked(whole, value_limit)
+    return geometry, np.repeat(np.asarray(region_of, dtype=np.int64), geometry.chunks)
+
+
+def _chunked(g: PageGeometry, limit: int) -> PageGeometry:
+    """``g`` with every object cut into ``chunks`` pieces when one exceeds ``limit``."""
+    chunks = max(chunk_count(s, limit) for s in g.object_bytes)
+    if chunks == 1:
+        return g
+    base, sizes = _split(g.base, g.sizes, chunks)
+    stride = np.repeat(g.page_stride, chunks) if isinstance(g.page_stride, np.ndarray) else g.page_stride
+    return dataclasses.replace(g, page_stride=stride, base=base, sizes=sizes, chunks=chunks)
 
 
 def _split(base: np.ndarray, sizes: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray]:
