@@ -71,10 +71,6 @@ class PageGeometry:
         pages = np.asarray(first_slots).astype(np.int64, copy=False) // self.page_size
         return (pages[:, None] * self.page_stride + self.base[None, :]).ravel()
 
-    def object_ids(self, pages: np.ndarray) -> np.ndarray:
-        """Indices into a per-pool table of objects, page-major."""
-        return (pages[:, None] * self.parts + np.arange(self.parts)[None, :]).ravel()
-
 
 def chunk_count(object_bytes: int, limit: int = MAX_VALUE_BYTES) -> int:
     return -(-object_bytes // limit)
