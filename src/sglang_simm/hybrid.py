@@ -13,21 +13,10 @@ under the KV page keys; a transfer's own ``keys`` there are placeholders
 whose count is the trailing window.
 
 This module holds the hit policies (pure functions over "does the pool hold
-an object for KV page i") and the description of a side pool's memory; the
-backend does the I/O. The policies follow SGLang's own ``file`` and Mooncake
-backends exactly:
-
-* ALL_PAGES: prefix length ``p`` is restorable iff the pool holds pages
-  ``[0, p)``; the pool's verdict is its first missing page;
-* TRAILING_PAGES with window ``N = max(1, len(transfer.keys))``: ``p`` is
-  restorable iff the pool holds the window ``[p-N, p)`` (clipped at 0); the
-  verdict is the longest such ``p``. The set may have holes;
-* the KV hit is the longest prefix every pool can restore, never more than
-  the KV pages themselves.
-
-BLOCK_GROUPS (declared in SGLang 0.5.22+) has no producer in any release and
-leaves the keys of a group unspecified, as do SGLang's own backends (they
-raise); a query that carries it is answered as a miss.
+an object for KV page i", following SGLang's own ``file`` and Mooncake
+backends exactly) and the description of a side pool's memory; the backend
+does the I/O. BLOCK_GROUPS leaves the keys of a group unspecified, so a
+query that carries it is answered as a miss (``unsupported_policy_reason``).
 """
 
 from __future__ import annotations
@@ -81,9 +70,6 @@ def unsupported_policy_reason(policy: Any) -> str | None:
     return f"unknown hit policy {value!r}; answering the query as a miss"
 
 
-# ------------------------------------------------------------------ policies
-
-
 def _as_flags(page_exists: Sequence[bool] | np.ndarray) -> np.ndarray:
     return np.asarray(page_exists, dtype=bool).reshape(-1)
 
@@ -114,11 +100,8 @@ def trailing_pages_stops(page_exists: Sequence[bool] | np.ndarray, window: int) 
 
 @dataclass(frozen=True)
 class PoolQuery:
-    """One extra pool of a hit query, already looked up.
-
-    ``page_exists[i]``: the pool holds an object for KV page ``i`` (over
-    the KV hit only; pages past it cannot matter).
-    """
+    """One extra pool of a hit query, already looked up: ``page_exists[i]``,
+    the pool holds an object for KV page ``i`` (over the KV hit only)."""
 
     name: Hashable
     policy: str
@@ -140,12 +123,8 @@ class HitVerdict:
 
 def fold_hits(kv_pages: int, pools: Sequence[PoolQuery], *, kv_name: Hashable = KV) -> HitVerdict:
     """Intersect the restorable prefix lengths of the KV pool (``1..kv_pages``)
-    and of every extra pool, as SGLang's ``file`` and Mooncake backends do:
-    pools are taken in order and the scan stops once nothing is restorable.
-
-    Raises ValueError on a policy outside ``SUPPORTED_POLICIES``; callers
-    check ``unsupported_policy_reason`` first.
-    """
+    and of every extra pool, in order, stopping once nothing is restorable.
+    Raises ValueError on a policy outside ``SUPPORTED_POLICIES``."""
     kv_pages = max(0, int(kv_pages))
     hits: dict[Hashable, int] = {kv_name: kv_pages} if kv_pages else {}
     restorable = np.ones(kv_pages, dtype=bool)
@@ -182,17 +161,10 @@ def to_pool_transfer_result(verdict: HitVerdict) -> Any:
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
 
     hits = {(PoolName.KV if k == KV else k): v for k, v in verdict.pool_hit_pages.items()}
-    fields = {f.name for f in dataclasses.fields(PoolTransferResult)}
-    if "restorable_prefix_pages" in fields:
-        return PoolTransferResult(
-            kv_hit_pages=verdict.kv_hit_pages,
-            extra_pool_hit_pages=hits,
-            restorable_prefix_pages=list(verdict.restorable_prefix_pages),
-        )
-    return PoolTransferResult(kv_hit_pages=verdict.kv_hit_pages, extra_pool_hit_pages=hits)
-
-
-# ------------------------------------------------------------- side pools
+    stops = {"restorable_prefix_pages": list(verdict.restorable_prefix_pages)}
+    if "restorable_prefix_pages" not in {f.name for f in dataclasses.fields(PoolTransferResult)}:
+        stops = {}
+    return PoolTransferResult(kv_hit_pages=verdict.kv_hit_pages, extra_pool_hit_pages=hits, **stops)
 
 
 @dataclass(frozen=True)
