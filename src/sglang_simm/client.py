@@ -3,12 +3,9 @@
 Both clients have the ``simm.kv`` surface: the real one (SiCL over RDMA) and
 the local store that ships with this package. ``connect`` picks one from
 the configuration, sets its flags, and hands back a ``KVClient`` whose batch
-methods are the store's own bound methods, so the adapter adds no work per
-call. The zero-copy paths use ``view``, ``mput_views``, ``mget_views`` and
-``mexists_codes``: on SiMM's client, its native views and native store
-(``native_layer``), past the Python layer that wraps and unwraps a view per
-object; on any other, the public calls. Everything that differs between
-the clients lives here.
+methods are the store's own bound methods (or SiMM's native ones,
+``native_layer``), so the adapter adds no work per call. Everything that
+differs between the clients lives here.
 """
 
 from __future__ import annotations
@@ -21,11 +18,7 @@ import uuid
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from sglang_simm.errors import (
-    ClientNotInstalledError,
-    ClusterUnreachableError,
-    code_name,
-)
+from sglang_simm.errors import ClientNotInstalledError, ClusterUnreachableError, code_name
 from sglang_simm.keys import WARMUP_KEY_PREFIX
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -163,11 +156,8 @@ class KVClient:
         return int(self.store.delete_prefix(prefix))
 
     def warmup(self, *, attempts: int = 3, size: int = 4096) -> float:
-        """Put, check, get and delete a uuid-named object; seconds taken.
-
-        A broken data path then fails at start-up, naming the address,
-        instead of every later call silently missing.
-        """
+        """Put, check, get and delete a uuid-named object; seconds taken. A
+        broken data path then fails at start-up instead of every call missing."""
         key = f"{WARMUP_KEY_PREFIX}{uuid.uuid4().hex}"
         payload = key.encode().ljust(size, b"\0")
         last = "no attempt"
