@@ -37,9 +37,8 @@ KEY_SCHEMES: tuple[str, ...] = ("namespaced", "legacy")
 NAMESPACE_VERSION = 1
 
 #: The start of every key of a start-up round trip (``client.KVClient.warmup``;
-#: SGLang's in-tree backend's warm-up keys start with it too). Never a page's:
-#: page keys start with a namespace or a tag. The local store counts these
-#: objects apart, so pages counted from its counters leave warm-ups out.
+#: SGLang's in-tree backend's too), never a page's: the local store counts
+#: these objects apart, so pages counted from its counters leave them out.
 WARMUP_KEY_PREFIX = "sglang_simm_warmup_"
 #: What the breaker's probe looks up (``backend``): never stored, so a
 #: healthy store answers "not found", which is no fault.
@@ -105,8 +104,7 @@ def fingerprint(identity: PageIdentity) -> str:
     fields = asdict(identity)
     fields["v"] = NAMESPACE_VERSION
     if identity.is_mla:
-        fields["tp_size"] = fields["tp_rank"] = None
-        fields["tp_lcm_size"] = None
+        fields["tp_size"] = fields["tp_rank"] = fields["tp_lcm_size"] = None
     elif identity.head_grouped:
         # A rank's page is split_factor (K, V) groups; name the group's bytes.
         fields["tp_size"] = fields["tp_rank"] = None
@@ -128,9 +126,7 @@ def namespaced_prefix(identity: PageIdentity) -> str:
 def namespaced_suffixes(identity: PageIdentity, chunks: int = 1) -> tuple[str, ...]:
     """Suffix of every object of one page, in the order the host pool's
     ``get_page_buffer_meta`` lists them (K then V per head group; MLA one).
-
-    ``chunks`` > 1 when each object is split to fit SiMM's value limit; the
-    chunk index is last because chunks of one object are adjacent in memory.
+    The chunk index comes last: chunks of one object are adjacent in memory.
     """
     if identity.is_mla:
         parts = [".kv"]
@@ -176,11 +172,8 @@ def legacy_suffixes(identity: PageIdentity, chunks: int = 1) -> tuple[str, ...]:
 
 
 def legacy_refusal(identity: PageIdentity) -> str | None:
-    """Why the legacy scheme cannot serve this identity, or None.
-
-    The in-tree backend has no key for these cases; inventing one would
-    not be 'legacy', and reusing its keys would mix different bytes.
-    """
+    """Why the legacy scheme cannot serve this identity, or None: the
+    in-tree backend has no key for it, and reusing one would mix bytes."""
     if identity.pool != "kv":
         return f"hybrid side pool {identity.pool!r} has no in-tree key"
     if identity.head_grouped:

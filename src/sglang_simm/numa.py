@@ -186,9 +186,7 @@ def gpu_numa_node(pci_bus_id: str | None, sysfs_root: str = "/sys") -> int | Non
     if not pci_bus_id:
         return None
     node = _read_int(os.path.join(sysfs_root, "bus", "pci", "devices", normalize_pci_bus_id(pci_bus_id), "numa_node"))
-    if node is None or node < 0:
-        return None
-    return node
+    return node if node is not None and node >= 0 else None
 
 
 def _names(devices: Iterable[RdmaDevice]) -> str:
@@ -269,11 +267,8 @@ def choose_nics(
     local = [d for d in active if d.numa_node in (node, _UNKNOWN_NODE)]
     if local:
         uma = " (UMA NICs count as any node)" if any(d.numa_node == _UNKNOWN_NODE for d in local) else ""
-        return NicChoice(
-            devices=tuple(d.name for d in local),
-            numa_node=node,
-            reason=f"{evidence}: ACTIVE NICs on node {node}: {_names(local)}{uma}",
-        )
+        return NicChoice(tuple(d.name for d in local), node,
+                         f"{evidence}: ACTIVE NICs on node {node}: {_names(local)}{uma}")
     return NicChoice(every, node, f"{evidence}, but no ACTIVE NIC on node {node}: every ACTIVE NIC ({_names(active)})")
 
 
@@ -284,12 +279,9 @@ def select_nics(
     affinity: Iterable[int] | None = None,
     gpu_pci_bus_id: str | None = None,
 ) -> NicChoice:
-    """:func:`choose_nics` over what this machine says.
-
-    ``config`` needs ``rdma_devices``, ``numa_aware`` and ``numa_node`` (a
-    :class:`~sglang_simm.config.SiMMConfig`). ``affinity`` defaults to
-    ``os.sched_getaffinity(0)``.
-    """
+    """:func:`choose_nics` over what this machine says, for ``config``'s
+    ``rdma_devices``, ``numa_aware`` and ``numa_node``; ``affinity`` defaults
+    to ``os.sched_getaffinity(0)``."""
     if affinity is None:
         try:
             affinity = os.sched_getaffinity(0)
@@ -307,11 +299,9 @@ def select_nics(
 
 
 def apply_nic_choice(choice: NicChoice, environ: MutableMapping[str, str] | None = None) -> str | None:
-    """Set ``SICL_NET_DEVICES`` from ``choice``, unless the operator already set it.
-
-    Returns the value in effect afterwards (None: unset, SiCL picks). An
-    operator's value is left alone, with a log note when it differs from ours.
-    """
+    """Set ``SICL_NET_DEVICES`` from ``choice``, unless the operator already
+    set it (then a log note says where ours differs); the value in effect
+    afterwards (None: unset, SiCL picks)."""
     env = os.environ if environ is None else environ
     existing = env.get(NET_DEVICES_ENV, "").strip()
     wanted = ",".join(choice.devices)
