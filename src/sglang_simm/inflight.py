@@ -32,17 +32,15 @@ logger = logging.getLogger("sglang_simm.backend")
 
 
 class Call:
-    """The context of one data-path call: the pools it uses, counted in
-    (``use``) and out (on leaving the block), its leave from the breaker
-    (``allow``, ``record``; released on leaving the block), and its fault
-    (handed to ``fault``, then swallowed)."""
+    """The context of one data-path call (the module docstring says what it keeps)."""
 
-    __slots__ = ("_fault", "_where", "_breaker", "used", "permit", "faulted")
+    __slots__ = ("_fault", "where", "_breaker", "used", "permit", "faulted")
 
     def __init__(self, fault: Callable[[str, BaseException], None], where: str,
                  breaker: Breaker | None = None) -> None:
         self._fault = fault
-        self._where = where
+        #: the method's name, for faults, logs and the breaker's reports
+        self.where = where
         self._breaker = breaker
         #: the pools this call is counted in on
         self.used: list[PoolBinding] = []
@@ -53,10 +51,6 @@ class Call:
 
     def __enter__(self) -> Call:
         return self
-
-    @property
-    def where(self) -> str:
-        return self._where
 
     def allow(self) -> bool:
         """Leave to make the next client call: False while the breaker is
@@ -84,9 +78,9 @@ class Call:
             return None
         if exc is not None:
             cause = fault_of(exc=exc)
-            permit.release(exc, op=self._where)
+            permit.release(exc, op=self.where)
         else:
-            cause = permit.record(codes, seconds=seconds, op=self._where)
+            cause = permit.record(codes, seconds=seconds, op=self.where)
         if cause is not None:
             self.faulted = True
         return cause
@@ -103,9 +97,9 @@ class Call:
         for b in self.used:
             b.leave()
         if self.permit is not None:
-            self.permit.release(exc, op=self._where)
-        if exc is not None and isinstance(exc, Exception):
-            self._fault(self._where, exc)
+            self.permit.release(exc, op=self.where)
+        if isinstance(exc, Exception):
+            self._fault(self.where, exc)
             return True  # the caller answers misses after the block
         return False
 
@@ -209,10 +203,8 @@ def release(
 ) -> bool:
     """Retire ``bindings``; deregister each once none of its calls is in
     flight, then run ``then`` (closing the client), in that order always.
-
-    Waits up to ``wait_s`` here; what is still in use then is finished by a
-    background thread once its calls end. True when everything was done
-    here."""
+    Waits up to ``wait_s`` here, then leaves the rest to a background
+    thread; True when everything was done here."""
     for b in bindings:
         b.retire()
     if all(b.drained.wait(wait_s) for b in bindings):
