@@ -1,10 +1,9 @@
 """``sglang-simm doctor --server URL``: why L3 does not hit, read from a running server.
 
 Reads what a running SGLang server publishes, with the standard library
-alone (``urllib``): ``/server_info`` (``/get_server_info`` before 0.5.x
-renamed it), ``/metrics`` where ``--enable-metrics`` is on, and
-``GET /hicache/storage-backend`` where the server has an admin key (a
-backend attached at runtime shows there). Where the server's L3 is a local
+alone (``urllib``): ``/server_info``, ``/metrics`` where ``--enable-metrics``
+is on, and ``GET /hicache/storage-backend`` where the server has an admin key
+(a backend attached at runtime shows there). Where the server's L3 is a local
 store of this host, the store's status and key namespaces are read too.
 
 ``analyse`` is pure (a server's dicts in, findings out); every finding names
@@ -34,7 +33,7 @@ DEFAULT_TIMEOUT_BASE, DEFAULT_TIMEOUT_PER_KI = 1.0, 0.25
 #: tokens (HiCacheController.attach_storage_backend); from 0.5.15 it is half the host pool
 OLD_CAPACITY_RULE_UNTIL = (0, 5, 14)
 
-#: our backend's names: the plugin route and the dynamic route's module
+#: the dynamic route's module of this backend
 OUR_MODULE = "sglang_simm"
 
 
@@ -215,9 +214,7 @@ def analyse(info: dict[str, Any], metrics: dict[str, Any] | None = None, storage
                            "pip install sglang-simm into the server's environment"))
 
     policy = (storage or {}).get("hicache_write_policy") or info.get("hicache_write_policy")
-    if policy is None:
-        pass  # not published: nothing to say
-    elif policy == "write_back":
+    if policy == "write_back":
         out.append(Finding("warn", "write policy write_back: a page goes to host memory, and from there to L3, "
                            "only when the GPU pool evicts it; until the GPU pool fills, L3 receives nothing and "
                            "nothing can hit there", "--hicache-write-policy write_through"))
@@ -225,7 +222,7 @@ def analyse(info: dict[str, Any], metrics: dict[str, Any] | None = None, storage
         out.append(Finding("warn", "write policy write_through_selective: a prefix is backed up (to host, then "
                            "L3) only once it has been hit twice; a prefix served once never reaches L3",
                            "--hicache-write-policy write_through"))
-    else:
+    elif policy is not None:  # None: not published
         out.append(Finding("info", f"write policy {policy}: every computed prefix is written to host memory "
                            "and then to L3 as it is computed"))
 
@@ -352,7 +349,7 @@ def namespaces(keys: list[str]) -> dict[str, int]:
 
     out: dict[str, int] = {}
     for key in keys:
-        if key.startswith(WARMUP_KEY_PREFIX) or key.startswith("sglang_simm_doctor_"):
+        if key.startswith((WARMUP_KEY_PREFIX, "sglang_simm_doctor_")):
             continue
         m = _NAMESPACE.match(key)
         name = (f"{m.group(1)}/" if m.group(1) else "") + m.group(2) if m else "legacy (no namespace)"
