@@ -85,14 +85,11 @@ def code_name(code: int) -> str:
 
 def key_fits(key: object, budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False) -> bool:
     """The one rule for a usable key: a ``str`` of at most ``budget`` bytes in
-    UTF-8 (SiMM counts key bytes; text with no UTF-8 form, such as a lone
-    surrogate, is no key). ``budget`` is SiMM's limit for an object key, or
-    a caller's smaller one. SiMM itself takes an empty key (``empty_ok``, as
-    the local store's client does); a caller whose keys name something may
-    refuse it.
-
-    ``len`` counts characters, never more than the bytes: only non-ASCII
-    text needs encoding.
+    UTF-8 (SiMM counts key bytes; text with no UTF-8 form is no key).
+    ``budget`` is SiMM's limit, or a caller's smaller one. SiMM itself takes
+    an empty key (``empty_ok``); a caller whose keys name something may
+    refuse it. Only non-ASCII text needs encoding: ``len`` never counts more
+    than the bytes.
     """
     if not isinstance(key, str) or (not key and not empty_ok) or len(key) > budget:
         return False
