@@ -242,11 +242,8 @@ class SiMMConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, source: str = "mapping") -> SiMMConfig:
-        """Build from one dict of field values (no file, no environment).
-
-        Unknown keys are warned about (SGLang's own keys silently ignored);
-        every error is a ``ValueError`` naming field, value and ``source``.
-        """
+        """Build from one dict of field values (no file, no environment);
+        unknown keys are warned about, SGLang's own ignored."""
         if not isinstance(data, Mapping):
             raise ValueError(f"SiMM config from {source} must be a mapping, got {type(data).__name__}")
         partial = _fields_of(data, source)
@@ -617,10 +614,8 @@ def _merge(partials: list[Sourced]) -> Sourced:
                     raise ValueError(_problem(name, value, source, exc)) from None
             elif name not in merged:
                 merged[name] = (value, source)
-    if flag_parts:
-        flags: dict[str, str] = {}
-        for part, _source in reversed(flag_parts):  # lowest first; higher overwrite
-            flags.update(part)
+    if flag_parts:  # lowest first, so a higher source's flag overwrites
+        flags = {name: value for part, _source in reversed(flag_parts) for name, value in part.items()}
         merged["client_flags"] = (FlagMap(flags), ", ".join(s for _p, s in flag_parts))
     return merged
 
@@ -657,11 +652,8 @@ def load_config(
     extra_config: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> ResolvedConfig:
-    """Resolve the config from ``extra_config``, the JSON file and the environment.
-
-    ``environ`` defaults to ``os.environ``. Raises ``ValueError`` (naming the
-    field, the value, what is accepted and the source) on any invalid value.
-    """
+    """Resolve the config from ``extra_config``, the JSON file and the
+    environment (``os.environ`` by default); ``ValueError`` on any invalid value."""
     env = os.environ if environ is None else environ
     merged = _merge([source(extra_config, env) for _name, source in SOURCES])
     config = SiMMConfig(**_validate(merged))
@@ -943,11 +935,8 @@ def _problem(name: str, value: Any, source: str, exc: InvalidValue) -> str:
 
 
 def _validate(raw: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
-    """The one validation: ``{field: (value, source)}`` -> normalised field values.
-
-    Fields absent from ``raw`` take their defaults. All problems are gathered
-    into one ``ValueError``.
-    """
+    """The one validation: ``{field: (value, source)}`` -> normalised field
+    values, defaults for the absent; every problem in one ``ValueError``."""
     errors: list[str] = []
     out: dict[str, Any] = {}
     for name in FIELD_NAMES:
@@ -1007,12 +996,9 @@ _LOG_STAMP: dict[int, str] = {}
 
 
 def default_log_file(environ: Mapping[str, str] | None = None) -> str:
-    """This process's default SiMM client log path (never under ``/var/log``).
-
-    ``$SGLANG_SIMM_LOG_DIR`` (or ``<tempdir>/sglang-simm``) ``/<YYYYmmdd-HHMMSS>-<pid>/simm_clnt.log``.
-    The stamp is fixed per process (a forked child gets its own). Nothing is
-    created here; the caller makes the directory before handing the path over.
-    """
+    """This process's default SiMM client log path, ``$SGLANG_SIMM_LOG_DIR`` (or
+    ``<tempdir>/sglang-simm``) ``/<YYYYmmdd-HHMMSS>-<pid>/simm_clnt.log``, never
+    under ``/var/log``; fixed per process. The caller makes the directory."""
     env = os.environ if environ is None else environ
     pid = os.getpid()
     stamp = _LOG_STAMP.setdefault(pid, time.strftime("%Y%m%d-%H%M%S"))
