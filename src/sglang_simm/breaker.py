@@ -21,26 +21,18 @@ States and transitions::
 Invariant, kept under one lock (the closed path only reads):
 
 * CLOSED: every call goes to the client; fewer than ``threshold`` faults in
-  a row since the last healthy answer. A miss ("not found") is a healthy
-  answer (``errors.is_fault``).
+  a row since the last healthy answer (a miss is healthy, ``errors.is_fault``).
 * OPEN: no call touches the client; each answers a miss at once, holding no
-  host memory and writing nothing. The next probe is due at
-  ``next_probe_at``.
-* HALF_OPEN: exactly one call, the probe, is in flight to the client; every
-  other call answers a miss. Its answer closes the breaker (no fault) or
-  opens it again with the next backoff (a fault). A probe that ends without
-  an answer (bad input, an exception that is not the store's) frees the slot
-  for the next probe; one that never reports is replaced after
-  ``probe_timeout_s``, so the breaker can never stay open for good.
-* Who probes: with a prober (``set_prober``, as the backend sets one), the
-  breaker's own thread, so no request waits out a hung store's time limit;
-  no data-path call is let through while the breaker is not closed (but
-  after a probe that never reports). Without one, the first data-path call
-  after the backoff is the probe.
+  host memory and writing nothing, until the next probe is due.
+* HALF_OPEN: exactly one call, the probe, is in flight to the client; its
+  answer closes the breaker or opens it again with the next backoff. A
+  probe that ends without an answer frees the slot; one that never reports
+  is replaced after ``probe_timeout_s``, so the breaker never stays open.
+* Who probes: the breaker's own thread where the backend gave it a prober
+  (``set_prober``), so no request waits out a hung store's time limit;
+  else the first data-path call after the backoff.
 * The backoff before probe k (k = 0 right after opening) is
-  ``min(cap, base * 2**k) * (1 - jitter * u)``, ``u`` uniform in [0, 1):
-  never longer than the cap, never shorter than ``1 - jitter`` of the
-  unjittered delay.
+  ``min(cap, base * 2**k) * (1 - jitter * u)``, ``u`` uniform in [0, 1).
 * Every transition starts a new epoch; an answer to a call let through in an
   earlier epoch is ignored (counted as ``late``), so a slow call admitted
   before the breaker opened can neither close it nor open it again.
@@ -57,10 +49,9 @@ after one)::
         codes = client.mget_views(keys, views)
         permit.record(codes, seconds=perf_counter() - t0, op="batch_get_v1")
 
-Each transition is logged once (cause, next probe time) and counted;
-``snapshot()`` is for ``backend.stats()``. Where SGLang's controller hands
-the backend a fault reporter (``set_fault_reporter``, the shape of
-sgl-project/sglang#17521), each recorded outcome is reported to it too
+Each transition is logged once and counted (``snapshot()``). Where SGLang's
+controller hands the backend a fault reporter (``set_fault_reporter``, the
+shape of sgl-project/sglang#17521), each outcome is reported to it too
 (``FaultReports``). Clock and random source are injected for tests.
 """
 
@@ -157,11 +148,8 @@ def fault_of(
 
 class Permit:
     """Leave to call the client once (truthy); ``REFUSED`` is falsy.
-
     ``record`` reports what the call answered; leaving a ``with permit:``
-    block by an exception records it when it is the store's
-    (``is_fault_exception``) and lets it propagate. A probe that ends
-    without a ``record`` (an early return) frees the probe slot."""
+    block records the store's exceptions and frees an unreported probe's slot."""
 
     __slots__ = ("_breaker", "epoch", "probe", "_pending")
 
@@ -351,11 +339,9 @@ class Breaker:
 
     def set_prober(self, probe: Callable[[], Iterable[int]] | None) -> None:
         """Probe off the request path from now on: while the breaker is not
-        closed, its own thread calls ``probe()`` (one cheap client call that
-        answers its codes; a miss is healthy) each time a backoff ends, and
-        no data-path call is let through. None: data-path calls probe again.
-        The thread runs only while the breaker is open (a daemon: it never
-        holds a process back)."""
+        closed, a daemon thread calls ``probe()`` (one cheap client call that
+        answers its codes) each time a backoff ends. None: data-path calls
+        probe again."""
         with self._lock:
             self._probe_fn = probe if self.enabled else None
             self._start_prober()
@@ -536,12 +522,10 @@ def find_fault_reporter(obj: Any) -> Any | None:
 
 
 class FaultReports:
-    """Report each data-path operation's outcome to SGLang's fault reporter,
-    where it has one (``report_op(op=..., fatal=..., detail=...)``).
-    ``fatal`` is a fault as the breaker sees it; calls the open breaker
-    answered without the store are not reported (they say nothing about
-    it). A reporter that raises is logged once per 60 s and never breaks
-    the data path."""
+    """Report each data-path operation's outcome (``fatal``: a fault as the
+    breaker sees it) to SGLang's fault reporter, where it has one; calls the
+    open breaker answered are not reported. A reporter that raises is logged
+    once per 60 s and never breaks the data path."""
 
     def __init__(self, reporter: Any = None) -> None:
         self._reporter: Any = None
