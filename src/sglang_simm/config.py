@@ -572,13 +572,12 @@ def _from_environ(extra_config: Mapping[str, Any] | None, environ: Mapping[str, 
     # SGLANG_SIMM_MANAGER_ADDRESS comes later, so it wins over SIMM_CLUSTER_MANAGER.
     for name, var in [("manager_address", MANAGER_ENV)] + [(f, env_var_name(f)) for f in FIELD_NAMES]:
         value = environ.get(var)
-        if value is None or not value.strip():
-            continue  # unset, or set to "": treated as unset
-        out[name] = (value, f"env:{var}")
+        if value and value.strip():  # set to "" or blanks: treated as unset
+            out[name] = (value, f"env:{var}")
     for old, new in RENAMED_FIELDS.items():
         old_var, new_var = env_var_name(old), env_var_name(new)
         value = environ.get(old_var)
-        if value is None or not value.strip():
+        if not (value and value.strip()):
             continue
         if new in out:
             raise ValueError(f"SiMM config: the environment: {both_given(old_var, new_var)}")
@@ -763,30 +762,26 @@ def parse_client_flags(value: Any, *, where: str | None = None, warn: bool = Tru
 def _raw_client_flags(value: Any) -> dict[str, str]:
     """A flag dict (or a JSON object string) -> ``{name: text}``, names as given."""
     accepted = 'a JSON object of SiMM client flags, e.g. {"clnt_syncreq_enable_retry": true}'
-
-    def fail(problem: str) -> InvalidValue:
-        return InvalidValue(problem, accepted)
-
     data = value
     if isinstance(value, str):
         try:
             data = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise fail(f"is not valid JSON ({exc})") from None
+            raise InvalidValue(f"is not valid JSON ({exc})", accepted) from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
-        raise fail(f"is not an object ({type(data).__name__})")
+        raise InvalidValue(f"is not an object ({type(data).__name__})", accepted)
     flags: dict[str, str] = {}
     for name, flag_value in data.items():
         if not isinstance(name, str) or not _FLAG_NAME_RE.fullmatch(name):
-            raise fail(f"has a malformed flag name {name!r}")
+            raise InvalidValue(f"has a malformed flag name {name!r}", accepted)
         if isinstance(flag_value, bool):
             flags[name] = "true" if flag_value else "false"
         elif isinstance(flag_value, (int, float, str)):
             flags[name] = str(flag_value)
         else:
-            raise fail(f"has a non-scalar value for {name!r}: {flag_value!r}")
+            raise InvalidValue(f"has a non-scalar value for {name!r}: {flag_value!r}", accepted)
     return flags
 
 
