@@ -195,9 +195,8 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
         report.problems.append(f"configuration: {exc}")
     # Where the rest of the configuration is wrong, the address alone still
     # says which client the checks below are about.
-    if config is not None:
-        target = config
-    else:
+    target = config
+    if target is None:
         with _quiet_config_log():
             target = address_only(extra)
 
@@ -278,12 +277,10 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
             _round_trip(console, config, report)
 
     report.problems += typos
-    for note in report.notes:
-        console.print(f"[yellow]note:[/yellow] {_text(note)}", soft_wrap=True)  # paths stay whole, to copy
-    for warning in report.warnings:
-        console.print(f"[yellow]warning:[/yellow] {_text(warning)}", soft_wrap=True)
-    for problem in report.problems:
-        console.print(f"[red]problem:[/red] {_text(problem)}", soft_wrap=True)
+    for word, style, lines in (("note", "yellow", report.notes), ("warning", "yellow", report.warnings),
+                               ("problem", "red", report.problems)):
+        for line in lines:
+            console.print(f"[{style}]{word}:[/{style}] {_text(line)}", soft_wrap=True)  # paths stay whole, to copy
     if report.problems:
         console.print(f"[red]{len(report.problems)} problem(s) block a start.[/red]")
         return 1
@@ -315,9 +312,9 @@ def _print_launch_lines(console: Any, extra: dict[str, Any], resolved: Any) -> N
     for route, line in launch_lines(extra).items():
         console.print(f"[dim]# {route}[/dim]")
         console.print(line, soft_wrap=True, markup=False)
-    elsewhere = sorted({s for n, s in resolved.sources.items() if s not in ("extra_config", "default")})
-    if elsewhere:
-        fields = [n for n, s in resolved.sources.items() if s not in ("extra_config", "default")]
+    outside = {n: s for n, s in resolved.sources.items() if s not in ("extra_config", "default")}
+    if outside:
+        fields, elsewhere = list(outside), sorted(set(outside.values()))
         verb = "comes" if len(fields) == 1 else "come"
         console.print(
             f"[dim]# {', '.join(fields)} {verb} from {', '.join(elsewhere)}, not from these lines: "

@@ -97,18 +97,15 @@ def read_server(url: str, *, timeout_s: float = 10.0, api_key: str | None = None
         else:
             view.errors.append(f"{url} serves neither /server_info nor /get_server_info (HTTP {status})")
         return view
-    try:
-        status, body = _get(url + "/metrics", timeout_s, headers)
-        if status == 200:
-            view.metrics = parse_metrics(body.decode("utf-8", "replace"))
-    except (urllib.error.URLError, OSError):
-        pass
-    try:
-        status, body = _get(url + "/hicache/storage-backend", timeout_s, headers)
-        if status == 200:
-            view.storage = json.loads(body)
-    except (urllib.error.URLError, OSError, ValueError):
-        pass
+    def optional(path: str, parse: Any) -> Any:  # None where not served, refused or unreadable
+        try:
+            status, body = _get(url + path, timeout_s, headers)
+            return parse(body) if status == 200 else None
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    view.metrics = optional("/metrics", lambda body: parse_metrics(body.decode("utf-8", "replace")))
+    view.storage = optional("/hicache/storage-backend", json.loads)
     return view
 
 
