@@ -102,10 +102,8 @@ PROBE_TIMEOUT_S = 60.0
 
 def is_fault_exception(exc: BaseException) -> bool:
     """An exception from the client that says the store is unreachable: one
-    carrying a fault ``code`` (the local store's ``StoreUnreachable``), else
-    any ``OSError`` (``ConnectionError``, ``TimeoutError``, sockets). Others
-    (a refused argument, a closed client, our own checks) are not the
-    store's: they neither open nor close the breaker."""
+    carrying a fault ``code``, else any ``OSError``. Others (a refused
+    argument, a closed client, our own checks) are not the store's."""
     code = getattr(exc, "code", None)
     if isinstance(code, int) and not isinstance(code, bool):
         return is_fault(code)
@@ -119,14 +117,10 @@ def fault_of(
     slow_s: float | None = None,
     exc: BaseException | None = None,
 ) -> str | None:
-    """The cause if one client call was a fault, else None (pure).
-
-    A fault: an exception that is the store's (``is_fault_exception``); a
-    call that took ``slow_s`` or longer (a timeout, whatever it answered);
-    or a call whose every answer is a fault code (``errors.is_fault``). A
-    call where some keys got a healthy answer is not: one unreachable server
-    of a cluster must not switch L3 off for the others.
-    """
+    """The cause if one client call was a fault, else None: an exception
+    that is the store's, a call that took ``slow_s`` or longer, or one whose
+    every answer is a fault code. One healthy answer makes it no fault: one
+    unreachable server of a cluster must not switch L3 off for the others."""
     if exc is not None:
         if not is_fault_exception(exc):
             return None

@@ -267,12 +267,9 @@ def connect(
     gpu: int | None = None,
 ) -> KVClient:
     """Choose the client, set flags and NICs, create the store, warm it up.
-
     ``kv_module`` injects a module with the ``simm.kv`` surface (tests and
-    benchmarks), the way httpx takes ``transport=``. ``gpu`` is the CUDA
-    device whose NUMA node may decide the NICs; None: the current device,
-    which SGLang sets in each scheduler process before building the cache.
-    """
+    benchmarks); ``gpu`` is the CUDA device whose NUMA node may decide the
+    NICs (None: the current one, which SGLang sets in each scheduler)."""
     kv = kv_module if kv_module is not None else load_kv_module(config)
     local = config.is_local_store
     if local:

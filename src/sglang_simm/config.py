@@ -155,12 +155,8 @@ class FlagMap(Mapping[str, str]):
 
 @dataclass(frozen=True)
 class SiMMConfig:
-    """Everything the SiMM backend is configured with.
-
-    Build it with :func:`load_config` (all sources) or
-    :meth:`SiMMConfig.from_mapping` (one dict); direct construction validates
-    and normalises too.
-    """
+    """Everything the SiMM backend is configured with: from :func:`load_config`
+    (all sources), :meth:`from_mapping` (one dict), or built directly (validated too)."""
 
     manager_address: str
     """``host:port``, ``[ipv6]:port``; ``local`` or ``local://NAME`` (the local
@@ -972,11 +968,10 @@ def _cross_field_problems(out: Mapping[str, Any], raw: Mapping[str, tuple[Any, s
 
 
 def local_store_place(config: SiMMConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
-    """The directory a ``local`` address's store lives in, as this
-    process's client finds it, and what chose it: ``client flag
-    local_store_dir``, ``local_store_dir``, ``env SGLANG_SIMM_STORE_DIR`` or
-    ``default``; None for a cluster or the in-process store. Servers report
-    it, so that ``doctor --server`` reads theirs, not its own."""
+    """The directory a ``local`` address's store lives in, as this process's
+    client finds it, and what chose it (``client flag local_store_dir``,
+    ``local_store_dir``, ``env SGLANG_SIMM_STORE_DIR`` or ``default``); None
+    for a cluster or the in-process store."""
     if config.local_store_scope != "host":
         return None
     env = os.environ if environ is None else environ

@@ -63,11 +63,8 @@ class PageGeometry:
         return int(self.sizes.sum())
 
     def pointers(self, first_slots: np.ndarray) -> np.ndarray:
-        """Object addresses for pages starting at ``first_slots`` (page-aligned,
-        as ``page_starts`` checks), page-major.
-
-        In int64 whatever the slots' dtype: SGLang's host indices may be
-        int32, and ``page * stride`` passes 2^31 in any pool over 2 GiB."""
+        """Object addresses for pages starting at ``first_slots`` (page-aligned),
+        page-major; in int64, as ``page * stride`` passes 2^31 in a big pool."""
         pages = np.asarray(first_slots).astype(np.int64, copy=False) // self.page_size
         return (pages[:, None] * self.page_stride + self.base[None, :]).ravel()
 
@@ -88,10 +85,7 @@ def derive_geometry(
 ) -> PageGeometry:
     """Sample ``meta`` (the pool's ``get_page_buffer_meta``) and fit the
     affine model; raise UnsupportedPoolError when the pool does not follow it.
-
-    ``make_indices(start, stop)`` builds the index tensor ``meta`` expects,
-    so this module needs no torch.
-    """
+    ``make_indices(start, stop)`` builds ``meta``'s index tensor (no torch here)."""
     num_pages = pool_tokens // page_size
     if num_pages < 1:
         raise UnsupportedPoolError(
@@ -152,13 +146,9 @@ def derive_region_geometry(
     value_limit: int = MAX_VALUE_BYTES,
 ) -> tuple[PageGeometry, np.ndarray]:
     """``derive_geometry`` for a pool whose objects of one page lie in
-    several buffers, each with its own slot stride (SGLang's Mamba host pool:
-    one temporal and one or more conv state buffers).
-
-    ``regions`` are the buffers as ``(start, bytes)``. Each part is fitted on
-    its own, inside the region that holds it. Returns the geometry (with one
-    ``page_stride`` per part) and the region index of every part.
-    """
+    several buffers (``regions``, as ``(start, bytes)``), each with its own
+    stride: each part is fitted inside the region that holds it. The
+    geometry (one ``page_stride`` per part) and each part's region index."""
     if not regions:
         raise UnsupportedPoolError("the host pool has no buffers to register")
     first, first_sizes = meta(make_indices(0, page_size))

@@ -281,13 +281,9 @@ def _mamba_meta(pool: Any) -> Any:
 
 def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolLayout:
     """Check a side pool and say how to store it; raise UnsupportedPoolError
-    (failing the attach) on one this backend cannot store zero-copy.
-
-    Every page-addressable pool is stored (``get_page_buffer_meta`` says
-    which bytes are a page; ``geometry`` checks it before anything moves).
-    Pools this module knows are named by what they hold; any other is
-    stored as its objects by position.
-    """
+    (failing the attach) on one this backend cannot store zero-copy. Pools
+    this module knows are named by what they hold; any other page-addressable
+    pool is stored as its objects by position."""
     kind_name = type(pool).__name__
     if not callable(getattr(pool, "get_page_buffer_meta", None)):
         raise UnsupportedPoolError(

@@ -105,15 +105,11 @@ class Call:
 
 
 class Pools:
-    """The host pools bound to one backend: ``kv``, the KV pool, and
-    ``side``, the hybrid side pools by name; and ``closed``, once the
-    backend is.
-
-    Attach and close change them under ``lock``; data-path threads read
-    them without it (an attribute or a dict read is atomic) and count
-    themselves in on the binding they get (``use``), so a pool replaced
-    meanwhile is either counted in or skipped, never deregistered under a
-    call."""
+    """The host pools bound to one backend (``kv``, and the hybrid ``side``
+    pools by name), and whether it is ``closed``. Attach and close change
+    them under ``lock``; data-path threads read them without it (a read is
+    atomic) and count themselves in on the binding they get (``use``), so
+    no pool is deregistered under a call."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

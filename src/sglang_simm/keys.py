@@ -94,12 +94,9 @@ def pool_dtype(pool_dtype: str, region_dtypes: Sequence[str]) -> str:
 
 
 def fingerprint(identity: PageIdentity) -> str:
-    """16 hex digits over the identity fields that decide a page's bytes.
-
-    Ranks that hold identical bytes must get the same fingerprint, so the
-    fields are normalised first: MLA pages are replicated across TP ranks
-    (no TP in the fingerprint); split-head pages are named by their head
-    group in the suffix instead (no TP rank or size, only ``tp_lcm_size``).
+    """16 hex digits over the identity fields that decide a page's bytes,
+    normalised so that ranks holding identical bytes agree: no TP for MLA
+    (replicated), only ``tp_lcm_size`` for head groups (named in the suffix).
     """
     fields = asdict(identity)
     fields["v"] = NAMESPACE_VERSION

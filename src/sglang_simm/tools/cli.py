@@ -45,10 +45,7 @@ FILE_FORMATS = (".json", ".toml", ".yaml", ".yml")
 def parse_extra_config(text: str | None, *, option: str = "--extra-config") -> dict[str, Any]:
     """Like SGLang's ``--hicache-storage-backend-extra-config``: JSON, or
     ``@path`` to a JSON, YAML or TOML file (by extension, as SGLang reads it).
-
-    Every problem is a ValueError naming ``option``, what is wrong and an
-    example; nothing here raises anything else for bad input.
-    """
+    Every problem is a ValueError naming ``option``, what is wrong and an example."""
     if not text:
         return {}
     if text.startswith("@"):

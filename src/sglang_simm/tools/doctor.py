@@ -324,11 +324,9 @@ def _print_launch_lines(console: Any, extra: dict[str, Any], resolved: Any) -> N
 
 
 def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: Report) -> None:
-    """The round trip on a local store: on the running store of the
-    config's name, whose size is what servers get; where none runs, on a
-    store of doctor's own in a private directory, stopped after it, so
-    that doctor never leaves a store of its own choosing behind for the
-    next server to find."""
+    """The round trip on the running local store of the config's name; where
+    none runs, on a store of doctor's own in a private directory, stopped
+    after it, so that no server finds a store of doctor's choosing."""
     from sglang_simm.config import client_flag, load_config, with_client_flag
     from sglang_simm.local_store import get_flag, set_flag
     from sglang_simm.local_store.admin import (
