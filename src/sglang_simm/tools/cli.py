@@ -101,7 +101,8 @@ def _json(text: str, where: str, tail: str = "") -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{where} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}){tail}") from None
+        problem = f"{where} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        raise ValueError(problem + tail) from None
 
 
 def _toml_module(where: str) -> Any:
