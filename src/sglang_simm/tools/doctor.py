@@ -16,6 +16,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_simm import __version__
+from sglang_simm.client import connect, import_real_client
+from sglang_simm.config import (
+    SOURCES,
+    SiMMConfig,
+    client_flag,
+    find_deprecated_names,
+    find_unknown_keys,
+    load_config,
+    with_client_flag,
+    with_current_names,
+)
+from sglang_simm.errors import ClientNotInstalledError
+from sglang_simm.numa import list_rdma_devices, select_nics
+
 #: Where SGLang comes from: PyPI has it (this package is not on an index yet).
 SGLANG_INSTALL = "pip install 'sglang>=0.5.8,<0.6'"
 
@@ -118,16 +133,14 @@ def address_only(extra: dict[str, Any]) -> Any:
     """A configuration of the manager address alone, as the sources resolve
     it (None when it is missing or invalid): what the client checks go by
     when another field is wrong."""
-    from sglang_simm import config as cfg
-
-    for _name, source in cfg.SOURCES:
+    for _name, source in SOURCES:
         try:
             found = source(extra, os.environ)
         except ValueError:
             continue
         if "manager_address" in found:
             try:
-                return cfg.SiMMConfig(manager_address=found["manager_address"][0])
+                return SiMMConfig(manager_address=found["manager_address"][0])
             except ValueError:
                 return None
     return None
@@ -160,10 +173,6 @@ def _text(value: Any) -> str:
 
 
 def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys") -> int:
-    from sglang_simm import __version__
-    from sglang_simm.config import find_deprecated_names, find_unknown_keys, load_config, with_current_names
-    from sglang_simm.numa import list_rdma_devices, select_nics
-
     report = Report()
     console.print(f"[bold]sglang-simm {__version__} doctor[/bold]")
 
@@ -205,9 +214,6 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     if target is not None and target.is_local_store:
         table.add_row("client", _text(_store_description(target)))
     else:
-        from sglang_simm.client import import_real_client
-        from sglang_simm.errors import ClientNotInstalledError
-
         try:
             kv = import_real_client()
             table.add_row("simm.kv", _text(f"SiMM client at {getattr(kv, '__file__', '?')}"))
@@ -327,7 +333,6 @@ def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: R
     """The round trip on the running local store of the config's name; where
     none runs, on a store of doctor's own in a private directory, stopped
     after it, so that no server finds a store of doctor's choosing."""
-    from sglang_simm.config import client_flag, load_config, with_client_flag
     from sglang_simm.local_store import get_flag, set_flag
     from sglang_simm.local_store.admin import (
         StorePaths,
@@ -392,8 +397,6 @@ def _round_trip(console: Any, config: Any, report: Report, *, size: int = 1 << 2
     """Put, exists, get and delete a 1 MiB object a few times; median latency."""
     import statistics
     import uuid
-
-    from sglang_simm.client import connect
 
     try:
         client = connect(config)

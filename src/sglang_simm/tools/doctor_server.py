@@ -22,7 +22,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_simm.local_store.admin import STORE_DIR_ENV
+from sglang_simm.config import SiMMConfig, client_flag, parse_client_flags
+from sglang_simm.keys import WARMUP_KEY_PREFIX
+from sglang_simm.local_store.admin import STORE_DIR_ENV, store_dir
 from sglang_simm.tools.doctor import _reach, version_tuple
 
 #: SGLang's default for the extra-config key ``prefetch_threshold`` (tokens)
@@ -323,9 +325,6 @@ def _from_metrics(metrics: dict[str, Any]) -> list[Finding]:
 def store_of(extra: dict[str, Any]) -> tuple[str, str] | None:
     """(store directory, name) of a local store named by the extra config's
     manager address; None for a cluster."""
-    from sglang_simm.config import SiMMConfig, client_flag
-    from sglang_simm.local_store.admin import store_dir
-
     try:
         config = SiMMConfig(manager_address=extra.get("manager_address", ""))
     except (ValueError, TypeError):
@@ -342,8 +341,6 @@ _NAMESPACE = re.compile(r"^(?:(.*?)/)?(s\d+\.[0-9a-f]{16})/")
 def namespaces(keys: list[str]) -> dict[str, int]:
     """Objects per key namespace (``tag/s1.<fingerprint>``, ``legacy`` for
     others); start-up round trips left out."""
-    from sglang_simm.keys import WARMUP_KEY_PREFIX
-
     out: dict[str, int] = {}
     for key in keys:
         if key.startswith((WARMUP_KEY_PREFIX, "sglang_simm_doctor_")):
@@ -462,8 +459,6 @@ NAMESPACE_FIELDS = ("model_path", "served_model_name", "tp_size", "pp_size", "pa
 def _store_dir_flag(extra: dict[str, Any]) -> str:
     """The client flag ``local_store_dir`` (or its old name) of a server's
     extra config, "" when unset or unreadable; nothing logged."""
-    from sglang_simm.config import parse_client_flags
-
     try:
         return parse_client_flags(extra.get("client_flags"), warn=False).get("local_store_dir", "")
     except ValueError:
@@ -540,8 +535,6 @@ def _store_findings(extra: dict[str, Any], metrics: dict[str, Any] | None = None
     where it does), or a cluster manager's reachability."""
     where = store_of(extra)
     if where is None:
-        from sglang_simm.config import SiMMConfig
-
         try:
             config = SiMMConfig(manager_address=extra.get("manager_address", ""))
         except (ValueError, TypeError) as exc:
