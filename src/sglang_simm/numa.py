@@ -97,6 +97,13 @@ def _read_text(path: str) -> str | None:
         return None
 
 
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 def _read_int(path: str) -> int | None:
     try:
         return int(_read_text(path))  # type: ignore[arg-type]
@@ -107,23 +114,15 @@ def _read_int(path: str) -> int | None:
 def list_rdma_devices(sysfs_root: str = "/sys") -> list[RdmaDevice]:
     """Every device under ``class/infiniband``, sorted by name; [] when there is none."""
     ib_root = os.path.join(sysfs_root, "class", "infiniband")
-    try:
-        names = os.listdir(ib_root)
-    except OSError:
-        return []
     devices = []
-    for name in sorted(names, key=_natural_key):
+    for name in sorted(_listdir(ib_root), key=_natural_key):
         dev_dir = os.path.join(ib_root, name)
         node = _read_int(os.path.join(dev_dir, "device", "numa_node"))
         if node is None or node < 0:
             node = _UNKNOWN_NODE
         ports: dict[int, str] = {}
         ports_dir = os.path.join(dev_dir, "ports")
-        try:
-            port_names = os.listdir(ports_dir)
-        except OSError:
-            port_names = []
-        for port in port_names:
+        for port in _listdir(ports_dir):
             if not port.isdigit():
                 continue
             text = _read_text(os.path.join(ports_dir, port, "state"))
@@ -138,19 +137,12 @@ def list_rdma_devices(sysfs_root: str = "/sys") -> list[RdmaDevice]:
 def cpu_to_node(sysfs_root: str = "/sys") -> dict[int, int]:
     """CPU id -> NUMA node, from the ``node<N>`` entries under ``devices/system/cpu/cpu<k>/``."""
     cpu_root = os.path.join(sysfs_root, "devices", "system", "cpu")
-    try:
-        entries = os.listdir(cpu_root)
-    except OSError:
-        return {}
     mapping: dict[int, int] = {}
-    for entry in entries:
+    for entry in _listdir(cpu_root):
         match = _CPU_DIR_RE.fullmatch(entry)
         if not match:
             continue
-        try:
-            inner = os.listdir(os.path.join(cpu_root, entry))
-        except OSError:
-            continue
+        inner = _listdir(os.path.join(cpu_root, entry))
         nodes = sorted(int(m.group(1)) for m in map(_NODE_RE.fullmatch, inner) if m)
         if nodes:
             mapping[int(match.group(1))] = nodes[0]
