@@ -485,9 +485,7 @@ class Breaker:
 
 
 #: Where SGLang's fault reporter (found by duck typing) may hang off its
-#: storage backend or cache controller: ``HiCacheStorage._fault_reporter``
-#: (set by ``set_fault_reporter``), and the names a controller would keep
-#: its fault manager under.
+#: storage backend or cache controller.
 _REPORTER_ATTRS = ("_fault_reporter", "fault_reporter", "fault_manager", "storage_fault_manager")
 
 

@@ -81,9 +81,8 @@ MANAGER_ENV = "SIMM_CLUSTER_MANAGER"
 ENV_PREFIX = "SGLANG_SIMM_"
 #: Env var with the directory for the default per-process client log.
 LOG_DIR_ENV = "SGLANG_SIMM_LOG_DIR"
-#: The variables of this package that are not a field's: a near miss of one
-#: is reported as of a field's, and they themselves are no one's near miss.
-#: The store's directory, and its metrics endpoint (``docs/observability.md``).
+#: The variables of this package that are not a field's (the store's directory
+#: and metrics endpoint among them), so that a near miss of one is reported.
 OTHER_ENV_VARS: tuple[str, ...] = (
     MANAGER_ENV,
     CONFIG_PATH_ENV,

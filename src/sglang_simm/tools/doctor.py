@@ -91,9 +91,8 @@ def sglang_status() -> dict[str, Any]:
 _ROUTE_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
 #: The HiCache settings under which L3 pays, each with why: every launch line
-#: this project writes carries them (doctor's; the README's and examples/'s,
-#: held to these by tests/test_examples.py). Set explicitly, since SGLang's
-#: defaults differ by release (best_effort prefetch before 0.5.23).
+#: this project writes carries them (tests/test_examples.py), set explicitly
+#: since SGLang's defaults differ by release.
 RECOMMENDED: tuple[tuple[str, str], ...] = (
     ("--hicache-ratio 2", "a host pool twice the GPU KV pool, so pages outlive their GPU copy; it needs that "
      "much free host memory per server (twice the GPU KV pool's bytes, beyond the 10 GiB SGLang keeps free), "

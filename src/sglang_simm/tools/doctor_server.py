@@ -518,8 +518,7 @@ def run_doctor_server(console: Any, urls: list[str], *, api_key: str | None = No
             word = {"block": "blocks hits", "warn": "warning", "info": "note"}[f.level]
             fix = f" [bold]Change:[/bold] {escape(f.fix)}" if f.fix and f.level != "info" else ""
             console.print(f"[{style}]{word}:[/{style}] {escape(f.what)}.{fix}", soft_wrap=True)
-        n = sum(f.level == "block" for f in findings)
-        blocked += n
+        blocked += sum(f.level == "block" for f in findings)
         console.print()
     for f in compare_namespaces(seen):
         console.print(f"[yellow]warning:[/yellow] {escape(f.what)}. [bold]Change:[/bold] {escape(f.fix)}", soft_wrap=True)
