@@ -82,7 +82,8 @@ ENV_PREFIX = "SGLANG_SIMM_"
 #: Env var with the directory for the default per-process client log.
 LOG_DIR_ENV = "SGLANG_SIMM_LOG_DIR"
 #: The variables of this package that are not a field's (the store's directory
-#: and metrics endpoint among them), so that a near miss of one is reported.
+#: and metrics endpoint among them): a near miss of one is reported, and none
+#: of them is taken for a near miss.
 OTHER_ENV_VARS: tuple[str, ...] = (
     MANAGER_ENV,
     CONFIG_PATH_ENV,
