@@ -5,14 +5,11 @@ call. Its pointer formula is affine in the page's index::
 
     ptr(page, part) = base[part] + page * page_stride      (page = first slot // page_size)
 
-for every layout we accept, so it is sampled once at registration (first,
-second and last page), checked, and then evaluated with numpy for a whole
-batch. A stride per page, not per token slot, so pools whose page rows are
-not a whole number of bytes per token follow it too. Sampling the pool's own
-method keeps us right across SGLang releases whose formulas differ.
-
-Objects larger than SiMM's value limit are cut into equal chunks, which are
-just more parts with their own base offsets.
+for every layout we accept (a stride per page, not per token slot), so it is
+sampled once at registration (first, second and last page), checked, and then
+evaluated with numpy for a whole batch. Sampling the pool's own method keeps
+us right across SGLang releases whose formulas differ. Objects larger than
+SiMM's value limit are cut into equal chunks: more parts, with their own bases.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Hybrid models: SGLang's v2 pool-transfer interface, the parts without I/O.
 
-Hybrid models (Mamba/linear attention, sliding-window attention, DSA
-indexers, speculative drafts) keep state in host pools beside the KV pool.
-SGLang's hybrid cache controller hands them to the backend through
-``register_mem_host_pool_v2(pool, name)`` and moves them with per-pool
+Hybrid models (Mamba, sliding-window attention, DSA indexers, speculative
+drafts) keep state in host pools beside the KV pool, handed to the backend
+through ``register_mem_host_pool_v2(pool, name)`` and moved with per-pool
 ``PoolTransfer`` lists; the KV pages still move through v1.
 
 Every side pool's objects are stored under KV page keys (a Mamba state

@@ -1,11 +1,8 @@
 """Object keys: which SiMM key holds which part of which KV page.
 
-Pure functions, no I/O. A page's object key is always::
-
-    prefix + page_hash + part_suffix
-
-so a batch of keys is built with one string concatenation per object, and the
-two schemes differ only in how ``prefix`` and the suffixes are made.
+Pure functions, no I/O. A page's object key is always
+``prefix + page_hash + part_suffix``, so a batch of keys is one concatenation
+per object, and the two schemes differ only in the prefix and the suffixes.
 
 ``namespaced`` (default): the prefix carries a fingerprint of everything that
 gives a page's bytes their meaning (model, parallel layout, page geometry,

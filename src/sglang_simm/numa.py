@@ -1,8 +1,7 @@
 """Which RDMA NICs this process should use, from sysfs and the CPU affinity.
 
 Pure functions over a ``sysfs_root`` (``/sys`` by default; tests build a fake
-tree). Nothing is read at import time, and no function here raises over a
-missing or odd sysfs: a machine without RDMA drivers just gets no NICs.
+tree), none raising over a missing or odd sysfs: no RDMA drivers, no NICs.
 
 Files read (relative to ``sysfs_root``)::
 
