@@ -18,7 +18,11 @@ import uuid
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from sglang_simm.errors import ClientNotInstalledError, ClusterUnreachableError, code_name
+from sglang_simm.errors import (
+    ClientNotInstalledError,
+    ClusterUnreachableError,
+    code_name,
+)
 from sglang_simm.keys import WARMUP_KEY_PREFIX
 
 if TYPE_CHECKING:  # pragma: no cover
