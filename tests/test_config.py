@@ -14,7 +14,6 @@ import pytest
 
 from sglang_simm.config import (
     CONFIG_PATH_ENV,
-    GIB,
     LOG_DIR_ENV,
     MANAGER_ENV,
     SGLANG_EXTRA_CONFIG_KEYS,
@@ -31,6 +30,7 @@ from sglang_simm.config import (
 )
 
 ADDR = "10.0.0.1:30001"
+GIB = 1024**3
 
 
 @pytest.fixture

@@ -1,10 +1,9 @@
 """A circuit breaker per backend: fail fast while the store is down, probe, heal.
 
-A failing L3 must cost serving nothing. While SiMM (or the local store) hangs
-or cannot be reached, every data-path call would wait out the client's
-request time limit on a request's path; the breaker turns those calls into
-immediate misses, lets one call through now and then to see whether the
-store is back, and closes as soon as one does.
+A failing L3 must cost serving nothing: while the store hangs or cannot be
+reached, every data-path call would wait out the client's time limit on a
+request's path. The breaker turns those calls into immediate misses, probes
+now and then, and closes as soon as the store answers.
 
 States and transitions::
 
@@ -22,28 +21,18 @@ States and transitions::
 Invariant, kept under one lock (the closed path only reads):
 
 * CLOSED: every call goes to the client; fewer than ``threshold`` faults in
-  a row since the last healthy answer. A miss ("not found") is a healthy
-  answer (``errors.is_fault``).
+  a row since the last healthy answer (a miss is healthy, ``errors.is_fault``).
 * OPEN: no call touches the client; each answers a miss at once, holding no
-  host memory and writing nothing. The next probe is due at
-  ``next_probe_at``.
-* HALF_OPEN: exactly one call, the probe, is in flight to the client; every
-  other call answers a miss. Its answer closes the breaker (no fault) or
-  opens it again with the next backoff (a fault). A probe that ends without
-  an answer (bad input, an exception that is not the store's) frees the slot
-  for the next probe; one that never reports is replaced after
-  ``probe_timeout_s``, so the breaker can never stay open for good.
-* Who probes: with a prober (``set_prober``, as the backend sets one), the
-  breaker's own thread, off every request's path: no data-path call is let
-  through while the breaker is not closed (but after a probe that never
-  reports, below). Without one, the first data-path call after the backoff
-  is the probe, and that call waits on the store for its request.
+  host memory and writing nothing, until the next probe is due.
+* HALF_OPEN: exactly one call, the probe, is in flight to the client; its
+  answer closes the breaker or opens it again with the next backoff. A
+  probe that ends without an answer frees the slot; one that never reports
+  is replaced after ``probe_timeout_s``, so the breaker never stays open.
+* Who probes: the breaker's own thread where the backend gave it a prober
+  (``set_prober``), so no request waits out a hung store's time limit;
+  else the first data-path call after the backoff.
 * The backoff before probe k (k = 0 right after opening) is
-  ``min(cap, base * 2**k) * (1 - jitter * u)``, ``u`` uniform in [0, 1):
-  never longer than the cap (so L3 is back within the cap plus one call
-  after the store is), never shorter than ``1 - jitter`` of the unjittered
-  delay; the jitter spreads the probes of a fleet's ranks that opened
-  together.
+  ``min(cap, base * 2**k) * (1 - jitter * u)``, ``u`` uniform in [0, 1).
 * Every transition starts a new epoch; an answer to a call let through in an
   earlier epoch is ignored (counted as ``late``), so a slow call admitted
   before the breaker opened can neither close it nor open it again.
@@ -60,16 +49,9 @@ after one)::
         codes = client.mget_views(keys, views)
         permit.record(codes, seconds=perf_counter() - t0, op="batch_get_v1")
 
-The prober exists because a probe on a request's path makes that request
-wait out the store's time limit whenever the store is still hung: on a CPU
-server with a hung local store (tests/e2e/store_scenario.py, 1,024-token
-prompts of about 0.1 s) each probe added a second to one request, for as
-long as the hang lasted (docs/resilience.md).
-
-Each transition is logged once (cause, next probe time) and counted;
-``snapshot()`` is for ``backend.stats()``. Where SGLang's controller hands
-the backend a fault reporter (``set_fault_reporter``, the shape of
-sgl-project/sglang#17521), each recorded outcome is reported to it too
+Each transition is logged once and counted (``snapshot()``). Where SGLang's
+controller hands the backend a fault reporter (``set_fault_reporter``, the
+shape of sgl-project/sglang#17521), each outcome is reported to it too
 (``FaultReports``). Clock and random source are injected for tests.
 """
 
@@ -118,17 +100,10 @@ SLOW_FRACTION = 0.9
 PROBE_TIMEOUT_S = 60.0
 
 
-# --------------------------------------------------------------------------
-# What counts as a fault
-# --------------------------------------------------------------------------
-
-
 def is_fault_exception(exc: BaseException) -> bool:
     """An exception from the client that says the store is unreachable: one
-    carrying a fault ``code`` (the local store's ``StoreUnreachable``), else
-    any ``OSError`` (``ConnectionError``, ``TimeoutError``, sockets). Others
-    (a refused argument, a closed client, our own checks) are not the
-    store's: they neither open nor close the breaker."""
+    carrying a fault ``code``, else any ``OSError``. Others (a refused
+    argument, a closed client, our own checks) are not the store's."""
     code = getattr(exc, "code", None)
     if isinstance(code, int) and not isinstance(code, bool):
         return is_fault(code)
@@ -142,15 +117,10 @@ def fault_of(
     slow_s: float | None = None,
     exc: BaseException | None = None,
 ) -> str | None:
-    """The cause if one client call was a fault, else None (pure).
-
-    A fault: an exception that is the store's (``is_fault_exception``); a
-    call that took ``slow_s`` or longer (a timeout, whatever it answered);
-    or a call whose every answer is a fault code (``errors.is_fault``). A
-    call where some keys got a healthy answer (a hit, a miss, a stored
-    object) is not: one unreachable server of a cluster must not switch L3
-    off for the others (its keys are still counted as errors by code).
-    """
+    """The cause if one client call was a fault, else None: an exception
+    that is the store's, a call that took ``slow_s`` or longer, or one whose
+    every answer is a fault code. One healthy answer makes it no fault: one
+    unreachable server of a cluster must not switch L3 off for the others."""
     if exc is not None:
         if not is_fault_exception(exc):
             return None
@@ -170,18 +140,10 @@ def fault_of(
     return f"{code_name(first)} x{n}" if n > 1 else code_name(first)
 
 
-# --------------------------------------------------------------------------
-# Permits
-# --------------------------------------------------------------------------
-
-
 class Permit:
     """Leave to call the client once (truthy); ``REFUSED`` is falsy.
-
     ``record`` reports what the call answered; leaving a ``with permit:``
-    block by an exception records it when it is the store's
-    (``is_fault_exception``) and lets it propagate. A probe that ends
-    without a ``record`` (an early return) frees the probe slot."""
+    block records the store's exceptions and frees an unreported probe's slot."""
 
     __slots__ = ("_breaker", "epoch", "probe", "_pending")
 
@@ -202,35 +164,32 @@ class Permit:
     def record(self, codes: Iterable[int] = (), *, seconds: float = 0.0, op: str = "") -> str | None:
         """Report one client call's answer (its codes, how long it took);
         the fault's cause, or None for a healthy answer."""
-        b = self._breaker
-        if b is None:
+        if self._breaker is None:
             return None
-        cause = fault_of(codes, seconds=seconds, slow_s=b.slow_call_s)
-        if self.probe:  # a closed permit is shared by every call: never written
-            self._pending = False
-        b._record(self, cause, op)
+        cause = fault_of(codes, seconds=seconds, slow_s=self._breaker.slow_call_s)
+        self._report(cause, op)
         return cause
 
     def fault(self, cause: str, *, op: str = "") -> None:
         """Report a fault found some other way (``cause`` says what)."""
         if self._breaker is not None:
-            if self.probe:
-                self._pending = False
-            self._breaker._record(self, cause, op)
+            self._report(cause, op)
 
     def release(self, exc: BaseException | None = None, *, op: str = "") -> None:
         """The call is over: an exception that is the store's is a fault; a
         probe that reported nothing gives its slot back. Idempotent."""
-        b = self._breaker
-        if b is None:
+        if self._breaker is None:
             return
         if exc is not None and is_fault_exception(exc):
-            if self.probe:
-                self._pending = False
-            b._record(self, fault_of(exc=exc), op)
+            self._report(fault_of(exc=exc), op)
         elif self._pending:
             self._pending = False
-            b._give_back(self)
+            self._breaker._give_back(self)
+
+    def _report(self, cause: str | None, op: str) -> None:
+        if self.probe:  # a closed permit is shared by every call: never written
+            self._pending = False
+        self._breaker._record(self, cause, op)
 
     def __enter__(self) -> Permit:
         return self
@@ -244,11 +203,6 @@ class Permit:
 REFUSED = Permit(None, -1, probe=False)
 #: The answer of a disabled breaker: always call, record nothing.
 _PASS = Permit(None, -1, probe=False)
-
-
-# --------------------------------------------------------------------------
-# The breaker
-# --------------------------------------------------------------------------
 
 
 class Breaker:
@@ -334,8 +288,6 @@ class Breaker:
             **kwargs,
         )
 
-    # ------------------------------------------------------------ the path
-
     @property
     def state(self) -> str:
         return self._state
@@ -379,15 +331,11 @@ class Breaker:
                self.name, self.probes, now - self._opened_at)
         return Permit(self, self._epoch, probe=True), log
 
-    # ------------------------------------------------------------ the prober
-
     def set_prober(self, probe: Callable[[], Iterable[int]] | None) -> None:
         """Probe off the request path from now on: while the breaker is not
-        closed, its own thread calls ``probe()`` (one cheap client call that
-        answers its codes; a miss is healthy) each time a backoff ends, and
-        no data-path call is let through. None: data-path calls probe again.
-        The thread runs only while the breaker is open (a daemon: it never
-        holds a process back)."""
+        closed, a daemon thread calls ``probe()`` (one cheap client call that
+        answers its codes) each time a backoff ends. None: data-path calls
+        probe again."""
         with self._lock:
             self._probe_fn = probe if self.enabled else None
             self._start_prober()
@@ -508,8 +456,6 @@ class Breaker:
         raw = min(self.backoff_max_s, self.backoff_s * 2.0 ** min(attempt, 64))
         return raw * (1.0 - self.jitter * self._random())
 
-    # ------------------------------------------------------------ visible
-
     def snapshot(self) -> dict[str, Any]:
         """State and counters, for ``backend.stats()``."""
         with self._lock:
@@ -538,14 +484,8 @@ class Breaker:
                 f"{self.backoff_max_s:g}s, jitter={self.jitter:g})")
 
 
-# --------------------------------------------------------------------------
-# SGLang's fault reporter (sgl-project/sglang#17521's shape), by duck typing
-# --------------------------------------------------------------------------
-
-#: Where a fault reporter may hang off SGLang's storage backend or cache
-#: controller: the PR's ``HiCacheStorage._fault_reporter`` (set by
-#: ``set_fault_reporter``), and the names a controller would keep its
-#: fault manager under.
+#: Where SGLang's fault reporter (found by duck typing) may hang off its
+#: storage backend or cache controller.
 _REPORTER_ATTRS = ("_fault_reporter", "fault_reporter", "fault_manager", "storage_fault_manager")
 
 
@@ -557,7 +497,7 @@ def find_fault_reporter(obj: Any) -> Any | None:
     """SGLang's fault reporter reachable from ``obj``, or None: ``obj``
     itself when it has ``report_op(op=, fatal=, detail=)``; else such an
     object under one of ``_REPORTER_ATTRS``; else, for a cache controller,
-    the same on its ``storage_backend``. SGLang 0.5.23 has none."""
+    the same on its ``storage_backend``."""
     if _is_reporter(obj):
         return obj
     for holder in (obj, getattr(obj, "storage_backend", None)):
@@ -574,12 +514,10 @@ def find_fault_reporter(obj: Any) -> Any | None:
 
 
 class FaultReports:
-    """Report each data-path operation's outcome to SGLang's fault reporter,
-    where it has one (``report_op(op=..., fatal=..., detail=...)``, the
-    shape of sgl-project/sglang#17521, not in any release). ``fatal`` is a
-    fault as the breaker sees it; calls the open breaker answered without
-    the store are not reported (they say nothing about it). A reporter that
-    raises is logged once per 60 s and never breaks the data path."""
+    """Report each data-path operation's outcome (``fatal``: a fault as the
+    breaker sees it) to SGLang's fault reporter, where it has one; calls the
+    open breaker answered are not reported. A reporter that raises is logged
+    once per 60 s and never breaks the data path."""
 
     def __init__(self, reporter: Any = None) -> None:
         self._reporter: Any = None
@@ -591,8 +529,7 @@ class FaultReports:
         return self._reporter is not None
 
     def set_fault_reporter(self, reporter: Any) -> None:
-        """What the backend's own ``set_fault_reporter`` delegates to (the
-        PR's controller calls it on the storage backend); None detaches."""
+        """What the backend's own ``set_fault_reporter`` delegates to; None detaches."""
         self._reporter = reporter if _is_reporter(reporter) else None
         if reporter is not None and self._reporter is None:
             logger.warning("SiMM: the fault reporter %r has no report_op(op, fatal, detail); ignored",

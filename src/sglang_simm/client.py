@@ -3,12 +3,9 @@
 Both clients have the ``simm.kv`` surface: the real one (SiCL over RDMA) and
 the local store that ships with this package. ``connect`` picks one from
 the configuration, sets its flags, and hands back a ``KVClient`` whose batch
-methods are the store's own bound methods, so the adapter adds no work per
-call. The zero-copy paths use ``view``, ``mput_views``, ``mget_views`` and
-``mexists_codes``: on SiMM's client, its native views and native store
-(``native_layer``), past the Python layer that wraps and unwraps a view per
-object; on any other, the public calls. Everything that differs between
-the clients lives here.
+methods are the store's own bound methods (or SiMM's native ones,
+``native_layer``), so the adapter adds no work per call. Everything that
+differs between the clients lives here.
 """
 
 from __future__ import annotations
@@ -165,11 +162,8 @@ class KVClient:
         return int(self.store.delete_prefix(prefix))
 
     def warmup(self, *, attempts: int = 3, size: int = 4096) -> float:
-        """Put, check, get and delete a uuid-named object; seconds taken.
-
-        A broken data path then fails at start-up, naming the address,
-        instead of every later call silently missing.
-        """
+        """Put, check, get and delete a uuid-named object; seconds taken. A
+        broken data path then fails at start-up instead of every call missing."""
         key = f"{WARMUP_KEY_PREFIX}{uuid.uuid4().hex}"
         payload = key.encode().ljust(size, b"\0")
         last = "no attempt"
@@ -207,13 +201,10 @@ class KVClient:
         return self.store is None
 
     def close(self) -> None:
-        """Close the store where it can be closed, and drop it either way:
-        SiMM's ``Store`` has no ``close``; its connections and threads go
-        with the last reference. The local store's ``Store.close`` drops
-        the store's connection with the last client of it in this process,
-        so a process whose backends are all closed holds none (the store
-        can stop, or go idle). Idempotent; calls after it raise (the backend
-        closes its client only once no call of its own is in flight)."""
+        """Close the store where it can be closed (SiMM's ``Store`` cannot:
+        its connections go with the last reference), and drop it either
+        way, so a process whose backends are all closed holds no connection
+        to a local store. Idempotent; calls after it raise."""
         store, self.store = self.store, None
         if store is None:
             return
@@ -230,14 +221,10 @@ def native_layer(kv: ModuleType, store: Any) -> tuple[Callable[..., Any], Any] |
     client is built in SiMM's layers; else None.
 
     SiMM's Python ``BlockView`` wraps one native ``_kv.DataView``, and its
-    ``Store.mput``/``mget`` unwrap every view in a Python loop before
-    calling the native ``_impl.MPut``/``MGet`` (``mexists`` turns the native
-    codes into bools the same way). Zero-copy batches make a view per
-    object, so calling the native layer with native views saves a
-    classmethod, a wrapper and a loop step per object: half of a batch's
-    work in Python (docs/backend-core.md). Only a client that has every
-    piece is taken this way; any other (the local store, a future SiMM
-    that moves them) takes the public calls."""
+    ``Store.mput``/``mget``/``mexists`` unwrap every view (or wrap every
+    code) in a Python loop around the native ``_impl`` calls; zero-copy
+    batches skip that per-object work. Only a client that has every piece
+    is taken this way; any other takes the public calls."""
     native = getattr(kv, "_kv", None)
     data_view = getattr(native, "DataView", None)
     store_type = getattr(native, "KVStore", None)
@@ -286,12 +273,9 @@ def connect(
     gpu: int | None = None,
 ) -> KVClient:
     """Choose the client, set flags and NICs, create the store, warm it up.
-
     ``kv_module`` injects a module with the ``simm.kv`` surface (tests and
-    benchmarks), the way httpx takes ``transport=``. ``gpu`` is the CUDA
-    device whose NUMA node may decide the NICs; None: the current device,
-    which SGLang sets in each scheduler process before building the cache.
-    """
+    benchmarks); ``gpu`` is the CUDA device whose NUMA node may decide the
+    NICs (None: the current one, which SGLang sets in each scheduler)."""
     kv = kv_module if kv_module is not None else load_kv_module(config)
     local = config.is_local_store
     if local:

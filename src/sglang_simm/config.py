@@ -19,8 +19,7 @@ flags (``RENAMED_FLAGS``) are still read under their old names, each with a
 warning naming the new one, until the next minor release; an old and a new
 name of one setting in one source is an error naming both.
 
-Importing this module is cheap: the standard library and this package's
-pure ``keys``, ``values`` and ``events_config`` only.
+Importing this module is cheap: the standard library and pure modules only.
 """
 
 from __future__ import annotations
@@ -83,9 +82,9 @@ MANAGER_ENV = "SIMM_CLUSTER_MANAGER"
 ENV_PREFIX = "SGLANG_SIMM_"
 #: Env var with the directory for the default per-process client log.
 LOG_DIR_ENV = "SGLANG_SIMM_LOG_DIR"
-#: The variables of this package that are not a field's: a near miss of one
-#: is reported as of a field's, and they themselves are no one's near miss.
-#: The store's directory, and its metrics endpoint (``docs/observability.md``).
+#: The variables of this package that are not a field's (the store's directory
+#: and metrics endpoint among them): a near miss of one is reported, and none
+#: of them is taken for a near miss.
 OTHER_ENV_VARS: tuple[str, ...] = (
     MANAGER_ENV,
     CONFIG_PATH_ENV,
@@ -95,35 +94,26 @@ OTHER_ENV_VARS: tuple[str, ...] = (
     "SGLANG_SIMM_STORE_METRICS_HOST",
 )
 
-#: Fields renamed, old name -> new name. The old name is still read (from
-#: the extra config, the file and ``SGLANG_SIMM_<OLD>``) with a warning
-#: naming the new one, until the next minor release; both in one source is
-#: an error naming both.
+#: Fields renamed, old name -> new name (read as the module docstring says).
 RENAMED_FIELDS: dict[str, str] = {"embedded_capacity_bytes": "local_store_capacity_bytes"}
 
 #: Keys SGLang itself reads from (or puts into) ``extra_config``. They share the
 #: dict with ours, so they are accepted silently, never warned about.
 SGLANG_EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
     {
-        # mem_cache/storage/backend_factory.py: the dynamic route's required fields
+        # the dynamic route's fields (backend_factory.py, cache_controller.py)
         "backend_name",
         "module_path",
         "class_name",
-        # managers/cache_controller.py: zero-copy page path for "dynamic"
         "interface_v1",
-        # managers/cache_controller.py _generate_storage_config (popped)
+        # popped by SGLang's controller and radix caches before the backend sees them
         "tp_lcm_size",
-        # hiradix_cache.py / hi_mamba_radix_cache.py (0.5.8, 0.5.11) and
-        # hybrid_cache/hybrid_cache_controller.py (0.5.23): popped by the
-        # extra-config parser before the backend sees them
         "prefetch_threshold",
         "prefetch_timeout_base",
         "prefetch_timeout_per_ki_token",
         "hicache_storage_pass_prefix_keys",
-        # mem_cache/pool_host/common.py get_allocator_type (0.5.23, "dynamic")
+        # read or set by SGLang 0.5.23 (pool_host/common.py, unified_radix_cache.py)
         "allocator",
-        # mem_cache/unified_radix_cache.py (0.5.23): setdefault'ed into every
-        # backend's extra_config when --file-storage-path is set
         "file_storage_path",
     }
 )
@@ -136,10 +126,9 @@ _INT_RE = re.compile(r"[+-]?\d+")
 _LOCAL_STORE_DEFAULT_NAME = "default"
 #: Local store address forms -> where its store runs (client flag
 #: ``local_store_scope``): one store process per name per host, or a thread
-#: of this process (``inprocess``, deprecated: a store a server's ranks
-#: cannot share; read until the next minor release).
+#: of this process (``inprocess``, deprecated: its ranks cannot share it).
 _LOCAL_STORE_FORMS = {"local": "host", "inprocess": "process"}
-GIB = 1024**3
+
 
 class FlagMap(Mapping[str, str]):
     """A read-only, hashable ``str -> str`` mapping (``client_flags``)."""
@@ -158,13 +147,8 @@ class FlagMap(Mapping[str, str]):
     def __len__(self) -> int:
         return len(self._items)
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # equality is Mapping's: equal to any mapping of the same items
         return hash(tuple(self._items.items()))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Mapping):
-            return dict(self._items) == dict(other)
-        return NotImplemented
 
     def __repr__(self) -> str:
         return f"FlagMap({self._items!r})"
@@ -172,12 +156,8 @@ class FlagMap(Mapping[str, str]):
 
 @dataclass(frozen=True)
 class SiMMConfig:
-    """Everything the SiMM backend is configured with.
-
-    Build it with :func:`load_config` (all sources) or
-    :meth:`SiMMConfig.from_mapping` (one dict); direct construction validates
-    and normalises too.
-    """
+    """Everything the SiMM backend is configured with: from :func:`load_config`
+    (all sources), :meth:`from_mapping` (one dict), or built directly (validated too)."""
 
     manager_address: str
     """``host:port``, ``[ipv6]:port``; ``local`` or ``local://NAME`` (the local
@@ -215,9 +195,7 @@ class SiMMConfig:
     local_store_capacity_bytes: int | None = None
     """Capacity of the local store when this process starts it; accepts
     ``"512MiB"`` etc.; None: 4 GiB on memory (at most a quarter of RAM),
-    half of what is free on a disk. A running store keeps its own.
-    Formerly ``embedded_capacity_bytes``, still read until the next minor
-    release."""
+    half of what is free on a disk. A running store keeps its own."""
 
     local_store_dir: str | None = None
     """The local store's directory: any local filesystem, memory (tmpfs) or a
@@ -231,38 +209,27 @@ class SiMMConfig:
     """Do a put/exists/get round trip at start, so a broken path fails early."""
 
     breaker_enabled: bool = True
-    """Fail fast while the store is down (``sglang_simm.breaker``): after
-    ``breaker_threshold`` faults in a row every L3 call answers a miss at
-    once, and one call now and then probes the store. On by default: without
-    it a hung store or a partitioned cluster costs every request up to
-    ``request_timeout_ms``; off only to see the raw faults while debugging."""
+    """Fail fast while the store is down (``sglang_simm.breaker``): without
+    it a hung store costs every request up to ``request_timeout_ms``; off
+    only to see the raw faults while debugging."""
 
     breaker_threshold: int = 5
     """Faults in a row (timeouts, transport and routing failures; never a
-    miss) that open the breaker, 1..1000. Five, as Envoy's outlier detection
-    (``consecutive_5xx``): one lost request or a data server restarting
-    must not switch L3 off for everyone, and a store that is really gone
-    costs at most five calls' time limits before requests stop waiting."""
+    miss) that open the breaker, 1..1000: one lost request or a data server
+    restarting must not switch L3 off for everyone."""
 
     breaker_backoff_ms: int = 1000
     """Wait before the first probe after the breaker opens, doubled after
-    each failed probe, 1..3,600,000. One second: a short blip (a data server
-    restart, a store respawned after a crash) is over after one or two
-    probes, and each probe costs at most one call's time limit."""
+    each failed probe, 1..3,600,000."""
 
     breaker_backoff_max_ms: int = 30000
     """The longest wait between probes, at least ``breaker_backoff_ms``,
-    at most 3,600,000. Thirty seconds: L3 is back within 30 s (plus one call)
-    of a store coming back after a long outage, while probing a dead store
-    costs one call's time limit per 30 s (about 3% of one thread's time at
-    SiMM's 1 s). Jitter only shortens a wait, so this is a hard bound."""
+    at most 3,600,000: L3 is back within it (plus one call) of the store
+    coming back. Jitter only shortens a wait, so this is a hard bound."""
 
     breaker_jitter: float = 0.2
-    """Share by which each wait is shortened at random, 0 <= x < 1. Every
-    TP rank of every server opens its own breaker at the same moment when a
-    cluster partitions; 0.2 spreads their probes over a fifth of the wait
-    (200 ms at first, 6 s at the cap) instead of all hitting the store at
-    once when it comes back."""
+    """Share by which each wait is shortened at random, 0 <= x < 1, so the
+    ranks whose breakers opened together do not all probe at once."""
 
     kv_events: KVEventsSettings | None = None
     """Announce what L3 gains and loses as SGLang KV events, on a ZeroMQ
@@ -271,26 +238,19 @@ class SiMMConfig:
     Off by default; ``{"publisher": "zmq"}`` turns it on."""
 
     def __post_init__(self) -> None:
-        # The same validation as load_config's, so a hand-built config is held
-        # to the same rules; on values load_config already normalised it is a
-        # no-op.
+        # load_config's validation, so a hand-built config obeys the same rules
         raw = {f.name: (getattr(self, f.name), "SiMMConfig()") for f in dataclasses.fields(self)}
         for name, value in _validate(raw).items():
             object.__setattr__(self, name, value)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, source: str = "mapping") -> SiMMConfig:
-        """Build from one dict of field values (no file, no environment).
-
-        Unknown keys are warned about (SGLang's own keys silently ignored);
-        every error is a ``ValueError`` naming field, value and ``source``.
-        """
+        """Build from one dict of field values (no file, no environment);
+        unknown keys are warned about, SGLang's own ignored."""
         if not isinstance(data, Mapping):
             raise ValueError(f"SiMM config from {source} must be a mapping, got {type(data).__name__}")
-        partial = _fields_of(data, source, label=lambda _key: source)
+        partial = _fields_of(data, source)
         return cls(**_validate(partial))
-
-    # -- manager address -------------------------------------------------
 
     @property
     def embedded_capacity_bytes(self) -> int:
@@ -370,34 +330,21 @@ class ResolvedConfig:
     """Field -> ``"extra_config"``, ``"file:/path"``, ``"env:NAME"`` or ``"default"``."""
 
     def describe(self) -> list[tuple[str, Any, str]]:
-        """``(field, value, source)`` for every field, in declaration order.
-
-        ``log_file`` shows the effective path when it defaults. Values go
-        through :func:`_display` (the place to mask a secret field, should one
-        ever appear; none does today).
-        """
+        """``(field, value, source)`` for every field, in declaration order;
+        ``log_file`` shows the effective path when it defaults. No field is
+        secret: values are shown as they are."""
         rows = []
         for name in FIELD_NAMES:
             value = getattr(self.config, name)
             if name == "log_file" and value is None:
                 value = self.config.effective_log_file
-            rows.append((name, _display(name, value), self.sources.get(name, "default")))
+            shown = dict(value) if isinstance(value, FlagMap) else \
+                dataclasses.asdict(value) if isinstance(value, KVEventsSettings) else value
+            rows.append((name, shown, self.sources.get(name, "default")))
         return rows
 
 
-def _display(name: str, value: Any) -> Any:
-    """Value as shown in logs and ``doctor``. No field is secret: shown as is."""
-    if isinstance(value, FlagMap):
-        return dict(value)
-    if isinstance(value, KVEventsSettings):
-        return dataclasses.asdict(value)
-    return value
-
-
-# --------------------------------------------------------------------------
-# Sources. Each returns {field: (raw value, source label)}.
-# --------------------------------------------------------------------------
-
+#: What each source returns: {field: (raw value, source label)}
 Sourced = dict[str, tuple[Any, str]]
 SourceFn = Callable[[Mapping[str, Any] | None, Mapping[str, str]], Sourced]
 
@@ -450,12 +397,10 @@ def _our_env_vars() -> dict[str, str]:
 
 
 def unknown_env_vars(environ: Mapping[str, str]) -> list[UnknownKey]:
-    """Variables that look like one of ours but are none, each ignored,
-    so said with the right name: a near miss (``SGLANG_SIMM_REQUEST_TIMOUT_MS``,
-    ``SIMM_CLUSTER_MANGER``, ``SGLANG_HICACHE_SIMM_CONFIG``) or another case
-    (``sglang_simm_warmup``: variables are case-sensitive). Only names with
-    ``SIMM`` in them are looked at, and only near misses count: other
-    ``SGLANG_SIMM_*`` variables belong to the tools and the tests."""
+    """Variables with ``SIMM`` in their name that are a near miss of one of
+    ours (``SIMM_CLUSTER_MANGER``) or one of ours in another case (variables
+    are case-sensitive), each with the right name; other ``SGLANG_SIMM_*``
+    variables belong to the tools and the tests."""
     ours = _our_env_vars()
     prefixed = {var[len(ENV_PREFIX):]: var for var in ours if var.startswith(ENV_PREFIX)}
     whole = {var: var for var in ours if not var.startswith(ENV_PREFIX)}
@@ -476,22 +421,24 @@ def unknown_env_vars(environ: Mapping[str, str]) -> list[UnknownKey]:
     return out
 
 
+def _readable_sources(extra_config: Any, env: Mapping[str, str]) -> list[tuple[Mapping[str, Any], str]]:
+    """The extra config and the JSON file with their labels, each where it
+    can be read (``load_config`` reports the others)."""
+    named = [(extra_config, "extra_config")] if isinstance(extra_config, Mapping) else []
+    try:
+        in_file = _read_json_file(env)
+    except ValueError:
+        in_file = None
+    return named + ([in_file] if in_file is not None else [])
+
+
 def find_unknown_keys(
     extra_config: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
 ) -> list[UnknownKey]:
-    """Every ignored key of the extra config and the JSON file, without
-    logging (for ``doctor``); a source that cannot be read is skipped
-    (``load_config`` reports it)."""
+    """Every ignored key of the extra config, the JSON file and the
+    environment, without logging (for ``doctor``)."""
     env = os.environ if environ is None else environ
-    found: list[UnknownKey] = []
-    if isinstance(extra_config, Mapping):
-        found += unknown_keys_of(extra_config, "extra_config")
-    try:
-        named = _read_json_file(env)
-    except ValueError:
-        named = None
-    if named is not None:
-        found += unknown_keys_of(*named)
+    found = [u for data, where in _readable_sources(extra_config, env) for u in unknown_keys_of(data, where)]
     return found + unknown_env_vars(env)
 
 
@@ -500,20 +447,10 @@ def find_deprecated_names(
 ) -> list[str]:
     """One line per old name (``RENAMED_FIELDS``, ``RENAMED_FLAGS``) that
     the extra config, the JSON file or the environment still uses, naming
-    the new one, without logging (for ``doctor``); a source that cannot be
-    read is skipped (``load_config`` reports it)."""
+    the new one, without logging (for ``doctor``)."""
     env = os.environ if environ is None else environ
     found: list[str] = []
-    named: list[tuple[Mapping[str, Any], str]] = []
-    if isinstance(extra_config, Mapping):
-        named.append((extra_config, "extra_config"))
-    try:
-        in_file = _read_json_file(env)
-    except ValueError:
-        in_file = None
-    if in_file is not None:
-        named.append(in_file)
-    for data, where in named:
+    for data, where in _readable_sources(extra_config, env):
         found += [f"{deprecated(old, new)} (in {where})" for old, new in RENAMED_FIELDS.items() if old in data]
         try:
             flags = _raw_client_flags(data.get("client_flags"))
@@ -573,19 +510,19 @@ def _warn(text: str, *args: Any) -> None:
         logger.warning(text, *args)
 
 
-def _fields_of(data: Mapping[str, Any], where: str, label: Callable[[str], str]) -> Sourced:
-    """Our fields out of ``data``; SGLang's keys skipped, others warned
-    about; an old field name read as its new one, warned about."""
+def _fields_of(data: Mapping[str, Any], where: str) -> Sourced:
+    """Our fields out of ``data``, labelled ``where``; SGLang's keys skipped,
+    others warned about; an old field name read as its new one, warned about."""
     for unknown in unknown_keys_of(data, where):
         _warn("SiMM config: %s", unknown.message())
-    out = {key: (value, label(key)) for key, value in data.items() if key in FIELD_NAMES}
+    out = {key: (value, where) for key, value in data.items() if key in FIELD_NAMES}
     for old, new in RENAMED_FIELDS.items():
         if old not in data:
             continue
         if new in data:
             raise ValueError(f"SiMM config: {where}: {both_given(old, new)}")
         _warn("SiMM config: %s (in %s)", deprecated(old, new), where)
-        out[new] = (data[old], label(old))
+        out[new] = (data[old], where)
     return out
 
 
@@ -597,7 +534,7 @@ def _from_extra_config(extra_config: Mapping[str, Any] | None, environ: Mapping[
             f"extra_config must be a JSON object (a dict), got {type(extra_config).__name__}: "
             f"{extra_config!r}; pass --hicache-storage-backend-extra-config '{{\"manager_address\": ...}}'"
         )
-    return _fields_of(extra_config, "extra_config", label=lambda _key: "extra_config")
+    return _fields_of(extra_config, "extra_config")
 
 
 def _read_json_file(environ: Mapping[str, str]) -> tuple[dict[str, Any], str] | None:
@@ -606,25 +543,22 @@ def _read_json_file(environ: Mapping[str, str]) -> tuple[dict[str, Any], str] | 
     path = environ.get(CONFIG_PATH_ENV, "").strip()
     if not path:
         return None
-    fix = f'fix the file (a JSON object, e.g. {{"manager_address": "10.0.0.1:30001"}}) or unset {CONFIG_PATH_ENV}'
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) {problem}; fix the file (a "
+                          f'JSON object, e.g. {{"manager_address": "10.0.0.1:30001"}}) or unset {CONFIG_PATH_ENV}')
+
     try:
         with open(path, encoding="utf-8") as fin:
             text = fin.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(
-            f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) cannot be read: {exc}; {fix}"
-        ) from exc
+        raise bad(f"cannot be read: {exc}") from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) is not valid JSON: {exc}; {fix}"
-        ) from exc
+        raise bad(f"is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise ValueError(
-            f"SiMM config file {path!r} (named by {CONFIG_PATH_ENV}) must hold a JSON object, "
-            f"got {type(data).__name__}; {fix}"
-        )
+        raise bad(f"must hold a JSON object, got {type(data).__name__}")
     return data, f"file:{path}"
 
 
@@ -632,8 +566,7 @@ def _from_json_file(extra_config: Mapping[str, Any] | None, environ: Mapping[str
     named = _read_json_file(environ)
     if named is None:
         return {}
-    data, where = named
-    return _fields_of(data, where, label=lambda _key: where)
+    return _fields_of(*named)
 
 
 def _from_environ(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Sourced:
@@ -643,13 +576,12 @@ def _from_environ(extra_config: Mapping[str, Any] | None, environ: Mapping[str, 
     # SGLANG_SIMM_MANAGER_ADDRESS comes later, so it wins over SIMM_CLUSTER_MANAGER.
     for name, var in [("manager_address", MANAGER_ENV)] + [(f, env_var_name(f)) for f in FIELD_NAMES]:
         value = environ.get(var)
-        if value is None or not value.strip():
-            continue  # unset, or set to "": treated as unset
-        out[name] = (value, f"env:{var}")
+        if value and value.strip():  # set to "" or blanks: treated as unset
+            out[name] = (value, f"env:{var}")
     for old, new in RENAMED_FIELDS.items():
         old_var, new_var = env_var_name(old), env_var_name(new)
         value = environ.get(old_var)
-        if value is None or not value.strip():
+        if not (value and value.strip()):
             continue
         if new in out:
             raise ValueError(f"SiMM config: the environment: {both_given(old_var, new_var)}")
@@ -685,10 +617,8 @@ def _merge(partials: list[Sourced]) -> Sourced:
                     raise ValueError(_problem(name, value, source, exc)) from None
             elif name not in merged:
                 merged[name] = (value, source)
-    if flag_parts:
-        flags: dict[str, str] = {}
-        for part, _source in reversed(flag_parts):  # lowest first; higher overwrite
-            flags.update(part)
+    if flag_parts:  # lowest first, so a higher source's flag overwrites
+        flags = {name: value for part, _source in reversed(flag_parts) for name, value in part.items()}
         merged["client_flags"] = (FlagMap(flags), ", ".join(s for _p, s in flag_parts))
     return merged
 
@@ -725,15 +655,11 @@ def load_config(
     extra_config: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> ResolvedConfig:
-    """Resolve the config from ``extra_config``, the JSON file and the environment.
-
-    ``environ`` defaults to ``os.environ``. Raises ``ValueError`` (naming the
-    field, the value, what is accepted and the source) on any invalid value.
-    """
+    """Resolve the config from ``extra_config``, the JSON file and the
+    environment (``os.environ`` by default); ``ValueError`` on any invalid value."""
     env = os.environ if environ is None else environ
     merged = _merge([source(extra_config, env) for _name, source in SOURCES])
-    values = _validate(merged)
-    config = SiMMConfig(**values)
+    config = SiMMConfig(**_validate(merged))
     sources = {name: merged[name][1] if name in merged else "default" for name in FIELD_NAMES}
     return ResolvedConfig(config=config, sources=sources)
 
@@ -746,14 +672,16 @@ def log_resolved(resolved: ResolvedConfig, log: logging.Logger | None = None) ->
         log.info("  %-24s %r  (%s)", name, value, source)
 
 
-# --------------------------------------------------------------------------
-# Validation: one place. Each parser returns the value or raises InvalidValue.
-# --------------------------------------------------------------------------
+# Validation: each parser returns the value or raises InvalidValue.
 
 
-def _parse_int(value: Any, lo: int | None = None, hi: int | None = None) -> int:
-    rng = f"{lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}"
-    accepted = f"an integer in {rng} (a number or a digit string)"
+def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``parse``, with None (unset) let through."""
+    return lambda value: None if value is None else parse(value)
+
+
+def _parse_int(value: Any, lo: int, hi: int | None = None, accepted: str | None = None) -> int:
+    accepted = accepted or f"an integer in {lo}..{hi if hi is not None else 'inf'} (a number or a digit string)"
     if isinstance(value, bool):
         raise InvalidValue("is a bool, not an integer", accepted)
     if isinstance(value, int):
@@ -762,14 +690,12 @@ def _parse_int(value: Any, lo: int | None = None, hi: int | None = None) -> int:
         number = int(value.strip())
     else:
         raise InvalidValue(f"is not an integer ({type(value).__name__})", accepted)
-    if (lo is not None and number < lo) or (hi is not None and number > hi):
+    if number < lo or (hi is not None and number > hi):
         raise InvalidValue("is out of range", accepted)
     return number
 
 
-def _parse_optional_name(value: Any) -> str | None:
-    if value is None:
-        return None
+def _parse_tag(value: Any) -> str:
     if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise InvalidValue(
             "is not a valid tag: it goes into every key, and SiMM caps keys at 256 bytes, "
@@ -781,8 +707,6 @@ def _parse_optional_name(value: Any) -> str | None:
 
 def _parse_devices(value: Any) -> tuple[str, ...] | None:
     accepted = 'a list of RDMA device names or a comma string like "mlx5_0,mlx5_1"; null picks by NUMA node'
-    if value is None:
-        return None
     if isinstance(value, str):
         items: list[Any] = value.split(",")
     elif isinstance(value, (list, tuple)):
@@ -802,18 +726,7 @@ def _parse_devices(value: Any) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names)) or None  # de-duplicated, order kept; empty = unset
 
 
-def _parse_optional_node(value: Any) -> int | None:
-    if value is None:
-        return None
-    try:
-        return _parse_int(value, lo=0)
-    except InvalidValue as exc:
-        raise InvalidValue(exc.problem, "a NUMA node id >= 0, or null to work it out") from None
-
-
-def _parse_log_file(value: Any) -> str | None:
-    if value is None:
-        return None
+def _parse_log_file(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidValue(
             "is not a file path",
@@ -822,9 +735,7 @@ def _parse_log_file(value: Any) -> str | None:
     return value.strip()
 
 
-def _parse_store_dir(value: Any) -> str | None:
-    if value is None:
-        return None
+def _parse_store_dir(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidValue("is not a directory path", "a directory of this user's on a local filesystem (tmpfs: "
                            "memory; a disk: kept across restarts, bigger than RAM), or null for the default")
@@ -855,30 +766,26 @@ def parse_client_flags(value: Any, *, where: str | None = None, warn: bool = Tru
 def _raw_client_flags(value: Any) -> dict[str, str]:
     """A flag dict (or a JSON object string) -> ``{name: text}``, names as given."""
     accepted = 'a JSON object of SiMM client flags, e.g. {"clnt_syncreq_enable_retry": true}'
-
-    def fail(problem: str) -> InvalidValue:
-        return InvalidValue(problem, accepted)
-
     data = value
     if isinstance(value, str):
         try:
             data = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise fail(f"is not valid JSON ({exc})") from None
+            raise InvalidValue(f"is not valid JSON ({exc})", accepted) from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
-        raise fail(f"is not an object ({type(data).__name__})")
+        raise InvalidValue(f"is not an object ({type(data).__name__})", accepted)
     flags: dict[str, str] = {}
     for name, flag_value in data.items():
         if not isinstance(name, str) or not _FLAG_NAME_RE.fullmatch(name):
-            raise fail(f"has a malformed flag name {name!r}")
+            raise InvalidValue(f"has a malformed flag name {name!r}", accepted)
         if isinstance(flag_value, bool):
             flags[name] = "true" if flag_value else "false"
         elif isinstance(flag_value, (int, float, str)):
             flags[name] = str(flag_value)
         else:
-            raise fail(f"has a non-scalar value for {name!r}: {flag_value!r}")
+            raise InvalidValue(f"has a non-scalar value for {name!r}: {flag_value!r}", accepted)
     return flags
 
 
@@ -992,15 +899,15 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "manager_address": _parse_manager_address,
     "clnt_threadpool_size": lambda v: _parse_int(v, 1, 1024),
     "enable_profile": parse_bool,
-    "extra_backend_tag": _parse_optional_name,
-    "rdma_devices": _parse_devices,
+    "extra_backend_tag": _optional(_parse_tag),
+    "rdma_devices": _optional(_parse_devices),
     "numa_aware": parse_bool,
-    "numa_node": _parse_optional_node,
+    "numa_node": _optional(lambda v: _parse_int(v, 0, accepted="a NUMA node id >= 0, or null to work it out")),
     "request_timeout_ms": lambda v: _parse_int(v, 1, 3_600_000),
-    "log_file": _parse_log_file,
+    "log_file": _optional(_parse_log_file),
     "client_flags": lambda v: FlagMap(parse_client_flags(v)),
-    "local_store_capacity_bytes": lambda v: None if v is None else parse_byte_size(v),
-    "local_store_dir": lambda v: _parse_store_dir(v),
+    "local_store_capacity_bytes": _optional(parse_byte_size),
+    "local_store_dir": _optional(_parse_store_dir),
     "key_scheme": _parse_key_scheme,
     "warmup": parse_bool,
     "breaker_enabled": parse_bool,
@@ -1028,11 +935,8 @@ def _problem(name: str, value: Any, source: str, exc: InvalidValue) -> str:
 
 
 def _validate(raw: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
-    """The one validation: ``{field: (value, source)}`` -> normalised field values.
-
-    Fields absent from ``raw`` take their defaults. All problems are gathered
-    into one ``ValueError``.
-    """
+    """The one validation: ``{field: (value, source)}`` -> normalised field
+    values, defaults for the absent; every problem in one ``ValueError``."""
     errors: list[str] = []
     out: dict[str, Any] = {}
     for name in FIELD_NAMES:
@@ -1072,18 +976,11 @@ def _cross_field_problems(out: Mapping[str, Any], raw: Mapping[str, tuple[Any, s
     return problems
 
 
-# --------------------------------------------------------------------------
-# Where a local store lives
-# --------------------------------------------------------------------------
-
-
 def local_store_place(config: SiMMConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
-    """The directory a ``local`` address's store lives in, as this
-    process's client finds it, and what chose it: ``client flag
-    local_store_dir``, ``local_store_dir``, ``env SGLANG_SIMM_STORE_DIR`` or
-    ``default``; None for a cluster or the in-process store. Servers report
-    it (their log, their ``/metrics``), so that ``doctor --server`` reads
-    theirs, not its own."""
+    """The directory a ``local`` address's store lives in, as this process's
+    client finds it, and what chose it (``client flag local_store_dir``,
+    ``local_store_dir``, ``env SGLANG_SIMM_STORE_DIR`` or ``default``); None
+    for a cluster or the in-process store."""
     if config.local_store_scope != "host":
         return None
     env = os.environ if environ is None else environ
@@ -1094,20 +991,13 @@ def local_store_place(config: SiMMConfig, environ: Mapping[str, str] | None = No
     return store_dir(flag or field or variable or None), why
 
 
-# --------------------------------------------------------------------------
-# The client's log file
-# --------------------------------------------------------------------------
-
 _LOG_STAMP: dict[int, str] = {}
 
 
 def default_log_file(environ: Mapping[str, str] | None = None) -> str:
-    """This process's default SiMM client log path (never under ``/var/log``).
-
-    ``$SGLANG_SIMM_LOG_DIR`` (or ``<tempdir>/sglang-simm``) ``/<YYYYmmdd-HHMMSS>-<pid>/simm_clnt.log``.
-    The stamp is fixed per process (a forked child gets its own). Nothing is
-    created here; the caller makes the directory before handing the path over.
-    """
+    """This process's default SiMM client log path, ``$SGLANG_SIMM_LOG_DIR`` (or
+    ``<tempdir>/sglang-simm``) ``/<YYYYmmdd-HHMMSS>-<pid>/simm_clnt.log``, never
+    under ``/var/log``; fixed per process. The caller makes the directory."""
     env = os.environ if environ is None else environ
     pid = os.getpid()
     stamp = _LOG_STAMP.setdefault(pid, time.strftime("%Y%m%d-%H%M%S"))

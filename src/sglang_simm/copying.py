@@ -1,11 +1,10 @@
 """The copying path's batches: pages as flat tensors, through client-owned blocks.
 
 SGLang takes its copying path (``batch_get``, ``batch_set``) for the
-``dynamic`` route without ``interface_v1``: each page arrives or leaves as
-one flat tensor, its objects back to back in address order
-(``PoolBinding.flat_offsets``). The host pool's memory is not involved, so
-the objects move through blocks the client allocates: ``read_batch`` and
-``copy_out`` for a read, ``write_batch`` for a write.
+``dynamic`` route without ``interface_v1``: each page is one flat tensor,
+its objects back to back in address order (``PoolBinding.flat_offsets``),
+outside the host pool's registered memory, so the objects move through
+blocks the client allocates.
 """
 
 from __future__ import annotations

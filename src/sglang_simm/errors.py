@@ -1,8 +1,5 @@
-"""SiMM client return codes, and the exceptions this package raises.
-
-The codes and their names are the real SiMM client's (int16, negative); the
-local store returns exactly these, and the backend counts faults by them,
-so both sides must agree on one table.
+"""SiMM client return codes (``simm_rules``'s one table), which of them are
+faults, and the exceptions this package raises.
 
 Exception tree::
 
@@ -16,8 +13,6 @@ Exception tree::
 
 from __future__ import annotations
 
-# SiMM's codes, names and limits are the local store's to define (it returns
-# them); this package reads the one table, re-exported here for its modules.
 from sglang_simm.simm_rules import (  # noqa: F401 (re-exported)
     ADD_CHANNELS_FAILED,
     BUILD_CONNECTION_FAILED,
@@ -51,22 +46,17 @@ from sglang_simm.simm_rules import (  # noqa: F401 (re-exported)
 )
 
 #: The codes that say the store could not be reached or did not answer in
-#: time: the transport (send, connect, channels), the routing (the cluster
-#: manager's table, a shard's server), a target that is down, a timeout, and
-#: the server failing inside (``InternalError``; ``UnknownError`` is also the
-#: client's ``GetRoutingTableTimeout``). Asking again soon is likely to cost
-#: the same wait, so the breaker (``sglang_simm.breaker``) counts these.
+#: time: the transport, the routing (the manager's table, a shard's server),
+#: a target that is down, a timeout, and the server failing inside
+#: (``UnknownError`` is also the client's ``GetRoutingTableTimeout``). Asking
+#: again soon is likely to cost the same wait, so the breaker counts these.
 #:
-#: Every other code is an answer from a working store, or a problem on this
-#: side that no backoff cures, so never a fault: a miss (``DataServerKeyNotFound``;
-#: ``GetObjectFailed``, the synchronous get's only answer for an absent key),
-#: a full store (``OutOfMemory``, ``DataServerCachePoolAllocFailed``,
-#: ``PutObjectFailed``), an object stored before, a refused argument, or the
-#: client's own memory pool and MR registration (local resources). So are
-#: codes missing from ``CODE_NAMES`` and byte counts (>= 0): a breaker opened
-#: by a code we cannot read would switch L3 off for every request, and a hang
-#: shows up as time anyway (the breaker counts a call that took the client's
-#: whole request time limit as a timeout).
+#: Every other code is an answer from a working store (a miss, including
+#: ``GetObjectFailed``, the synchronous get's answer for an absent key; a full
+#: store; an object stored before) or a problem on this side that no backoff
+#: cures (a refused argument, the client's memory pool and MR registration).
+#: Unknown codes are no fault either: a breaker opened by a code we cannot
+#: read would switch L3 off for every request, and a hang shows up as time.
 FAULT_CODES: frozenset[int] = frozenset(
     {
         TIMEOUT,
@@ -84,12 +74,8 @@ FAULT_CODES: frozenset[int] = frozenset(
 
 
 def is_fault(code: int) -> bool:
-    """True when ``code`` says the store could not be reached or did not
-    answer in time (``FAULT_CODES``); False for a miss, any other answer of
-    a working store, a local problem, a byte count or an unknown code.
-
-    The one place faults are told from misses, for the real client and the
-    local store alike (it returns the real client's codes)."""
+    """True when ``code`` is in ``FAULT_CODES``: the one place faults are told
+    from misses, for the real client and the local store alike."""
     return code in FAULT_CODES
 
 

@@ -5,19 +5,16 @@ call. Its pointer formula is affine in the page's index::
 
     ptr(page, part) = base[part] + page * page_stride      (page = first slot // page_size)
 
-for every layout we accept, so it is sampled once at registration (first,
-second and last page), checked, and then evaluated with numpy for a whole
-batch. A stride per page, not per token slot: pools whose page rows are not
-a whole number of bytes per token (DeepSeek V4's compressed KV and state
-pools, one row of a few hundred bytes per 256-token page) follow it too. Sampling the pool's own method keeps us right across SGLang releases
-whose formulas differ, instead of re-deriving each one.
-
-Objects larger than SiMM's value limit are cut into equal chunks, which are
-just more parts with their own base offsets.
+for every layout we accept (a stride per page, not per token slot), so it is
+sampled once at registration (first, second and last page), checked, and then
+evaluated with numpy for a whole batch. Sampling the pool's own method keeps
+us right across SGLang releases whose formulas differ. Objects larger than
+SiMM's value limit are cut into equal chunks: more parts, with their own bases.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -63,17 +60,10 @@ class PageGeometry:
         return int(self.sizes.sum())
 
     def pointers(self, first_slots: np.ndarray) -> np.ndarray:
-        """Object addresses for pages starting at ``first_slots`` (page-aligned,
-        as ``page_starts`` checks), page-major.
-
-        In int64 whatever the slots' dtype: SGLang's host indices may be
-        int32, and ``page * stride`` passes 2^31 in any pool over 2 GiB."""
+        """Object addresses for pages starting at ``first_slots`` (page-aligned),
+        page-major; in int64, as ``page * stride`` passes 2^31 in a big pool."""
         pages = np.asarray(first_slots).astype(np.int64, copy=False) // self.page_size
         return (pages[:, None] * self.page_stride + self.base[None, :]).ravel()
-
-    def object_ids(self, pages: np.ndarray) -> np.ndarray:
-        """Indices into a per-pool table of objects, page-major."""
-        return (pages[:, None] * self.parts + np.arange(self.parts)[None, :]).ravel()
 
 
 def chunk_count(object_bytes: int, limit: int = MAX_VALUE_BYTES) -> int:
@@ -92,10 +82,7 @@ def derive_geometry(
 ) -> PageGeometry:
     """Sample ``meta`` (the pool's ``get_page_buffer_meta``) and fit the
     affine model; raise UnsupportedPoolError when the pool does not follow it.
-
-    ``make_indices(start, stop)`` builds the index tensor ``meta`` expects,
-    so this module needs no torch.
-    """
+    ``make_indices(start, stop)`` builds ``meta``'s index tensor (no torch here)."""
     num_pages = pool_tokens // page_size
     if num_pages < 1:
         raise UnsupportedPoolError(
@@ -141,19 +128,9 @@ def derive_geometry(
             "the host pool's page objects overlap the next page; " + _LAYOUT_FIX
         )
 
-    object_bytes = tuple(int(s) for s in sizes)
-    chunks = max(chunk_count(s, value_limit) for s in object_bytes)
-    if chunks > 1:
-        base, sizes = _split(base, sizes, chunks)
-    return PageGeometry(
-        page_size=page_size,
-        num_pages=num_pages,
-        page_stride=page_stride,
-        base=base,
-        sizes=sizes,
-        chunks=chunks,
-        object_bytes=object_bytes,
-    )
+    whole = PageGeometry(page_size=page_size, num_pages=num_pages, page_stride=page_stride, base=base, sizes=sizes,
+                         chunks=1, object_bytes=tuple(int(s) for s in sizes))
+    return _chunked(whole, value_limit)
 
 
 def derive_region_geometry(
@@ -166,13 +143,9 @@ def derive_region_geometry(
     value_limit: int = MAX_VALUE_BYTES,
 ) -> tuple[PageGeometry, np.ndarray]:
     """``derive_geometry`` for a pool whose objects of one page lie in
-    several buffers, each with its own slot stride (SGLang's Mamba host pool:
-    one temporal and one or more conv state buffers).
-
-    ``regions`` are the buffers as ``(start, bytes)``. Each part is fitted on
-    its own, inside the region that holds it. Returns the geometry (with one
-    ``page_stride`` per part) and the region index of every part.
-    """
+    several buffers (``regions``, as ``(start, bytes)``), each with its own
+    stride: each part is fitted inside the region that holds it. The
+    geometry (one ``page_stride`` per part) and each part's region index."""
     if not regions:
         raise UnsupportedPoolError("the host pool has no buffers to register")
     first, first_sizes = meta(make_indices(0, page_size))
@@ -215,26 +188,23 @@ def derive_region_geometry(
         )
         region_of.append(owner)
 
-    base = np.concatenate([g.base for g in fitted])
     sizes = np.concatenate([g.sizes for g in fitted])
-    strides = np.asarray([g.page_stride for g in fitted], dtype=np.int64)
-    owners = np.asarray(region_of, dtype=np.int64)
-    object_bytes = tuple(int(s) for s in sizes)
-    chunks = max(chunk_count(s, value_limit) for s in object_bytes)
-    if chunks > 1:
-        base, sizes = _split(base, sizes, chunks)
-        strides = np.repeat(strides, chunks)
-        owners = np.repeat(owners, chunks)
-    geometry = PageGeometry(
-        page_size=page_size,
-        num_pages=fitted[0].num_pages,
-        page_stride=strides,
-        base=base,
-        sizes=sizes,
-        chunks=chunks,
-        object_bytes=object_bytes,
-    )
-    return geometry, owners
+    whole = PageGeometry(page_size=page_size, num_pages=fitted[0].num_pages,
+                         page_stride=np.asarray([g.page_stride for g in fitted], dtype=np.int64),
+                         base=np.concatenate([g.base for g in fitted]), sizes=sizes, chunks=1,
+                         object_bytes=tuple(int(s) for s in sizes))
+    geometry = _chunked(whole, value_limit)
+    return geometry, np.repeat(np.asarray(region_of, dtype=np.int64), geometry.chunks)
+
+
+def _chunked(g: PageGeometry, limit: int) -> PageGeometry:
+    """``g`` with every object cut into ``chunks`` pieces when one exceeds ``limit``."""
+    chunks = max(chunk_count(s, limit) for s in g.object_bytes)
+    if chunks == 1:
+        return g
+    base, sizes = _split(g.base, g.sizes, chunks)
+    stride = np.repeat(g.page_stride, chunks) if isinstance(g.page_stride, np.ndarray) else g.page_stride
+    return dataclasses.replace(g, page_stride=stride, base=base, sizes=sizes, chunks=chunks)
 
 
 def _split(base: np.ndarray, sizes: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -260,16 +230,11 @@ def page_starts(
 
     The one check of a batch's indices, for every path: a malformed batch is
     a controller bug we refuse to act on rather than read or write the wrong
-    slots. Every slot is checked: a page named by its first slot but
-    reordered inside would put its tokens in the wrong slots; two pages on
-    the same slots would leave one page holding the other's bytes while both
-    answer True.
-
-    How: the page starts (at most SGLang's 128 per batch) are aligned,
-    distinct and inside the pool, checked over a Python list of them; and
-    every slot minus its page's start is its place in the page: one
-    broadcast subtraction over the batch's slots, compared in one
-    ``memcmp`` with a row of ``0 .. page_size - 1`` per page.
+    slots. Every slot is checked: a page reordered inside would put its
+    tokens in the wrong slots; two pages on the same slots would leave one
+    page holding the other's bytes while both answer True. Every slot minus
+    its page's start must be its place in the page, compared in one
+    ``memcmp`` with rows of ``0 .. page_size - 1``.
     """
     if host_indices.ndim != 1 or host_indices.dtype.kind not in "iu":
         return None

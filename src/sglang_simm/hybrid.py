@@ -1,34 +1,21 @@
 """Hybrid models: SGLang's v2 pool-transfer interface, the parts without I/O.
 
-Hybrid models (Mamba/linear attention, sliding-window attention, DSA
-indexers, speculative drafts) keep state in host pools beside the KV pool.
-SGLang's hybrid cache controller hands them to the backend through
-``register_mem_host_pool_v2(pool, name)`` and moves them with per-pool
+Hybrid models (Mamba, sliding-window attention, DSA indexers, speculative
+drafts) keep state in host pools beside the KV pool, handed to the backend
+through ``register_mem_host_pool_v2(pool, name)`` and moved with per-pool
 ``PoolTransfer`` lists; the KV pages still move through v1.
 
-Every side pool's objects are stored under KV page keys: a Mamba state under
-the hash of the last page of its radix node, an SWA window under the hashes
-of the pages it ends on, KV-derived sidecars (indexer, draft) under every
-page's hash. The hit query therefore looks each pool up under the KV page
-keys; a transfer's own ``keys`` there are placeholders whose count is the
-trailing window.
+Every side pool's objects are stored under KV page keys (a Mamba state
+under its radix node's last page, an SWA window under the pages it ends on,
+an indexer or draft under every page), so the hit query looks each pool up
+under the KV page keys; a transfer's own ``keys`` there are placeholders
+whose count is the trailing window.
 
 This module holds the hit policies (pure functions over "does the pool hold
-an object for KV page i") and the description of a side pool's memory; the
-backend does the I/O. The policies follow SGLang's own ``file`` and Mooncake
-backends exactly:
-
-* ALL_PAGES: prefix length ``p`` is restorable iff the pool holds pages
-  ``[0, p)``; the pool's verdict is its first missing page;
-* TRAILING_PAGES with window ``N = max(1, len(transfer.keys))``: ``p`` is
-  restorable iff the pool holds the window ``[p-N, p)`` (clipped at 0); the
-  verdict is the longest such ``p``. The set may have holes;
-* the KV hit is the longest prefix every pool can restore, never more than
-  the KV pages themselves.
-
-BLOCK_GROUPS (declared in SGLang 0.5.22+) has no producer in any release and
-leaves the keys of a group unspecified, as do SGLang's own backends (they
-raise); a query that carries it is answered as a miss.
+an object for KV page i", following SGLang's own ``file`` and Mooncake
+backends exactly) and the description of a side pool's memory; the backend
+does the I/O. BLOCK_GROUPS leaves the keys of a group unspecified, so a
+query that carries it is answered as a miss (``unsupported_policy_reason``).
 """
 
 from __future__ import annotations
@@ -82,9 +69,6 @@ def unsupported_policy_reason(policy: Any) -> str | None:
     return f"unknown hit policy {value!r}; answering the query as a miss"
 
 
-# ------------------------------------------------------------------ policies
-
-
 def _as_flags(page_exists: Sequence[bool] | np.ndarray) -> np.ndarray:
     return np.asarray(page_exists, dtype=bool).reshape(-1)
 
@@ -115,11 +99,8 @@ def trailing_pages_stops(page_exists: Sequence[bool] | np.ndarray, window: int) 
 
 @dataclass(frozen=True)
 class PoolQuery:
-    """One extra pool of a hit query, already looked up.
-
-    ``page_exists[i]``: the pool holds an object for KV page ``i`` (over
-    the KV hit only; pages past it cannot matter).
-    """
+    """One extra pool of a hit query, already looked up: ``page_exists[i]``,
+    the pool holds an object for KV page ``i`` (over the KV hit only)."""
 
     name: Hashable
     policy: str
@@ -141,12 +122,8 @@ class HitVerdict:
 
 def fold_hits(kv_pages: int, pools: Sequence[PoolQuery], *, kv_name: Hashable = KV) -> HitVerdict:
     """Intersect the restorable prefix lengths of the KV pool (``1..kv_pages``)
-    and of every extra pool, as SGLang's ``file`` and Mooncake backends do:
-    pools are taken in order and the scan stops once nothing is restorable.
-
-    Raises ValueError on a policy outside ``SUPPORTED_POLICIES``; callers
-    check ``unsupported_policy_reason`` first.
-    """
+    and of every extra pool, in order, stopping once nothing is restorable.
+    Raises ValueError on a policy outside ``SUPPORTED_POLICIES``."""
     kv_pages = max(0, int(kv_pages))
     hits: dict[Hashable, int] = {kv_name: kv_pages} if kv_pages else {}
     restorable = np.ones(kv_pages, dtype=bool)
@@ -180,26 +157,13 @@ def to_pool_transfer_result(verdict: HitVerdict) -> Any:
     from 0.5.19; older releases get the KV hit and per-pool pages only)."""
     import dataclasses
 
-    from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
 
-    hits = dict(verdict.pool_hit_pages)
-    try:
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-
-        hits = {(PoolName.KV if k == KV else k): v for k, v in hits.items()}
-    except ImportError:  # pragma: no cover - every release with v2 has PoolName
-        pass
-    fields = {f.name for f in dataclasses.fields(PoolTransferResult)}
-    if "restorable_prefix_pages" in fields:
-        return PoolTransferResult(
-            kv_hit_pages=verdict.kv_hit_pages,
-            extra_pool_hit_pages=hits,
-            restorable_prefix_pages=list(verdict.restorable_prefix_pages),
-        )
-    return PoolTransferResult(kv_hit_pages=verdict.kv_hit_pages, extra_pool_hit_pages=hits)
-
-
-# ------------------------------------------------------------- side pools
+    hits = {(PoolName.KV if k == KV else k): v for k, v in verdict.pool_hit_pages.items()}
+    stops = {"restorable_prefix_pages": list(verdict.restorable_prefix_pages)}
+    if "restorable_prefix_pages" not in {f.name for f in dataclasses.fields(PoolTransferResult)}:
+        stops = {}
+    return PoolTransferResult(kv_hit_pages=verdict.kv_hit_pages, extra_pool_hit_pages=hits, **stops)
 
 
 @dataclass(frozen=True)
@@ -287,13 +251,10 @@ class _WithoutSideStates:
 
 def _mamba_meta(pool: Any) -> Any:
     """The page description of a Mamba pool with per-slot side states
-    (``extra_checkpoint_buffers``, SGLang 0.5.22+): SGLang's own objects of
-    each page (temporal, conv...), then one object per side state, the
-    page's rows of that state's buffer. Each side-state buffer has the
-    slot on axis 0 (``MambaPoolHost.init_kv_buffer``), so a page's rows are
-    ``page_size`` consecutive rows from its first slot: the bytes SGLang's
-    own whole-page path moves for it (``_iter_page_tensors``).
-    """
+    (``extra_checkpoint_buffers``): SGLang's own objects of each page, then
+    one per side state: ``page_size`` rows from the page's first slot (the
+    slot is axis 0 of each side-state buffer), the bytes SGLang's own
+    whole-page path moves for it."""
     states = list(pool.slot_state_buffers)
     rows = [t[0].numel() * t.element_size() for t in states]
     plain = _WithoutSideStates(pool)
@@ -319,16 +280,9 @@ def _mamba_meta(pool: Any) -> Any:
 
 def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolLayout:
     """Check a side pool and say how to store it; raise UnsupportedPoolError
-    (failing the attach) on one this backend cannot store zero-copy.
-
-    Every page-addressable pool is stored: SGLang's zero-copy description
-    of a page (``get_page_buffer_meta``) says which bytes are the page,
-    and ``geometry`` checks that description against every page of the
-    pool before anything is moved. Pools this module knows are named and
-    keyed by what they hold; any other (an index-K pool, a QSA index) is
-    stored as its objects by position, under keys that carry the TP rank
-    (unique per rank whatever the pool holds).
-    """
+    (failing the attach) on one this backend cannot store zero-copy. Pools
+    this module knows are named by what they hold; any other page-addressable
+    pool is stored as its objects by position."""
     kind_name = type(pool).__name__
     if not callable(getattr(pool, "get_page_buffer_meta", None)):
         raise UnsupportedPoolError(
@@ -381,19 +335,14 @@ def describe_side_pool(pool: Any, name: str, *, model_is_mla: bool) -> SidePoolL
         return SidePoolLayout("mha", regions, None, replicated=False)
     if _is_dsa_indexer(pool) and parts == 1:
         # DeepSeek V3.2's index keys ride on the MLA KV pages: one object per
-        # page (every layer's packed keys and scales), replicated exactly
-        # when the model's KV is. The part keeps the positional name "o0".
+        # page, replicated exactly when the model's KV is.
         return SidePoolLayout("indexer", regions, ("o0",), replicated=bool(model_is_mla))
-    # Any other page-addressable pool (MiniMax's index K, Qwen4's QSA index,
-    # DeepSeek V4's compressed KV, indexer and state pools), its objects by
-    # position. Beside a rank-replicated model SGLang writes side pools on
-    # its writer rank only and every rank loads those bytes
-    # (HybridCacheController.should_backup: only Mamba state is backed up
-    # off the writer), so such a pool is identical on every rank by
-    # SGLang's own design and is keyed without the rank, as SGLang's file
-    # and Mooncake backends key it; the TP-sharded exceptions (MHA heads,
-    # Mamba state) are told apart above. Elsewhere every rank writes its
-    # own, keyed by rank.
+    # Any other page-addressable pool, its objects by position. Beside a
+    # rank-replicated model SGLang writes side pools on its writer rank only
+    # and every rank loads those bytes (HybridCacheController.should_backup),
+    # so such a pool is keyed without the rank, as SGLang's own backends key
+    # it; the TP-sharded exceptions (MHA heads, Mamba state) are told apart
+    # above. Elsewhere every rank writes its own, keyed by rank.
     names = tuple(f"o{i}" for i in range(parts))
     return SidePoolLayout("object", regions, names, replicated=bool(model_is_mla))
 
@@ -404,19 +353,14 @@ def writer_only_reason(
     """Why a side pool is left out of this deployment's L3, or None.
 
     Beside a rank-replicated (MLA) model, SGLang writes to storage only on
-    its storage writer ranks (``HiCacheStorageConfig.is_storage_writer``:
-    TP rank 0, or one per DCP shard), and its hybrid controller backs a side
-    pool up on the other ranks only when it is Mamba state
-    (``HybridCacheController.should_backup``; it makes one exception, MHA
-    drafts, for the backend named ``mooncake`` only, by name). A TP-sharded
-    pool there (an MHA draft of an MLA target: the draft's KV heads are
-    split over TP like any Llama-style attention) would be written by rank
-    0 alone, in rank 0's heads: other ranks could not use those bytes and
-    never get their own, so their hit query would always miss and SGLang's
-    MIN all-reduce of the hit would void every prefetch on every rank.
-    Such a pool is left out instead (the backend binds no memory for it and
-    leaves it out of hits and transfers, which SGLang's controller reads as
-    "no verdict"), and the target's pages are stored as usual.
+    its writer ranks (``HiCacheStorageConfig.is_storage_writer``) and backs
+    a side pool up on the others only when it is Mamba state
+    (``HybridCacheController.should_backup``). A TP-sharded pool there (an
+    MHA draft of an MLA target) would be written in rank 0's heads alone:
+    the other ranks' hit query would always miss, and SGLang's MIN
+    all-reduce of the hit would void every prefetch on every rank. Such a
+    pool is left out instead (no memory bound, no verdict in hits and
+    transfers), and the target's pages are stored as usual.
     """
     if not model_is_mla or layout.replicated or layout.kind == "mamba" or tp_size <= max(1, dcp_size):
         return None

@@ -1,26 +1,17 @@
 """Which host pools are bound, and which data-path calls are using each.
 
-``Pools`` holds a backend's bound pools (the KV pool and the hybrid side
-pools by name) and whether the backend is closed. Every data-path method
-runs its body in ``with Call(fault, where) as call``: ``pools.use(call,
-name)`` hands it a pool counted in (None once the pool is retired), and
-leaving the block counts it out of every pool it used, whatever happened.
-An exception in the body is a fault, handed to ``fault`` and swallowed,
-so the method goes on to answer its misses after the block (the error
-contract on ``backend.HiCacheSiMM``).
-
-A call also carries the backend's circuit breaker (``breaker.Breaker``):
-``call.allow()`` before each client call (False: the breaker is open, or
-this call's previous client call was a fault; answer misses without
-touching the client), ``call.record(codes, seconds)`` after it, and
-leaving the block releases the permit (an exception that is the store's is
-a fault; a probe that ended without an answer frees its slot).
+Every data-path method runs its body in ``with Call(fault, where) as
+call``: ``pools.use(call, name)`` hands it a pool counted in, leaving the
+block counts it out, and an exception in the body is a fault, handed to
+``fault`` and swallowed, so the method answers its misses after the block
+(the error contract on ``backend.HiCacheSiMM``). The call also holds the
+breaker's permit (``allow``, ``record``).
 
 A retired pool (replaced by a re-registration, or the backend closed) is
-deregistered by ``release`` once *its* calls are over: at once when none
-is in flight, otherwise by a background thread that waits for them. A
-data-path thread only sets the pool's ``drained`` event on its way out,
-so no call ever pays for another pool's deregistration.
+deregistered by ``release`` once *its* calls are over, by a background
+thread where some are in flight: a data-path thread only sets the pool's
+``drained`` event on its way out, so no call pays for another pool's
+deregistration.
 """
 
 from __future__ import annotations
@@ -41,17 +32,15 @@ logger = logging.getLogger("sglang_simm.backend")
 
 
 class Call:
-    """The context of one data-path call: the pools it uses, counted in
-    (``use``) and out (on leaving the block), its leave from the breaker
-    (``allow``, ``record``; released on leaving the block), and its fault
-    (handed to ``fault``, then swallowed)."""
+    """The context of one data-path call (the module docstring says what it keeps)."""
 
-    __slots__ = ("_fault", "_where", "_breaker", "used", "permit", "faulted")
+    __slots__ = ("_fault", "where", "_breaker", "used", "permit", "faulted")
 
     def __init__(self, fault: Callable[[str, BaseException], None], where: str,
                  breaker: Breaker | None = None) -> None:
         self._fault = fault
-        self._where = where
+        #: the method's name, for faults, logs and the breaker's reports
+        self.where = where
         self._breaker = breaker
         #: the pools this call is counted in on
         self.used: list[PoolBinding] = []
@@ -63,16 +52,11 @@ class Call:
     def __enter__(self) -> Call:
         return self
 
-    @property
-    def where(self) -> str:
-        return self._where
-
     def allow(self) -> bool:
         """Leave to make the next client call: False while the breaker is
         open (or a probe is in flight), and after a client call of this
         call was a fault (a hung store must not cost one call two time
-        limits); the method then answers misses without touching the
-        client. Ask before resolving or allocating anything, so a refused
+        limits). Ask before resolving or allocating anything, so a refused
         call holds no pool and no host memory."""
         if self.faulted:
             return False
@@ -94,9 +78,9 @@ class Call:
             return None
         if exc is not None:
             cause = fault_of(exc=exc)
-            permit.release(exc, op=self._where)
+            permit.release(exc, op=self.where)
         else:
-            cause = permit.record(codes, seconds=seconds, op=self._where)
+            cause = permit.record(codes, seconds=seconds, op=self.where)
         if cause is not None:
             self.faulted = True
         return cause
@@ -113,23 +97,19 @@ class Call:
         for b in self.used:
             b.leave()
         if self.permit is not None:
-            self.permit.release(exc, op=self._where)
-        if exc is not None and isinstance(exc, Exception):
-            self._fault(self._where, exc)
+            self.permit.release(exc, op=self.where)
+        if isinstance(exc, Exception):
+            self._fault(self.where, exc)
             return True  # the caller answers misses after the block
         return False
 
 
 class Pools:
-    """The host pools bound to one backend: ``kv``, the KV pool, and
-    ``side``, the hybrid side pools by name (Mamba, SWA, draft, DSA
-    indexer); and ``closed``, once the backend is.
-
-    Attach and close change them under ``lock``; data-path threads read
-    them without it (an attribute or a dict read is atomic) and count
-    themselves in on the binding they get (``use``), so a pool replaced
-    meanwhile is either counted in or skipped, never deregistered under a
-    call."""
+    """The host pools bound to one backend (``kv``, and the hybrid ``side``
+    pools by name), and whether it is ``closed``. Attach and close change
+    them under ``lock``; data-path threads read them without it (a read is
+    atomic) and count themselves in on the binding they get (``use``), so
+    no pool is deregistered under a call."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -219,10 +199,8 @@ def release(
 ) -> bool:
     """Retire ``bindings``; deregister each once none of its calls is in
     flight, then run ``then`` (closing the client), in that order always.
-
-    Waits up to ``wait_s`` here; what is still in use then is finished by a
-    background thread once its calls end. True when everything was done
-    here."""
+    Waits up to ``wait_s`` here, then leaves the rest to a background
+    thread; True when everything was done here."""
     for b in bindings:
         b.retire()
     if all(b.drained.wait(wait_s) for b in bindings):

@@ -1,11 +1,8 @@
 """Object keys: which SiMM key holds which part of which KV page.
 
-Pure functions, no I/O. A page's object key is always::
-
-    prefix + page_hash + part_suffix
-
-so a batch of keys is built with one string concatenation per object, and the
-two schemes differ only in how ``prefix`` and the suffixes are made.
+Pure functions, no I/O. A page's object key is always
+``prefix + page_hash + part_suffix``, so a batch of keys is one concatenation
+per object, and the two schemes differ only in the prefix and the suffixes.
 
 ``namespaced`` (default): the prefix carries a fingerprint of everything that
 gives a page's bytes their meaning (model, parallel layout, page geometry,
@@ -37,9 +34,8 @@ KEY_SCHEMES: tuple[str, ...] = ("namespaced", "legacy")
 NAMESPACE_VERSION = 1
 
 #: The start of every key of a start-up round trip (``client.KVClient.warmup``;
-#: SGLang's in-tree backend's warm-up keys start with it too). Never a page's:
-#: page keys start with a namespace or a tag. The local store counts these
-#: objects apart, so pages counted from its counters leave warm-ups out.
+#: SGLang's in-tree backend's too), never a page's: the local store counts
+#: these objects apart, so pages counted from its counters leave them out.
 WARMUP_KEY_PREFIX = "sglang_simm_warmup_"
 #: What the breaker's probe looks up (``backend``): never stored, so a
 #: healthy store answers "not found", which is no fault.
@@ -87,28 +83,22 @@ class PageIdentity:
 
 def pool_dtype(pool_dtype: str, region_dtypes: Sequence[str]) -> str:
     """The ``dtype`` a pool's keys carry: the pool's own, followed by its
-    regions' where any differs from it. A pool's ``dtype`` names one dtype
-    (SGLang's Mamba host pool: the conv state's), while its pages hold each
-    region's; a bf16 and an fp16 temporal state of one model must not share
-    keys. Pools whose every region has the pool's dtype keep their keys."""
+    regions' where any differs from it (a Mamba pool's ``dtype`` is its conv
+    state's; a bf16 and an fp16 temporal state must not share keys)."""
     if all(d == pool_dtype for d in region_dtypes):
         return pool_dtype
     return f"{pool_dtype}[{','.join(region_dtypes)}]"
 
 
 def fingerprint(identity: PageIdentity) -> str:
-    """16 hex digits over the identity fields that decide a page's bytes.
-
-    Ranks that hold identical bytes must get the same fingerprint, so the
-    fields are normalised first: MLA pages are replicated across TP ranks
-    (no TP in the fingerprint); split-head pages are named by their head
-    group in the suffix instead (no TP rank or size, only ``tp_lcm_size``).
+    """16 hex digits over the identity fields that decide a page's bytes,
+    normalised so that ranks holding identical bytes agree: no TP for MLA
+    (replicated), only ``tp_lcm_size`` for head groups (named in the suffix).
     """
     fields = asdict(identity)
     fields["v"] = NAMESPACE_VERSION
     if identity.is_mla:
-        fields["tp_size"] = fields["tp_rank"] = None
-        fields["tp_lcm_size"] = None
+        fields["tp_size"] = fields["tp_rank"] = fields["tp_lcm_size"] = None
     elif identity.head_grouped:
         # A rank's page is split_factor (K, V) groups; name the group's bytes.
         fields["tp_size"] = fields["tp_rank"] = None
@@ -130,9 +120,7 @@ def namespaced_prefix(identity: PageIdentity) -> str:
 def namespaced_suffixes(identity: PageIdentity, chunks: int = 1) -> tuple[str, ...]:
     """Suffix of every object of one page, in the order the host pool's
     ``get_page_buffer_meta`` lists them (K then V per head group; MLA one).
-
-    ``chunks`` > 1 when each object is split to fit SiMM's value limit; the
-    chunk index is last because chunks of one object are adjacent in memory.
+    The chunk index comes last: chunks of one object are adjacent in memory.
     """
     if identity.is_mla:
         parts = [".kv"]
@@ -178,11 +166,8 @@ def legacy_suffixes(identity: PageIdentity, chunks: int = 1) -> tuple[str, ...]:
 
 
 def legacy_refusal(identity: PageIdentity) -> str | None:
-    """Why the legacy scheme cannot serve this identity, or None.
-
-    The in-tree backend has no key for these cases; inventing one would
-    not be 'legacy', and reusing its keys would mix different bytes.
-    """
+    """Why the legacy scheme cannot serve this identity, or None: the
+    in-tree backend has no key for it, and reusing one would mix bytes."""
     if identity.pool != "kv":
         return f"hybrid side pool {identity.pool!r} has no in-tree key"
     if identity.head_grouped:
@@ -218,11 +203,7 @@ def _chunked(parts: Sequence[str], chunks: int) -> tuple[str, ...]:
 
 
 def object_keys(prefix: str, page_keys: Sequence[str], suffixes: Sequence[str]) -> list[str]:
-    """Flat, page-major list: every suffix of page 0, then page 1, ...
-
-    Making the strings (one per object) is the cost: an f-string per object
-    in one comprehension (``join``/``split`` per suffix, ``str.format`` or
-    ``%`` through ``map`` and an ``append`` loop all cost more)."""
+    """Flat, page-major list: every suffix of page 0, then page 1, ..."""
     return [f"{prefix}{k}{s}" for k in page_keys for s in suffixes]
 
 

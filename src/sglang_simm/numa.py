@@ -1,8 +1,7 @@
 """Which RDMA NICs this process should use, from sysfs and the CPU affinity.
 
 Pure functions over a ``sysfs_root`` (``/sys`` by default; tests build a fake
-tree). Nothing is read at import time, and no function here raises over a
-missing or odd sysfs: a machine without RDMA drivers just gets no NICs.
+tree), none raising over a missing or odd sysfs: no RDMA drivers, no NICs.
 
 Files read (relative to ``sysfs_root``)::
 
@@ -97,36 +96,32 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-def _read_int(path: str) -> int | None:
-    text = _read_text(path)
-    if text is None:
-        return None
+def _listdir(path: str) -> list[str]:
     try:
-        return int(text)
-    except ValueError:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        return int(_read_text(path))  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # unreadable (None), or not a number
         return None
 
 
 def list_rdma_devices(sysfs_root: str = "/sys") -> list[RdmaDevice]:
     """Every device under ``class/infiniband``, sorted by name; [] when there is none."""
     ib_root = os.path.join(sysfs_root, "class", "infiniband")
-    try:
-        names = os.listdir(ib_root)
-    except OSError:
-        return []
     devices = []
-    for name in sorted(names, key=_natural_key):
+    for name in sorted(_listdir(ib_root), key=_natural_key):
         dev_dir = os.path.join(ib_root, name)
         node = _read_int(os.path.join(dev_dir, "device", "numa_node"))
         if node is None or node < 0:
             node = _UNKNOWN_NODE
         ports: dict[int, str] = {}
         ports_dir = os.path.join(dev_dir, "ports")
-        try:
-            port_names = os.listdir(ports_dir)
-        except OSError:
-            port_names = []
-        for port in port_names:
+        for port in _listdir(ports_dir):
             if not port.isdigit():
                 continue
             text = _read_text(os.path.join(ports_dir, port, "state"))
@@ -141,19 +136,12 @@ def list_rdma_devices(sysfs_root: str = "/sys") -> list[RdmaDevice]:
 def cpu_to_node(sysfs_root: str = "/sys") -> dict[int, int]:
     """CPU id -> NUMA node, from the ``node<N>`` entries under ``devices/system/cpu/cpu<k>/``."""
     cpu_root = os.path.join(sysfs_root, "devices", "system", "cpu")
-    try:
-        entries = os.listdir(cpu_root)
-    except OSError:
-        return {}
     mapping: dict[int, int] = {}
-    for entry in entries:
+    for entry in _listdir(cpu_root):
         match = _CPU_DIR_RE.fullmatch(entry)
         if not match:
             continue
-        try:
-            inner = os.listdir(os.path.join(cpu_root, entry))
-        except OSError:
-            continue
+        inner = _listdir(os.path.join(cpu_root, entry))
         nodes = sorted(int(m.group(1)) for m in map(_NODE_RE.fullmatch, inner) if m)
         if nodes:
             mapping[int(match.group(1))] = nodes[0]
@@ -189,9 +177,7 @@ def gpu_numa_node(pci_bus_id: str | None, sysfs_root: str = "/sys") -> int | Non
     if not pci_bus_id:
         return None
     node = _read_int(os.path.join(sysfs_root, "bus", "pci", "devices", normalize_pci_bus_id(pci_bus_id), "numa_node"))
-    if node is None or node < 0:
-        return None
-    return node
+    return node if node is not None and node >= 0 else None
 
 
 def _names(devices: Iterable[RdmaDevice]) -> str:
@@ -236,6 +222,7 @@ def choose_nics(
         return NicChoice(devices=chosen, numa_node=node, reason=reason)
 
     active = [d for d in devices if d.active]
+    every = tuple(d.name for d in active)
     if not active:
         if devices:
             states = "; ".join(
@@ -247,11 +234,7 @@ def choose_nics(
         return NicChoice(devices=(), numa_node=None, reason=reason)
 
     if not numa_aware:
-        return NicChoice(
-            devices=tuple(d.name for d in active),
-            numa_node=None,
-            reason=f"numa_aware is off: every ACTIVE NIC ({_names(active)})",
-        )
+        return NicChoice(every, None, f"numa_aware is off: every ACTIVE NIC ({_names(active)})")
 
     node: int | None = None
     evidence = ""
@@ -270,24 +253,14 @@ def choose_nics(
                 evidence += " (the CPU affinity spans the whole machine)"
 
     if node is None:
-        return NicChoice(
-            devices=tuple(d.name for d in active),
-            numa_node=None,
-            reason=f"NUMA node unknown (no narrow CPU affinity, no GPU node): every ACTIVE NIC ({_names(active)})",
-        )
+        return NicChoice(every, None, "NUMA node unknown (no narrow CPU affinity, no GPU node): every ACTIVE NIC "
+                         f"({_names(active)})")
     local = [d for d in active if d.numa_node in (node, _UNKNOWN_NODE)]
     if local:
         uma = " (UMA NICs count as any node)" if any(d.numa_node == _UNKNOWN_NODE for d in local) else ""
-        return NicChoice(
-            devices=tuple(d.name for d in local),
-            numa_node=node,
-            reason=f"{evidence}: ACTIVE NICs on node {node}: {_names(local)}{uma}",
-        )
-    return NicChoice(
-        devices=tuple(d.name for d in active),
-        numa_node=node,
-        reason=f"{evidence}, but no ACTIVE NIC on node {node}: every ACTIVE NIC ({_names(active)})",
-    )
+        return NicChoice(tuple(d.name for d in local), node,
+                         f"{evidence}: ACTIVE NICs on node {node}: {_names(local)}{uma}")
+    return NicChoice(every, node, f"{evidence}, but no ACTIVE NIC on node {node}: every ACTIVE NIC ({_names(active)})")
 
 
 def select_nics(
@@ -297,12 +270,9 @@ def select_nics(
     affinity: Iterable[int] | None = None,
     gpu_pci_bus_id: str | None = None,
 ) -> NicChoice:
-    """:func:`choose_nics` over what this machine says.
-
-    ``config`` needs ``rdma_devices``, ``numa_aware`` and ``numa_node`` (a
-    :class:`~sglang_simm.config.SiMMConfig`). ``affinity`` defaults to
-    ``os.sched_getaffinity(0)``.
-    """
+    """:func:`choose_nics` over what this machine says, for ``config``'s
+    ``rdma_devices``, ``numa_aware`` and ``numa_node``; ``affinity`` defaults
+    to ``os.sched_getaffinity(0)``."""
     if affinity is None:
         try:
             affinity = os.sched_getaffinity(0)
@@ -320,11 +290,9 @@ def select_nics(
 
 
 def apply_nic_choice(choice: NicChoice, environ: MutableMapping[str, str] | None = None) -> str | None:
-    """Set ``SICL_NET_DEVICES`` from ``choice``, unless the operator already set it.
-
-    Returns the value in effect afterwards (None: unset, SiCL picks). An
-    operator's value is left alone, with a log note when it differs from ours.
-    """
+    """Set ``SICL_NET_DEVICES`` from ``choice``, unless the operator already
+    set it (then a log note says where ours differs); the value in effect
+    afterwards (None: unset, SiCL picks)."""
     env = os.environ if environ is None else environ
     existing = env.get(NET_DEVICES_ENV, "").strip()
     wanted = ",".join(choice.devices)

@@ -85,14 +85,11 @@ def code_name(code: int) -> str:
 
 def key_fits(key: object, budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False) -> bool:
     """The one rule for a usable key: a ``str`` of at most ``budget`` bytes in
-    UTF-8 (SiMM counts key bytes; text with no UTF-8 form, such as a lone
-    surrogate, is no key). ``budget`` is SiMM's limit for an object key, or
-    a caller's smaller one. SiMM itself takes an empty key (``empty_ok``, as
-    the local store's client does); a caller whose keys name something may
-    refuse it.
-
-    ``len`` counts characters, never more than the bytes: only non-ASCII
-    text needs encoding.
+    UTF-8 (SiMM counts key bytes; text with no UTF-8 form is no key).
+    ``budget`` is SiMM's limit, or a caller's smaller one. SiMM itself takes
+    an empty key (``empty_ok``); a caller whose keys name something may
+    refuse it. Only non-ASCII text needs encoding: ``len`` never counts more
+    than the bytes.
     """
     if not isinstance(key, str) or (not key and not empty_ok) or len(key) > budget:
         return False
@@ -105,29 +102,5 @@ def key_fits(key: object, budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False
 
 
 def keys_fit(keys: Sequence[object], budget: int = MAX_KEY_BYTES, *, empty_ok: bool = False) -> bool:
-    """``key_fits`` for every key of a batch, with C-level checks for the
-    common case: every key an ASCII string of one length (SGLang's page
-    keys are hex digests).
-
-    That case is proved from one ``"\n".join``: it holds exactly n - 1
-    newlines, its length is n keys of the first key's width plus n - 1
-    separators, and every place a separator would stand between keys of
-    that width holds one; so no key holds a newline and every key has that
-    width. Anything else takes the per-key rule."""
-    try:
-        joined = "\n".join(keys)  # type: ignore[arg-type]  # TypeError: a key that is not a str
-    except TypeError:
-        return False
-    n = len(keys)
-    if not n:
-        return True
-    width = len(keys[0])  # type: ignore[arg-type]
-    if (
-        0 < width <= budget
-        and len(joined) == n * (width + 1) - 1
-        and joined.isascii()
-        and joined.count("\n") == n - 1
-        and (n == 1 or joined[width:: width + 1] == "\n" * (n - 1))
-    ):
-        return True
+    """``key_fits`` for every key of a batch."""
     return all(key_fits(k, budget, empty_ok=empty_ok) for k in keys)

@@ -70,11 +70,7 @@ _SIZE_FORMS = 'a positive byte count: an integer or a string like "512MiB", "4Gi
 
 
 def parse_byte_size(value: object) -> int:
-    """``4294967296``, ``"512MiB"``, ``"4GiB"``, ``"1.5G"`` -> bytes (> 0).
-
-    ``K/M/G/T`` and ``KiB/MiB/GiB/TiB`` are powers of 1024; ``KB/MB/GB/TB``
-    powers of 1000.
-    """
+    """``4294967296``, ``"512MiB"``, ``"4GiB"``, ``"1.5G"`` -> bytes (> 0), by ``_SIZE_UNITS``."""
 
     def invalid(problem: str) -> InvalidValue:
         return InvalidValue(problem, _SIZE_FORMS, value=value, what="byte size")

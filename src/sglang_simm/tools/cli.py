@@ -45,10 +45,7 @@ FILE_FORMATS = (".json", ".toml", ".yaml", ".yml")
 def parse_extra_config(text: str | None, *, option: str = "--extra-config") -> dict[str, Any]:
     """Like SGLang's ``--hicache-storage-backend-extra-config``: JSON, or
     ``@path`` to a JSON, YAML or TOML file (by extension, as SGLang reads it).
-
-    Every problem is a ValueError naming ``option``, what is wrong and an
-    example; nothing here raises anything else for bad input.
-    """
+    Every problem is a ValueError naming ``option``, what is wrong and an example."""
     if not text:
         return {}
     if text.startswith("@"):
@@ -68,13 +65,7 @@ def parse_extra_config(text: str | None, *, option: str = "--extra-config") -> d
         data = _parse_file(raw, ext, where)
     else:
         where = option
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"{option} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
-                f"{text!r}. Example: {EXTRA_CONFIG_EXAMPLE}"
-            ) from None
+        data = _json(text, option, f": {text!r}. Example: {EXTRA_CONFIG_EXAMPLE}")
     if not isinstance(data, dict):
         raise ValueError(
             f"{where} must hold a JSON object ({{...}}), got {type(data).__name__}. Example: {EXTRA_CONFIG_EXAMPLE}"
@@ -103,12 +94,15 @@ def _parse_file(raw: bytes, ext: str, where: str) -> Any:
             return yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ValueError(f"{where} is not valid YAML ({' '.join(str(exc).split())})") from None
+    return _json(text, where)
+
+
+def _json(text: str, where: str, tail: str = "") -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{where} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        ) from None
+        problem = f"{where} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        raise ValueError(problem + tail) from None
 
 
 def _toml_module(where: str) -> Any:

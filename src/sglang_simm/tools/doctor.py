@@ -7,11 +7,29 @@ adds a problem, and any problem makes the exit status 1.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from sglang_simm import __version__
+from sglang_simm.client import connect, import_real_client
+from sglang_simm.config import (
+    SOURCES,
+    SiMMConfig,
+    client_flag,
+    find_deprecated_names,
+    find_unknown_keys,
+    load_config,
+    with_client_flag,
+    with_current_names,
+)
+from sglang_simm.errors import ClientNotInstalledError
+from sglang_simm.numa import list_rdma_devices, select_nics
 
 #: Where SGLang comes from: PyPI has it (this package is not on an index yet).
 SGLANG_INSTALL = "pip install 'sglang>=0.5.8,<0.6'"
@@ -28,16 +46,20 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
-def _grid(title: str) -> Any:
+def _grid(title: str, *columns: str, right: tuple[str, ...] = (), dim: tuple[str, ...] = ()) -> Any:
+    """A titled table with ``columns``; those in ``right`` right-aligned (numbers), in ``dim`` dimmed."""
     from rich.table import Table
 
     table = Table(title=title, title_justify="left", title_style="bold", show_header=True, header_style="dim")
+    for column in columns:
+        table.add_column(column, justify="right" if column in right else "left", style="dim" if column in dim else None)
     return table
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
+def version_tuple(text: Any) -> tuple[int, ...]:
+    """``"0.5.11rc1"`` -> ``(0, 5, 11)``; ``()`` for no version."""
     out = []
-    for piece in text.split("."):
+    for piece in str(text or "").split("."):
         digits = "".join(ch for ch in piece if ch.isdigit())
         if not digits:
             break
@@ -55,7 +77,7 @@ def sglang_status() -> dict[str, Any]:
         sglang_version = None
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "simm"]
     ours = [ep for ep in eps if ep.value.startswith("sglang_simm")]
-    plugin_ok = bool(sglang_version) and _version_tuple(sglang_version) >= PLUGIN_SINCE
+    plugin_ok = bool(sglang_version) and version_tuple(sglang_version) >= PLUGIN_SINCE
     return {
         "version": sglang_version,
         "entry_point": ours[0].value if ours else None,
@@ -69,9 +91,8 @@ def sglang_status() -> dict[str, Any]:
 _ROUTE_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
 #: The HiCache settings under which L3 pays, each with why: every launch line
-#: this project writes carries them (doctor's; the README's and examples/'s,
-#: held to these by tests/test_examples.py). Set explicitly, since SGLang's
-#: defaults differ by release (best_effort prefetch before 0.5.23).
+#: this project writes carries them (tests/test_examples.py), set explicitly
+#: since SGLang's defaults differ by release.
 RECOMMENDED: tuple[tuple[str, str], ...] = (
     ("--hicache-ratio 2", "a host pool twice the GPU KV pool, so pages outlive their GPU copy; it needs that "
      "much free host memory per server (twice the GPU KV pool's bytes, beyond the 10 GiB SGLang keeps free), "
@@ -111,18 +132,14 @@ def address_only(extra: dict[str, Any]) -> Any:
     """A configuration of the manager address alone, as the sources resolve
     it (None when it is missing or invalid): what the client checks go by
     when another field is wrong."""
-    import os
-
-    from sglang_simm import config as cfg
-
-    for _name, source in cfg.SOURCES:
+    for _name, source in SOURCES:
         try:
             found = source(extra, os.environ)
         except ValueError:
             continue
         if "manager_address" in found:
             try:
-                return cfg.SiMMConfig(manager_address=found["manager_address"][0])
+                return SiMMConfig(manager_address=found["manager_address"][0])
             except ValueError:
                 return None
     return None
@@ -134,22 +151,16 @@ def _store_description(config: Any) -> str:
     return f"in-process local store {config.local_store_name!r} (inside one process, no cluster)"
 
 
-def _quiet_config_log() -> Any:
+@contextlib.contextmanager
+def _quiet_config_log() -> Iterator[None]:
     """The config's warnings go into the report as problems instead."""
-    import contextlib
-    import logging
-
-    @contextlib.contextmanager
-    def quiet() -> Any:
-        log = logging.getLogger("sglang_simm.config")
-        saved = log.level
-        log.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            log.setLevel(saved)
-
-    return quiet()
+    log = logging.getLogger("sglang_simm.config")
+    saved = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(saved)
 
 
 def _text(value: Any) -> str:
@@ -161,10 +172,6 @@ def _text(value: Any) -> str:
 
 
 def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys") -> int:
-    from sglang_simm import __version__
-    from sglang_simm.config import find_deprecated_names, find_unknown_keys, load_config, with_current_names
-    from sglang_simm.numa import list_rdma_devices, select_nics
-
     report = Report()
     console.print(f"[bold]sglang-simm {__version__} doctor[/bold]")
 
@@ -184,39 +191,28 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     # and the new names of renamed fields and flags, each old one a warning
     report.warnings += [f"configuration: {line}" for line in find_deprecated_names(extra)]
     extra = with_current_names(extra)
-    config_problems: list[str] = []
     try:
         with _quiet_config_log():
             resolved = load_config(extra)
         config = resolved.config
-        table = _grid("Configuration")
-        table.add_column("field")
-        table.add_column("value")
-        table.add_column("source", style="dim")
+        table = _grid("Configuration", "field", "value", "source", dim=("source",))
         for name, value, source in resolved.describe():
             table.add_row(_text(name), _text(value), _text(source))
         console.print(table)
     except ValueError as exc:
-        config_problems.append(f"configuration: {exc}")
-    report.problems += config_problems
+        report.problems.append(f"configuration: {exc}")
     # Where the rest of the configuration is wrong, the address alone still
     # says which client the checks below are about.
-    if config is not None:
-        target = config
-    else:
+    target = config
+    if target is None:
         with _quiet_config_log():
             target = address_only(extra)
 
     # 2. the client
-    table = _grid("SiMM client")
-    table.add_column("check")
-    table.add_column("result")
+    table = _grid("SiMM client", "check", "result")
     if target is not None and target.is_local_store:
         table.add_row("client", _text(_store_description(target)))
     else:
-        from sglang_simm.client import import_real_client
-        from sglang_simm.errors import ClientNotInstalledError
-
         try:
             kv = import_real_client()
             table.add_row("simm.kv", _text(f"SiMM client at {getattr(kv, '__file__', '?')}"))
@@ -241,11 +237,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
 
     # 3. RDMA devices
     devices = list_rdma_devices(sysfs_root)
-    table = _grid("RDMA devices")
-    table.add_column("device")
-    table.add_column("NUMA node", justify="right")
-    table.add_column("ports")
-    table.add_column("active")
+    table = _grid("RDMA devices", "device", "NUMA node", "ports", "active", right=("NUMA node",))
     for dev in devices:
         ports = ", ".join(f"{n}: {s}" for n, s in sorted(dev.port_states.items())) or "-"
         table.add_row(_text(dev.name), str(dev.numa_node), _text(ports), "yes" if dev.active else "[yellow]no[/yellow]")
@@ -265,9 +257,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
 
     # 4. SGLang
     status = sglang_status()
-    table = _grid("SGLang")
-    table.add_column("check")
-    table.add_column("result")
+    table = _grid("SGLang", "check", "result")
     table.add_row("installed", _text(status["version"]) if status["version"] else "[red]no[/red]")
     table.add_row("entry point 'simm'",
                   _text(status["entry_point"]) if status["entry_point"] else "[yellow]not registered[/yellow]")
@@ -279,7 +269,7 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
     if not status["version"]:
         report.notes.append(f"SGLang is not installed here: {SGLANG_INSTALL} (on a CPU machine, see the README's Install)")
 
-    if config_problems or resolved is None:
+    if resolved is None:
         console.print("[bold]Launch lines[/bold]: [yellow]none until the configuration problems below are fixed[/yellow]")
     else:
         _print_launch_lines(console, extra, resolved)
@@ -292,12 +282,10 @@ def run_doctor(console: Any, extra: dict[str, Any], *, sysfs_root: str = "/sys")
             _round_trip(console, config, report)
 
     report.problems += typos
-    for note in report.notes:
-        console.print(f"[yellow]note:[/yellow] {_text(note)}", soft_wrap=True)  # paths stay whole, to copy
-    for warning in report.warnings:
-        console.print(f"[yellow]warning:[/yellow] {_text(warning)}", soft_wrap=True)
-    for problem in report.problems:
-        console.print(f"[red]problem:[/red] {_text(problem)}", soft_wrap=True)
+    for word, style, lines in (("note", "yellow", report.notes), ("warning", "yellow", report.warnings),
+                               ("problem", "red", report.problems)):
+        for line in lines:
+            console.print(f"[{style}]{word}:[/{style}] {_text(line)}", soft_wrap=True)  # paths stay whole, to copy
     if report.problems:
         console.print(f"[red]{len(report.problems)} problem(s) block a start.[/red]")
         return 1
@@ -329,9 +317,9 @@ def _print_launch_lines(console: Any, extra: dict[str, Any], resolved: Any) -> N
     for route, line in launch_lines(extra).items():
         console.print(f"[dim]# {route}[/dim]")
         console.print(line, soft_wrap=True, markup=False)
-    elsewhere = sorted({s for n, s in resolved.sources.items() if s not in ("extra_config", "default")})
-    if elsewhere:
-        fields = [n for n, s in resolved.sources.items() if s not in ("extra_config", "default")]
+    outside = {n: s for n, s in resolved.sources.items() if s not in ("extra_config", "default")}
+    if outside:
+        fields, elsewhere = list(outside), sorted(set(outside.values()))
         verb = "comes" if len(fields) == 1 else "come"
         console.print(
             f"[dim]# {', '.join(fields)} {verb} from {', '.join(elsewhere)}, not from these lines: "
@@ -341,12 +329,9 @@ def _print_launch_lines(console: Any, extra: dict[str, Any], resolved: Any) -> N
 
 
 def _host_round_trip(console: Any, extra: dict[str, Any], config: Any, report: Report) -> None:
-    """The round trip on a local store: on the running store of the
-    config's name, whose size is what servers get; where none runs, on a
-    store of doctor's own in a private directory, stopped after it, so
-    that doctor never leaves a store of its own choosing behind for the
-    next server to find."""
-    from sglang_simm.config import client_flag, load_config, with_client_flag
+    """The round trip on the running local store of the config's name; where
+    none runs, on a store of doctor's own in a private directory, stopped
+    after it, so that no server finds a store of doctor's choosing."""
     from sglang_simm.local_store import get_flag, set_flag
     from sglang_simm.local_store.admin import (
         StorePaths,
@@ -412,8 +397,6 @@ def _round_trip(console: Any, config: Any, report: Report, *, size: int = 1 << 2
     import statistics
     import uuid
 
-    from sglang_simm.client import connect
-
     try:
         client = connect(config)
     except Exception as exc:
@@ -443,9 +426,8 @@ def _round_trip(console: Any, config: Any, report: Report, *, size: int = 1 << 2
             timings["get"].append(t3 - t2)
     finally:
         client.close()
-    table = _grid(f"Round trip to {client.description} ({size >> 20} MiB, median of {rounds})")
-    table.add_column("call")
-    table.add_column("latency", justify="right")
+    table = _grid(f"Round trip to {client.description} ({size >> 20} MiB, median of {rounds})", "call", "latency",
+                  right=("latency",))
     for call, values in timings.items():
         table.add_row(call, f"{statistics.median(values) * 1e6:,.0f} us")
     console.print(table)

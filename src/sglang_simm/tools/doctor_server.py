@@ -1,10 +1,9 @@
 """``sglang-simm doctor --server URL``: why L3 does not hit, read from a running server.
 
 Reads what a running SGLang server publishes, with the standard library
-alone (``urllib``): ``/server_info`` (``/get_server_info`` before 0.5.x
-renamed it), ``/metrics`` where ``--enable-metrics`` is on, and
-``GET /hicache/storage-backend`` where the server has an admin key (a
-backend attached at runtime shows there). Where the server's L3 is a local
+alone (``urllib``): ``/server_info``, ``/metrics`` where ``--enable-metrics``
+is on, and ``GET /hicache/storage-backend`` where the server has an admin key
+(a backend attached at runtime shows there). Where the server's L3 is a local
 store of this host, the store's status and key namespaces are read too.
 
 ``analyse`` is pure (a server's dicts in, findings out); every finding names
@@ -23,7 +22,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_simm.local_store.admin import STORE_DIR_ENV
+from sglang_simm.config import SiMMConfig, client_flag, parse_client_flags
+from sglang_simm.keys import WARMUP_KEY_PREFIX
+from sglang_simm.local_store.admin import STORE_DIR_ENV, store_dir
+from sglang_simm.tools.doctor import _reach, version_tuple
 
 #: SGLang's default for the extra-config key ``prefetch_threshold`` (tokens)
 DEFAULT_PREFETCH_THRESHOLD = 256
@@ -33,7 +35,7 @@ DEFAULT_TIMEOUT_BASE, DEFAULT_TIMEOUT_PER_KI = 1.0, 0.25
 #: tokens (HiCacheController.attach_storage_backend); from 0.5.15 it is half the host pool
 OLD_CAPACITY_RULE_UNTIL = (0, 5, 14)
 
-#: our backend's names: the plugin route and the dynamic route's module
+#: the dynamic route's module of this backend
 OUR_MODULE = "sglang_simm"
 
 
@@ -97,18 +99,15 @@ def read_server(url: str, *, timeout_s: float = 10.0, api_key: str | None = None
         else:
             view.errors.append(f"{url} serves neither /server_info nor /get_server_info (HTTP {status})")
         return view
-    try:
-        status, body = _get(url + "/metrics", timeout_s, headers)
-        if status == 200:
-            view.metrics = parse_metrics(body.decode("utf-8", "replace"))
-    except (urllib.error.URLError, OSError):
-        pass
-    try:
-        status, body = _get(url + "/hicache/storage-backend", timeout_s, headers)
-        if status == 200:
-            view.storage = json.loads(body)
-    except (urllib.error.URLError, OSError, ValueError):
-        pass
+    def optional(path: str, parse: Any) -> Any:  # None where not served, refused or unreadable
+        try:
+            status, body = _get(url + path, timeout_s, headers)
+            return parse(body) if status == 200 else None
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    view.metrics = optional("/metrics", lambda body: parse_metrics(body.decode("utf-8", "replace")))
+    view.storage = optional("/hicache/storage-backend", json.loads)
     return view
 
 
@@ -143,16 +142,6 @@ def metric_sum(metrics: dict[str, list[tuple[dict[str, str], float]]] | None, na
 
 
 # -------------------------------------------------------------- analysing
-
-
-def _version(text: Any) -> tuple[int, ...]:
-    out = []
-    for piece in str(text or "").split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
 
 
 def extra_config_of(info: dict[str, Any], storage: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -194,7 +183,7 @@ def analyse(info: dict[str, Any], metrics: dict[str, Any] | None = None, storage
     """Every reason this server's L3 cannot or does not hit that its
     ``/server_info``, ``/metrics`` and ``/hicache/storage-backend`` show."""
     out: list[Finding] = []
-    version = _version(info.get("version"))
+    version = version_tuple(info.get("version"))
     if not info.get("enable_hierarchical_cache"):
         out.append(Finding("block", "HiCache is off: the server has no host tier and no L3 tier",
                            "--enable-hierarchical-cache --hicache-storage-backend simm"))
@@ -224,9 +213,7 @@ def analyse(info: dict[str, Any], metrics: dict[str, Any] | None = None, storage
                            "pip install sglang-simm into the server's environment"))
 
     policy = (storage or {}).get("hicache_write_policy") or info.get("hicache_write_policy")
-    if policy is None:
-        pass  # not published: nothing to say
-    elif policy == "write_back":
+    if policy == "write_back":
         out.append(Finding("warn", "write policy write_back: a page goes to host memory, and from there to L3, "
                            "only when the GPU pool evicts it; until the GPU pool fills, L3 receives nothing and "
                            "nothing can hit there", "--hicache-write-policy write_through"))
@@ -234,7 +221,7 @@ def analyse(info: dict[str, Any], metrics: dict[str, Any] | None = None, storage
         out.append(Finding("warn", "write policy write_through_selective: a prefix is backed up (to host, then "
                            "L3) only once it has been hit twice; a prefix served once never reaches L3",
                            "--hicache-write-policy write_through"))
-    else:
+    elif policy is not None:  # None: not published
         out.append(Finding("info", f"write policy {policy}: every computed prefix is written to host memory "
                            "and then to L3 as it is computed"))
 
@@ -338,17 +325,12 @@ def _from_metrics(metrics: dict[str, Any]) -> list[Finding]:
 def store_of(extra: dict[str, Any]) -> tuple[str, str] | None:
     """(store directory, name) of a local store named by the extra config's
     manager address; None for a cluster."""
-    from sglang_simm import config as cfg
-
     try:
-        config = cfg.SiMMConfig(manager_address=extra.get("manager_address", ""))
+        config = SiMMConfig(manager_address=extra.get("manager_address", ""))
     except (ValueError, TypeError):
         return None
     if config.local_store_scope != "host":
         return None
-    from sglang_simm.config import client_flag
-    from sglang_simm.local_store.admin import store_dir
-
     return store_dir(client_flag(extra, "local_store_dir")), config.local_store_name
 
 
@@ -359,11 +341,9 @@ _NAMESPACE = re.compile(r"^(?:(.*?)/)?(s\d+\.[0-9a-f]{16})/")
 def namespaces(keys: list[str]) -> dict[str, int]:
     """Objects per key namespace (``tag/s1.<fingerprint>``, ``legacy`` for
     others); start-up round trips left out."""
-    from sglang_simm.keys import WARMUP_KEY_PREFIX
-
     out: dict[str, int] = {}
     for key in keys:
-        if key.startswith(WARMUP_KEY_PREFIX) or key.startswith("sglang_simm_doctor_"):
+        if key.startswith((WARMUP_KEY_PREFIX, "sglang_simm_doctor_")):
             continue
         m = _NAMESPACE.match(key)
         name = (f"{m.group(1)}/" if m.group(1) else "") + m.group(2) if m else "legacy (no namespace)"
@@ -410,10 +390,9 @@ def server_l3_works(metrics: dict[str, Any] | None) -> str | None:
 def reconcile_store(name: str, looked_in: str, reported: tuple[str, str] | None, status: dict[str, Any],
                     keys: list[str] | None, metrics: dict[str, Any] | None,
                     shell_dir: str | None) -> list[Finding]:
-    """The local store's findings where doctor's own look and the server's
-    report may differ: the store ``status`` describes is the one in the
-    directory the server reports (``reported``), else the one doctor's own
-    sources name (``looked_in``); where doctor cannot reach it and the
+    """The local store's findings: ``status`` describes the store in the
+    directory the server reports (``reported``), else in the one doctor's
+    sources name (``looked_in``). Where doctor cannot reach it and the
     server's counters show L3 at work, the server's view wins, and the
     finding says where the two differ and why, most likely."""
     out: list[Finding] = []
@@ -480,8 +459,6 @@ NAMESPACE_FIELDS = ("model_path", "served_model_name", "tp_size", "pp_size", "pa
 def _store_dir_flag(extra: dict[str, Any]) -> str:
     """The client flag ``local_store_dir`` (or its old name) of a server's
     extra config, "" when unset or unreadable; nothing logged."""
-    from sglang_simm.config import parse_client_flags
-
     try:
         return parse_client_flags(extra.get("client_flags"), warn=False).get("local_store_dir", "")
     except ValueError:
@@ -541,8 +518,7 @@ def run_doctor_server(console: Any, urls: list[str], *, api_key: str | None = No
             word = {"block": "blocks hits", "warn": "warning", "info": "note"}[f.level]
             fix = f" [bold]Change:[/bold] {escape(f.fix)}" if f.fix and f.level != "info" else ""
             console.print(f"[{style}]{word}:[/{style}] {escape(f.what)}.{fix}", soft_wrap=True)
-        n = sum(f.level == "block" for f in findings)
-        blocked += n
+        blocked += sum(f.level == "block" for f in findings)
         console.print()
     for f in compare_namespaces(seen):
         console.print(f"[yellow]warning:[/yellow] {escape(f.what)}. [bold]Change:[/bold] {escape(f.fix)}", soft_wrap=True)
@@ -558,11 +534,8 @@ def _store_findings(extra: dict[str, Any], metrics: dict[str, Any] | None = None
     where it does), or a cluster manager's reachability."""
     where = store_of(extra)
     if where is None:
-        from sglang_simm import config as cfg
-        from sglang_simm.tools.doctor import _reach
-
         try:
-            config = cfg.SiMMConfig(manager_address=extra.get("manager_address", ""))
+            config = SiMMConfig(manager_address=extra.get("manager_address", ""))
         except (ValueError, TypeError) as exc:
             return [Finding("block", f"the extra config's manager_address is not valid ({exc})",
                             "\"manager_address\": \"host:port\" or \"local\"")]

@@ -90,7 +90,7 @@ def _status_of(root: str, name: str) -> dict[str, Any]:
         return running_status(root, name)
     except StoreUnreachable as exc:
         pid = read_pid(paths)
-        return {"name": name, "dir": root, "running": False, "why": str(exc).partition(": ")[2] or str(exc),
+        return {"name": name, "dir": root, "running": False, "why": _why(exc),
                 "pid": pid if pid_alive(pid) else None, "files_bytes": files_bytes(paths),
                 "kept": bool(paths.segments())}
 
