@@ -141,7 +141,7 @@ def _client_flags_restored():
 
 @pytest.fixture
 def store_name() -> str:
-    """A fresh name for a local store (``local://NAME``). The embedded
+    """A fresh name for a local store (``local://NAME``). The local store
     client's scope is set to the local store for the test, so
     ``get_server(store_name)`` before any backend attaches is that store,
     not a store inside this process of the same name."""

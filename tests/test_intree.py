@@ -71,7 +71,7 @@ def make_intree(cls, store_name, geom, **fields):
 
 
 @pytest.mark.parametrize("geom", [tiny(), tiny_mla()], ids=["mha", "mla"])
-def test_intree_backend_round_trips_over_the_embedded_store(intree_cls, store_name, geom):
+def test_intree_backend_round_trips_over_the_local_store(intree_cls, store_name, geom):
     backend, host = make_intree(intree_cls, store_name, geom)
     fill_random(host, 21)
     keys = hashes(3)

@@ -127,7 +127,7 @@ def test_an_object_past_the_regions_end_fails_without_an_overrun(attach, store_n
 def test_the_copying_path_drops_the_whole_batch_on_an_overrun(attach):
     """The copying path reads into client-owned blocks, and which of them an
     overrun reached is the client's business: the whole batch misses. (The
-    embedded client's blocks are regions of their own, so SiMM's answer for
+    local store client's blocks are regions of their own, so SiMM's answer for
     a long object is played here over the real store's.)"""
     backend, host = attach(tiny())
     fill_random(host, 36)

@@ -224,4 +224,4 @@ def test_the_fast_tier_leaves_out_every_marker_that_starts_processes_of_its_own(
     left_out = set(re.findall(r"not (\w+)", fast))
     assert set(TIERS.values()) <= declared  # every marker given by file is declared
     assert {"e2e", "host", "server", "slow", "real"} == left_out <= declared
-    assert "embedded" not in left_out  # the in-process contract tests stay in
+    assert "local_store" not in left_out  # the in-process contract tests stay in

@@ -37,7 +37,7 @@ def test_the_words_are_disjoint_and_lower_case():
 
 
 @pytest.mark.parametrize(("text", "expected"), SPELLINGS, ids=lambda v: repr(v))
-def test_config_and_the_embedded_store_take_the_same_spellings(text, expected):
+def test_config_and_the_local_store_take_the_same_spellings(text, expected):
     assert load_config({"manager_address": "local", "warmup": text}, {}).config.warmup is expected
     before = local_store.get_flag("clnt_syncreq_enable_retry")
     try:

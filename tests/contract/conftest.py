@@ -3,14 +3,14 @@
 ``kv`` is the ``simm.kv`` module under test: ``sglang_simm.local_store`` with
 its server in this process (``inprocess``) or in the local store's process
 (``host``: one store process per test, in a private directory), both
-marked ``embedded``; or the real ``simm.kv`` (mark ``real``), which runs
+marked ``local_store``; or the real ``simm.kv`` (mark ``real``), which runs
 only when ``SGLANG_SIMM_TEST_MANAGER=host:port`` names a cluster manager and
 SiMM's client is importable. Tests are written once against the ``simm.kv``
 API; where they need the local store itself (capacity, faults, sharing
 by name) they ask for the ``server`` or ``faults`` fixture, which skips on
 real.
 
-Run: ``pytest tests/contract -m embedded`` (no cluster) or ``-m real``.
+Run: ``pytest tests/contract -m local_store`` (no cluster) or ``-m real``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Capacity and eviction of the local store.
 
 The real cluster evicts too, per size class and first in, first out (its
-data server never marks an object accessed). These pin down the embedded
+data server never marks an object accessed). These pin down the local
 one: oldest put first by default, least recently used first with
 ``local_store_eviction=lru`` (get and put count as use, exists never does); an
 object larger than the capacity is refused; memory never exceeds the

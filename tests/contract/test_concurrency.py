@@ -44,7 +44,7 @@ def test_threads_with_distinct_and_shared_keys(kv, store, key, rand, make_memory
     def worker(tid: int) -> None:
         rng = random.Random(tid)
         mem = memories[tid]
-        # embedded: half share one client, half have their own (the real client wants one per process)
+        # the local store: half share one client, half have their own (the real client wants one per process)
         client = kv.Store() if tid % 2 and getattr(kv, "__simm_local_store__", False) else store
         try:
             start.wait()

@@ -25,7 +25,7 @@ and give the same greedy tokens and the same logprobs, bit for bit.
 
 The control (last in this file, on the ``corrupt-reads`` server): the same
 restore with L3 returning corrupted pages must change the outputs, so the
-restore tests can fail. Its store sets the embedded client's
+restore tests can fail. Its store sets the local store client's
 ``local_store_corrupt_reads`` fault through ``client_flags``: the top bit of
 every byte of every successful read is flipped after the copy, and the read
 still reports success. Its warm-up round trip is off, since it would see the
