@@ -212,9 +212,9 @@ def test_the_fast_tier_leaves_out_every_marker_that_starts_processes_of_its_own(
     import re
     import tomllib
 
-    # tests/conftest.py's TIERS, read as a literal (importing "conftest" by
-    # name may give tests/e2e/conftest.py)
-    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    # tests/suite.py's TIERS, read as a literal (the suite's plugin, loaded by
+    # the conftests of tests/ and dev/tests)
+    tree = ast.parse((ROOT / "tests" / "suite.py").read_text())
     TIERS = next(ast.literal_eval(node.value) for node in tree.body
                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TIERS")
 
