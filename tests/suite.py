@@ -75,8 +75,8 @@ def pytest_sessionfinish(session, exitstatus):
 #: to whichever worker is free: started first, these run beside each other
 #: while the short files fill in, instead of one starting last and running
 #: alone (what each takes: docs/testing.md).
-FIRST = ("tests/e2e/test_server.py", "tests/e2e/test_store_faults.py", "tests/test_bench_server.py",
-         "tests/e2e/test_server_demo.py", "tests/test_compat.py", "tests/store/test_tp2.py",
+FIRST = ("tests/e2e/test_server.py", "tests/e2e/test_store_faults.py", "dev/tests/test_bench_server.py",
+         "dev/tests/test_server_demo.py", "tests/test_compat.py", "tests/store/test_tp2.py",
          "tests/test_server_launch.py")
 
 
