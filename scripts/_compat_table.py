@@ -96,7 +96,7 @@ def render(results: str, target: str, expected: list[str] | None = None) -> None
         "and driven as SGLang's hybrid cache controller does, its pages read back into other slots",
         "byte for byte, and an MXFP8 KV pool must be refused at attach; a stack whose classes the",
         "release lacks is skipped, naming them. SGLang's own cache controller and a real server are",
-        "exercised on the main release only (the test suite: `tests/test_demo.py`, `tests/e2e/`).",
+        "exercised on the main release only (the test suite: `dev/tests/test_demo.py`, `tests/e2e/`).",
         "",
         f"Machine: {platform.system()} {platform.machine()}, Python {platform.python_version()}, CPU torch.",
         "Releases with no file in `requirements/` get the nearest older file with SGLang's own pins",

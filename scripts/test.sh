@@ -19,7 +19,7 @@
 # scripts/_venv.sh builds and reuses the venvs; the wheel is built once per
 # tree content and installed into a venv only when that venv lacks it. The
 # tiers are markers (pyproject.toml), given to tests by file in
-# tests/conftest.py. Every SGLang release: scripts/compat.sh.
+# tests/suite.py. Every SGLang release: scripts/compat.sh.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,7 +44,7 @@ COMPAT_SGLANGS=("0.5.8" "0.5.11")
 # The suite spreads over pytest-xdist workers, one per core up to 4
 # (SGLANG_SIMM_TEST_WORKERS overrides; -n 0 in the arguments runs in this
 # process), a file at a time, so a file's shared servers or setup are built
-# once; the longest files go first (FIRST in tests/conftest.py). Most of a
+# once; the longest files go first (FIRST in tests/suite.py). Most of a
 # run is SGLang importing itself in servers, which a single pytest process
 # leaves a core idle beside.
 workers="${SGLANG_SIMM_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"

@@ -6,7 +6,7 @@ stack of ``sglang_simm_dev.hybrid_pools`` the release can build
 (``sglang_simm_dev.compat_probe``, the check scripts/compat.sh runs on every
 release).
 
-The probes are started when collection ends (tests/conftest.py calls
+The probes are started when collection ends (tests/suite.py calls
 ``start_probes``), so they run beside the rest of the suite; each test waits
 for its own."""
 

@@ -1,5 +1,6 @@
 """The docs' links hold: every relative Markdown link in README.md and docs/*.md names a file that exists (and
-a heading in it, for a ``#anchor``), and every ``docs/NAME.md`` a module under ``src/`` or ``dev/`` names exists."""
+a heading in it, for a ``#anchor``), every ``docs/NAME.md`` a module under ``src/`` or ``dev/`` names exists, and
+so does every test file (and test) a page names."""
 
 from __future__ import annotations
 
@@ -71,11 +72,24 @@ def test_anchors_follow_githubs_rule(tmp_path):
     assert anchors(page) == {"the---docs-option-a-pages-ab", "twice", "twice-1"}
 
 
+#: a test file as a page names it: ``tests/...py`` or the instruments' ``dev/tests/...py``
+TEST_FILE = r"(?<![\w/.-])(?:dev/)?tests/[\w/]+\.py"
+
+
+def test_every_test_file_a_page_names_exists():
+    missing = []
+    for page in PAGES:
+        for path in set(re.findall(TEST_FILE, page.read_text(encoding="utf-8"))):
+            if not (ROOT / path).is_file():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert missing == []
+
+
 def test_every_test_a_page_names_exists():
     missing = []
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
-        for path, name in set(re.findall(r"(tests/[\w/]+\.py)::(\w+)", text)):
+        for path, name in set(re.findall(rf"({TEST_FILE})::(\w+)", text)):
             test_file = ROOT / path
             if not test_file.is_file() or not re.search(rf"def {name}\(", test_file.read_text(encoding="utf-8")):
                 missing.append(f"{page.relative_to(ROOT)}: {path}::{name}")

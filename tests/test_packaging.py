@@ -212,9 +212,9 @@ def test_the_fast_tier_leaves_out_every_marker_that_starts_processes_of_its_own(
     import re
     import tomllib
 
-    # tests/conftest.py's TIERS, read as a literal (importing "conftest" by
-    # name may give tests/e2e/conftest.py)
-    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    # tests/suite.py's TIERS, read as a literal (the suite's plugin, loaded by
+    # the conftests of tests/ and dev/tests)
+    tree = ast.parse((ROOT / "tests" / "suite.py").read_text())
     TIERS = next(ast.literal_eval(node.value) for node in tree.body
                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TIERS")
 
@@ -225,3 +225,21 @@ def test_the_fast_tier_leaves_out_every_marker_that_starts_processes_of_its_own(
     assert set(TIERS.values()) <= declared  # every marker given by file is declared
     assert {"e2e", "host", "server", "slow", "real"} == left_out <= declared
     assert "local_store" not in left_out  # the in-process contract tests stay in
+
+
+def test_the_suite_collects_every_test_file_and_its_tiers_and_order_name_files_that_exist():
+    # A test file outside the testpaths (the instruments' own tests are
+    # dev/tests) would never run; a file TIERS or FIRST names that has moved
+    # would lose its tier or its place without a word.
+    import ast
+    import tomllib
+
+    testpaths = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"]
+    files = [p.relative_to(ROOT) for tree in ("tests", "dev") for p in (ROOT / tree).rglob("test_*.py")]
+    assert {"tests", "dev/tests"} <= set(testpaths)
+    assert [f for f in files if not any(f.is_relative_to(path) for path in testpaths)] == []
+
+    tree = ast.parse((ROOT / "tests" / "suite.py").read_text())
+    named = {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
+             if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) in ("TIERS", "FIRST")}
+    assert [where for where in [*named["TIERS"], *named["FIRST"]] if not (ROOT / where).exists()] == []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import os
 import random
@@ -138,20 +139,31 @@ def _faults_for(handle: Any) -> _Faults | None:
 
 
 def _through(real: Any, count: Any) -> Any:
+    """``real`` (a data call of ``StoreHandle``: its first argument the
+    entries, or one key) behind the faults of its store. Called as the
+    handle's own method is, keywords included."""
+    signature = inspect.signature(real)
+    entries = list(signature.parameters)[1]  # after self: keys, items or key
+
     @functools.wraps(real)
-    def call(self: Any, items: Any, *args: Any, **kwargs: Any) -> Any:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         faults = _faults_for(self)
         if faults is None:
-            return real(self, items, *args, **kwargs)
+            return real(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        items = bound.arguments[entries]
         single = isinstance(items, str)
         batch = [items] if single else list(items)
         faults.connect(len(batch), self.name)
         codes = faults.draw(len(batch))
         if codes is None:
-            out = real(self, items, *args, **kwargs)
+            out = real(*bound.args, **bound.kwargs)
         else:
             passed = [item for item, code in zip(batch, codes) if not code]
-            answers = iter(real(self, passed[0] if single else passed, *args, **kwargs) if passed else ())
+            answers: Any = iter(())
+            if passed:
+                bound.arguments[entries] = passed[0] if single else passed
+                answers = iter(real(*bound.args, **bound.kwargs))
             out = [code or next(answers) for code in codes]
             out = out[0] if single else out
         count(faults, batch, out)
@@ -203,9 +215,23 @@ def install() -> None:
 
 
 def install_from_env(environ: Any = None) -> None:
-    """``SGLANG_SIMM_FAULTS`` (JSON: store name or "*" -> FaultSettings fields), if set."""
+    """``SGLANG_SIMM_FAULTS`` (JSON: store name or "*" -> FaultSettings fields), if set.
+    Settings that do not parse or validate raise ``ValueError`` naming the
+    variable, before any store's faults change."""
     text = (environ if environ is not None else os.environ).get(ENV)
     if not text:
         return
-    for name, settings in json.loads(text).items():
-        configure_faults(name, **settings)
+    try:
+        stores = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{ENV} is not JSON ({exc}): {text!r}") from exc
+    if not isinstance(stores, dict) or not all(isinstance(fields, dict) for fields in stores.values()):
+        raise ValueError(f'{ENV} must map store names (or "*") to settings, as {{"NAME": {{"down": true}}}}, '
+                         f"got {text!r}")
+    for name, fields in stores.items():
+        try:
+            FaultSettings(**fields)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{ENV}: store {name!r}: {exc}") from exc
+    for name, fields in stores.items():
+        configure_faults(name, **fields)

@@ -8,7 +8,7 @@ start), then waits for the one it needs. Each listens on 127.0.0.1 with a
 free port and is stopped by its pid (then its process group) at the end of
 the session, whatever happened; the local stores their schedulers start live
 in the session's store directory and are stopped by their pids too
-(tests/conftest.py). Servers run their own processes with the CPU
+(tests/suite.py). Servers run their own processes with the CPU
 stand-ins of ``sglang_simm_dev.cpu_standins`` (through ``sitecustomize``);
 this pytest process never installs them.
 """
@@ -143,7 +143,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_sessionfinish(session):
-    # tests/conftest.py prints these; an xdist worker hands them to its controller
+    # tests/suite.py prints these; an xdist worker hands them to its controller
     out = getattr(session.config, "workeroutput", None)
     if out is not None:
         out["e2e_servers_started"] = list(_STARTED)

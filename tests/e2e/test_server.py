@@ -223,7 +223,7 @@ def test_plugin_series_in_metrics_only_with_the_flag(server):
     assert (metric_sum(parsed, "sglang_simm:l3_call_seconds_count", op="set") or 0) > 0
     labels, _ = parsed["sglang_simm:l3_pages_hit_total"][0]
     assert labels["tp_rank"] == "0" and labels["model_name"], labels
-    # which store L3 is: the session's store directory, exported to the servers (tests/conftest.py)
+    # which store L3 is: the session's store directory, exported to the servers (tests/suite.py)
     [(store, one)] = parsed["sglang_simm:l3_store_info"]
     assert one == 1 and store["address"] == server.config.extra_config["manager_address"], store
     assert (store["store_dir"], store["store_dir_from"]) == (os.environ["SGLANG_SIMM_STORE_DIR"],

@@ -1,7 +1,7 @@
 """The local store across processes: sharing, faults, security.
 
 Every store process here lives in the session's private store directory
-(see tests/conftest.py) or in a directory of the test's own, and is stopped
+(see tests/suite.py) or in a directory of the test's own, and is stopped
 by its pid when the test ends.
 """
 

@@ -15,7 +15,7 @@ import pytest
 from sglang_simm_dev import compat_probe
 from sglang_simm_dev.compat_probe import failures
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"cls": "sglang_simm.backend.HiCacheSiMM", "set": [True] * 3, "exists": 3, "get": [True] * 3,
         "bytes_equal": True, "metrics": "sglang.srt.metrics.collector.StorageMetrics"}
 GOOD_V2 = {"set": [True] * 3, "exists": 3, "get": [True] * 3, "bytes_equal": True}
