@@ -6,9 +6,8 @@ its server in this process (``inprocess``) or in the local store's process
 marked ``local_store``; or the real ``simm.kv`` (mark ``real``), which runs
 only when ``SGLANG_SIMM_TEST_MANAGER=host:port`` names a cluster manager and
 SiMM's client is importable. Tests are written once against the ``simm.kv``
-API; where they need the local store itself (capacity, faults, sharing
-by name) they ask for the ``server`` or ``faults`` fixture, which skips on
-real.
+API; where they need the local store itself (capacity, sharing by name)
+they ask for the ``server`` fixture, which skips on real.
 
 Run: ``pytest tests/contract -m local_store`` (no cluster) or ``-m real``.
 """
@@ -122,41 +121,6 @@ def server(kv):
     if not getattr(kv, "__simm_local_store__", False):
         pytest.skip("needs the local store's server")
     return kv.get_server(kv.get_flag("cm_primary_node_ip"))
-
-
-class Faults:
-    """The simulated network between this process and one local store (the
-    test instrument ``sglang_simm_dev.faults``), and what it injected so far."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def configure(self, **changes):
-        from sglang_simm_dev.faults import configure_faults
-
-        return configure_faults(self.name, **changes)
-
-    @property
-    def settings(self):
-        return self.configure()
-
-    @property
-    def injected(self) -> int:
-        from sglang_simm_dev.faults import injected
-
-        return injected(self.name)
-
-
-@pytest.fixture
-def faults(kv):
-    """The simulated network of the test's local store; taken away after the test."""
-    if not getattr(kv, "__simm_local_store__", False):
-        pytest.skip("fault injection needs the local store")
-    faults = Faults(kv.get_flag("cm_primary_node_ip"))
-    yield faults
-    from sglang_simm_dev.faults import FaultSettings
-
-    faults.configure(**vars(FaultSettings()))
 
 
 @pytest.fixture(params=["head", "v0.1.0.post1"])
