@@ -1,4 +1,5 @@
-"""One contract suite, run against the local store (on a thread of this process, or a store process) and a real SiMM client.
+"""One contract suite, run against the local store (on a thread of this
+process, or a store process) and a real SiMM client.
 
 ``kv`` is the ``simm.kv`` module under test: ``sglang_simm.local_store`` with
 its server in this process (``inprocess``) or in the local store's process
