@@ -1,43 +1,22 @@
 """``HiCacheSiMM``: SGLang's L3 storage backend on SiMM.
 
-One class is SGLang's surface (``HiCacheStorage``); the work is done by
-the objects it holds, each with one job:
+One class is SGLang's surface (``HiCacheStorage``); the work is done by the
+objects it holds, each with one job (docs/backend-core.md): ``client``,
+``pools`` (``inflight``, each pool a ``binding.PoolBinding``), ``answers``
+(``transfer``), ``counters`` and ``log`` (``metrics``), ``breaker``
+(docs/resilience.md) and ``events`` (docs/kv-events.md).
 
-* ``config`` (``config.SiMMConfig``) and ``client`` (``client.KVClient``,
-  the one adapter over ``simm.kv``);
-* ``pools`` (``inflight.Pools``): the bound host pools, each a
-  ``binding.PoolBinding`` (memory, geometry, keys), and the calls using them;
-* ``answers`` (``transfer.Answers``): a batch call's codes read into one
-  bool per page, and counted;
-* ``counters`` (``metrics.BackendCounters``) and ``log``
-  (``metrics.RateLimitedLog``): what happened, and faults logged
-  rate-limited;
-* ``breaker`` (``breaker.Breaker``): one circuit breaker for the backend,
-  shared by its pools and SGLang's threads (docs/resilience.md);
-* ``events`` (``events.L3Events``, or ``events.NO_EVENTS`` when
-  ``kv_events`` is off or this rank does not publish): what L3 gains and
-  loses, announced as SGLang KV events off the request path
-  (docs/kv-events.md).
-
-Every data-path method reads the same way: ask the breaker (``call.allow()``:
-while it is open, answer misses at once, holding nothing), resolve (the
-pool's binding turns page keys, and host indices where bytes move, into one
-``Batch``), one call to the client, tell the breaker what it answered
-(``call.record``), answer (``answers``).
-
-What raises and what never does is the contract on ``HiCacheSiMM``
-(its docstring). A fault in a data-path method (an exception in the body
-of its ``with Call(...)`` block) goes to ``_fault`` and the method answers
-misses after the block. ``close()`` keeps one order always: no new call starts; calls in flight
-finish; then memory is deregistered; then the client closes
-(``inflight.release``).
+Every data-path method reads the same way: ask the breaker, resolve one
+``Batch`` per pool, one client call, record its answer with the breaker,
+answer (``answers``). What raises and what never does is the contract on
+``HiCacheSiMM`` (its docstring).
 """
 
 from __future__ import annotations
 
 import logging
 from time import perf_counter
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
@@ -60,11 +39,9 @@ __all__ = ["CLOSE_WAIT_S", "HiCacheSiMM"]
 
 logger = logging.getLogger("sglang_simm.backend")
 
-#: How long ``close()`` waits for data-path calls still in flight before it
-#: leaves the rest (deregistration, then the client's close) to a
-#: background thread. SGLang stops its storage threads before it closes a
-#: backend, so calls are rarely in flight then; a stuck one is bounded by
-#: the client's request time limit.
+#: How long ``close()`` waits for data-path calls in flight before it leaves
+#: deregistration and the client's close to a background thread (a stuck
+#: call is bounded by the client's request time limit).
 CLOSE_WAIT_S = 10.0
 
 KV = hybrid.KV
@@ -274,10 +251,7 @@ class HiCacheSiMM(HiCacheStorage):
         lookup = self._resolve(call, KV, keys, None, call.where)
         if lookup is None:
             return 0
-        t0 = perf_counter()
-        codes = self.client.mexists_codes(lookup.keys)
-        dt = perf_counter() - t0
-        call.record(codes, dt)
+        codes, dt = self._timed(call, self.client.mexists_codes, lookup.keys)
         (pages,) = self.answers.found([lookup], codes, dt)
         if self.events.on and not all(pages) and not any(map(is_fault, codes)):
             # the store answered every object: a page it lacks left L3 (a
@@ -288,48 +262,35 @@ class HiCacheSiMM(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool; True only where every object of
         the page read back exactly its expected size."""
-        n = len(keys) if keys is not None else 0
-        if n == 0:
-            return []
-        if self._logical():
-            # Nothing to read: SGLang loads the page from the side pools'
-            # batch_get_v2 and uses the fewer of the two answers.
-            return [True] * n
-        with Call(self._fault, "batch_get_v1", self.breaker) as call:
-            if not call.allow():
-                return [False] * n
-            batch = self._resolve(call, KV, keys, host_indices, "batch_get_v1")
-            if batch is None:
-                return [False] * n
-            t0 = perf_counter()
-            codes = self.client.mget_views(batch.keys, batch.views)
-            dt = perf_counter() - t0
-            call.record(codes, dt)
-            return self.answers.read([batch], codes, dt, "batch_get_v1", call)[0]
-        return [False] * n
+        return self._move_v1(keys, host_indices, extra_info, "batch_get_v1")
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
-        """Write pages: one ``mput``, no lookup first. Serving's backups are
-        new pages, so a lookup would answer "not stored" for a round trip;
-        an object already stored is put again (SiMM HEAD deletes and re-puts
-        it, the same bytes; the v0.1.0.post1 tag keeps it and answers
-        DataServerDataAlreadyExists, which counts as stored)."""
+        """Write pages: one ``mput``, no lookup first (serving's backups are
+        new pages; an object stored before answering ALREADY_EXISTS counts
+        as stored: docs/backend-core.md, "Writes without a lookup first")."""
+        return self._move_v1(keys, host_indices, extra_info, "batch_set_v1")
+
+    def _move_v1(self, keys: list[str], host_indices: Any, extra_info: Any, where: str) -> list[bool]:
+        """``batch_get_v1`` or ``batch_set_v1`` (``where``): one client call."""
         n = len(keys) if keys is not None else 0
         if n == 0:
             return []
         if self._logical():
-            return [True] * n  # nothing to write: the side pools hold the page
-        with Call(self._fault, "batch_set_v1", self.breaker) as call:
+            # Nothing to move: the side pools hold the page, and SGLang loads
+            # it from their batch_get_v2 and uses the fewer of the two answers.
+            return [True] * n
+        read = where == "batch_get_v1"
+        with Call(self._fault, where, self.breaker) as call:
             if not call.allow():
                 return [False] * n
-            batch = self._resolve(call, KV, keys, host_indices, "batch_set_v1")
+            batch = self._resolve(call, KV, keys, host_indices, where)
             if batch is None:
                 return [False] * n
-            t0 = perf_counter()
-            codes = self.client.mput_views(batch.keys, batch.views)
-            dt = perf_counter() - t0
-            call.record(codes, dt)
-            (pages,) = self.answers.written([batch], codes, dt, "batch_set_v1")
+            codes, dt = self._timed(call, self.client.mget_views if read else self.client.mput_views,
+                                    batch.keys, batch.views)
+            if read:
+                return self.answers.read([batch], codes, dt, where, call)[0]
+            (pages,) = self.answers.written([batch], codes, dt, where)
             self.events.stored(keys, pages, getattr(extra_info, "prefix_keys", None), batch.binding.page_size)
             return pages
         return [False] * n
@@ -378,10 +339,7 @@ class HiCacheSiMM(HiCacheStorage):
             found = [lk for lk in lookups if lk is not None]
             codes, dt = [], 0.0
             if found:
-                t0 = perf_counter()
-                codes = self.client.mexists_codes(object_keys(found))
-                dt = perf_counter() - t0
-                call.record(codes, dt)
+                codes, dt = self._timed(call, self.client.mexists_codes, object_keys(found))
             pages = iter(self.answers.found(found, codes, dt) if found else [])
             absent = [False] * kv_pages
             queries = [
@@ -400,38 +358,30 @@ class HiCacheSiMM(HiCacheStorage):
         """Read hybrid pools' pages into their host pools, every pool in one
         ``mget``: ``{pool name: one bool per key}``, True only where every
         object of the page read back exactly its expected size."""
-        transfers = self._stored(transfers)
-        with Call(self._fault, "batch_get_v2", self.breaker) as call:
-            results = _all_false(transfers)
-            if not call.allow():
-                return results
-            names, batches = self._resolve_v2(call, transfers, "batch_get_v2")
-            if not batches:
-                return results
-            t0 = perf_counter()
-            codes = self.client.mget_views(object_keys(batches), object_views(batches))
-            dt = perf_counter() - t0
-            call.record(codes, dt)
-            results.update(zip(names, self.answers.read(batches, codes, dt, "batch_get_v2", call)))
-            return results
-        return _all_false(transfers)
+        return self._move_v2(transfers, "batch_get_v2")
 
     def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Write hybrid pools' pages, every pool in one ``mput``, no lookup
         first (as ``batch_set_v1``): ``{pool name: one bool per key}``."""
+        return self._move_v2(transfers, "batch_set_v2")
+
+    def _move_v2(self, transfers: Any, where: str) -> dict[Any, list[bool]]:
+        """``batch_get_v2`` or ``batch_set_v2`` (``where``): one client call."""
         transfers = self._stored(transfers)
-        with Call(self._fault, "batch_set_v2", self.breaker) as call:
+        read = where == "batch_get_v2"
+        with Call(self._fault, where, self.breaker) as call:
             results = _all_false(transfers)
             if not call.allow():
                 return results
-            names, batches = self._resolve_v2(call, transfers, "batch_set_v2")
+            names, batches = self._resolve_v2(call, transfers, where)
             if not batches:
                 return results
-            t0 = perf_counter()
-            codes = self.client.mput_views(object_keys(batches), object_views(batches))
-            dt = perf_counter() - t0
-            call.record(codes, dt)
-            results.update(zip(names, self.answers.written(batches, codes, dt, "batch_set_v2")))
+            codes, dt = self._timed(call, self.client.mget_views if read else self.client.mput_views,
+                                    object_keys(batches), object_views(batches))
+            if read:
+                results.update(zip(names, self.answers.read(batches, codes, dt, where, call)))
+            else:
+                results.update(zip(names, self.answers.written(batches, codes, dt, where)))
             return results
         return _all_false(transfers)
 
@@ -461,10 +411,7 @@ class HiCacheSiMM(HiCacheStorage):
                     self.log("legacy_args", "SiMM: batch_get needs one target tensor per key")
                 return [None] * n
             batch, blocks = copying.read_batch(self.client, b, keys, targets)
-            t0 = perf_counter()
-            codes = self.client.mget(batch.keys, batch.views)
-            dt = perf_counter() - t0
-            call.record(codes, dt)
+            codes, dt = self._timed(call, self.client.mget, batch.keys, batch.views)
             (pages,) = self.answers.read([batch], codes, dt, "batch_get", call)
             return copying.copy_out(batch, blocks, pages, targets)
         return [None] * n
@@ -515,9 +462,8 @@ class HiCacheSiMM(HiCacheStorage):
 
     def _find_fault_reporter(self) -> None:
         """At attach: a fault reporter SGLang's controller left on this
-        backend (``_fault_reporter`` and the like, ``breaker.find_fault_reporter``)
-        is reported to from now on, as if handed to ``set_fault_reporter``.
-        SGLang 0.5.23 leaves none."""
+        backend (``breaker.find_fault_reporter``) is reported to from now
+        on, as if handed to ``set_fault_reporter``."""
         if not self.breaker.reports.active and self.breaker.reports.attach(self):
             logger.info("sglang-simm: reporting L3 outcomes to SGLang's fault reporter %s",
                         type(self.breaker.reports._reporter).__name__)
@@ -589,12 +535,10 @@ class HiCacheSiMM(HiCacheStorage):
     # ------------------------------------------- what the store says it lost
 
     def l3_removed(self, object_keys: Iterable[str]) -> None:
-        """The store removed these objects (evicted them, deleted them, or
-        replaced them with other bytes), keys as the store holds them, of
-        any namespace: the KV pages of this backend among them are
-        announced removed (``kv_events``). For a channel from the store to
-        its clients; any thread; never blocks, never raises
-        (docs/kv-events.md)."""
+        """The store removed these objects (keys as the store holds them, of
+        any namespace): the KV pages of this backend among them are
+        announced removed (``kv_events``). Any thread; never blocks, never
+        raises (docs/kv-events.md, "The store's removal channel")."""
         try:
             kv = self.pools.kv
             if not self.events.on or kv is None:
@@ -614,6 +558,14 @@ class HiCacheSiMM(HiCacheStorage):
                 self.events.cleared()
         except Exception as exc:
             self._fault("l3_cleared", exc)
+
+    def _timed(self, call: Call, op: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """``op(*args)``'s codes and seconds, recorded on ``call`` (the breaker)."""
+        t0 = perf_counter()
+        codes = op(*args)
+        dt = perf_counter() - t0
+        call.record(codes, dt)
+        return codes, dt
 
     def _fault(self, where: str, exc: BaseException) -> None:
         """An exception in a data-path call: counted by type, logged
@@ -645,9 +597,9 @@ class HiCacheSiMM(HiCacheStorage):
         return out
 
     def set_fault_reporter(self, reporter: Any) -> None:
-        """SGLang's fault reporter (``report_op(op=, fatal=, detail=)``, the
-        shape of sgl-project/sglang#17521; SGLang 0.5.23 has none): every
-        outcome the breaker records is reported to it; None detaches."""
+        """SGLang's fault reporter (``report_op(op=, fatal=, detail=)``,
+        docs/resilience.md): every outcome the breaker records is reported
+        to it; None detaches."""
         self.breaker.reports.set_fault_reporter(reporter)
 
     def clear(self) -> None:

@@ -14,13 +14,8 @@ stops the server with the fix.
 
 Per call, the binding turns a batch into one ``Batch``: ``lookup`` (page
 keys to object keys) or ``batch`` (page keys and host indices to object
-keys and views). Views are made per batch from the geometry's pointer
-arithmetic and none is kept: a view per object kept for the pool's life
-(two million for a million-page pool) was two million objects for every
-full garbage collection of the scheduler to walk, and a cache of them
-hits only when SGLang hands out a host page again soon, which its
-first-in first-out host allocator does only after the whole free list.
-Nothing is kept from one call to the next.
+keys and views). Views are made per batch and none is kept from one call
+to the next (why: docs/backend-core.md, "No Python object per page").
 
 A binding also counts the data-path calls using it (``enter``/``leave``),
 so a replaced or closed pool's memory is deregistered once *its* calls
@@ -145,10 +140,9 @@ def register_regions(client: KVClient, regions: Sequence[torch.Tensor]) -> list[
 
 
 def kv_pool_of(pool: Any) -> Any:
-    """The KV host pool SGLang handed over: SGLang 0.5.10-0.5.18 hand hybrid
-    models' pools over as a ``HostPoolGroup`` proxy without head or layer
-    attributes, whose anchor is the KV pool. Raises on a pool with no
-    ``kv_buffer`` that is not a logical anchor (``is_logical_anchor``)."""
+    """The KV host pool SGLang handed over (the anchor, where SGLang hands a
+    hybrid model's pools over as a ``HostPoolGroup``). Raises on a pool with
+    no ``kv_buffer`` that is not a logical anchor (``is_logical_anchor``)."""
     anchor = getattr(pool, "anchor_entry", None)
     if anchor is not None and getattr(anchor, "host_pool", None) is not None:
         pool = anchor.host_pool
@@ -430,20 +424,13 @@ class PoolBinding:
         """Pages (rows of ``got``, one per page at ``starts``) whose bytes
         an object read back longer than its view may have overwritten.
 
-        SiMM's client bounds a get by the view's whole registered region,
-        not by the view (docs/upstream-simm-get-bound.md), so an object of
-        ``got`` bytes into a view of ``size`` bytes writes
-        ``[ptr + size, min(ptr + got, region end))`` too. In every layout the
-        host pool's objects are plain byte ranges of its regions (page_first
-        and page_first_direct: a K object runs into the next pages' K, the
-        last into the first V; page_head: into the next head group's K, then
-        the next page's; MLA and Mamba: into the next slots), so comparing
-        byte ranges finds every page of the batch that range touches, in any
-        layout, whatever order the client wrote the objects in. Pages
-        outside this batch (other batches in flight, pages loaded earlier)
-        may have been reached too; they are not ours to recall.
-        ``starts`` None: client-owned blocks (the copying path), whose place
-        is the client's business, so every page of the batch misses.
+        SiMM's client bounds a get by the view's registered region, not by
+        the view (docs/upstream-simm-get-bound.md), so an object of ``got``
+        bytes into a view of ``size`` bytes writes ``[ptr + size, min(ptr +
+        got, region end))`` too; in every layout objects are plain byte
+        ranges of their regions, so comparing byte ranges finds every page
+        of the batch it touches (docs/keys-and-faults.md). ``starts`` None:
+        client-owned blocks (the copying path), so every page misses.
         """
         parts = self.parts
         rows = got.reshape(-1, parts)

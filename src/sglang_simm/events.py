@@ -1,15 +1,12 @@
 """What L3 gains and loses, announced as SGLang KV events off the request path.
 
-``L3Events`` is what the backend's data path calls; the events are SGLang's
-own classes (``BlockStored``, ``BlockRemoved`` in ``KVEventBatch``es), handed
-to SGLang's own publisher (``events_publisher``), so a consumer of SGLang's
-stream reads this one with the same parser. The data path only appends page
-keys to a queue bounded in pages (a full queue drops, counted, where
-SGLang's publisher would block its caller); one thread of ours turns them
-into events, at most ``MAX_BATCH_PAGES`` pages a batch. Which pages, under
-which hash, and why ``AllBlocksCleared`` is never sent: docs/kv-events.md.
-The remembered pages are a dict only the publishing thread writes; the
-data path reads it without a lock (``key in dict`` is one atomic step).
+``L3Events`` is what the backend's data path calls: it only appends page
+keys to a queue bounded in pages (a full queue drops, counted); one thread
+of ours turns them into SGLang's own events (``BlockStored``,
+``BlockRemoved`` in ``KVEventBatch``es) for SGLang's publisher. Which
+pages, under which hash, and why: docs/kv-events.md. The remembered pages
+are a dict only the publishing thread writes; the data path reads it
+without a lock (``key in dict`` is one atomic step).
 """
 
 from __future__ import annotations
@@ -23,13 +20,15 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from sglang_simm.metrics import RateLimitedLog
+
 __all__ = ["MAX_BATCH_PAGES", "NO_EVENTS", "L3Events", "NoEvents", "event_hash"]
 
 logger = logging.getLogger("sglang_simm.events")
 
 #: pages per ``KVEventBatch`` at most: a batch is one ZMQ message, kept by
 #: ZMQ for a slow subscriber (``hwm``) and by the replay buffer, so its size
-#: bounds their memory (about 90 bytes a page once encoded)
+#: bounds their memory
 MAX_BATCH_PAGES = 512
 
 #: block hashes per ``BlockRemoved`` when everything remembered goes at once
@@ -52,15 +51,15 @@ def event_hash(page_key: str) -> int:
 
 
 def _never_raises(method):
-    """A data-path entry point: whatever goes wrong in it is logged (at most
-    every 10 s) and dropped, never raised into the backend's call, whose
+    """A data-path entry point: whatever goes wrong in it is logged
+    (rate-limited) and dropped, never raised into the backend's call, whose
     answer to SGLang must not change because of an event."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
             method(self, *args, **kwargs)
         except Exception as exc:
-            self._warn("sglang-simm kv_events: %s failed (%s: %s); its events are lost",
+            self._warn("kv_events", "sglang-simm kv_events: %s failed (%s: %s); its events are lost",
                        method.__name__, type(exc).__name__, exc)
     return wrapper
 
@@ -130,7 +129,8 @@ class L3Events(NoEvents):
         self._count_lock = threading.Lock()
         self.stored_pages = self.removed_pages = self.batches = 0
         self.dropped = {_STORED: 0, _REMOVED: 0}
-        self._last_error = 0.0
+        #: one warning per 10 s at most: a failure repeats on every call
+        self._warn = RateLimitedLog(logger)
         self._thread = threading.Thread(target=self._run, name="sglang-simm-kv-events", daemon=True)
         self._thread.start()
 
@@ -143,11 +143,7 @@ class L3Events(NoEvents):
         leading run. ``prefix_keys``: SGLang's keys of the pages before
         them (``HiCacheStorageExtraInfo.prefix_keys``; None when SGLang's
         ``hicache_storage_pass_prefix_keys`` is off)."""
-        n = 0
-        for good in ok:
-            if not good:
-                break
-            n += 1
+        n = next((i for i, good in enumerate(ok) if not good), len(ok))
         if not n:
             return
         if prefix_keys is None and not self._warned_parents:
@@ -287,7 +283,7 @@ class L3Events(NoEvents):
             with self._count_lock:
                 self.dropped[_STORED] += stored
                 self.dropped[_REMOVED] += removed
-            self._warn("sglang-simm kv_events: SGLang's publisher refused a batch (%s: %s); "
+            self._warn("kv_events", "sglang-simm kv_events: SGLang's publisher refused a batch (%s: %s); "
                        "its pages are counted as dropped", type(exc).__name__, exc)
             return
         with self._count_lock:
@@ -296,13 +292,6 @@ class L3Events(NoEvents):
             self.removed_pages += removed
 
     # ------------------------------------------------------------ the rest
-
-    def _warn(self, msg: str, *args: Any) -> None:
-        """A warning at most every 10 s: a failure repeats on every call."""
-        now = time.monotonic()
-        if now - self._last_error > 10.0:
-            self._last_error = now
-            logger.warning(msg, *args)
 
     def snapshot(self) -> dict[str, Any]:
         """Pages announced and dropped, batches published, and what waits."""

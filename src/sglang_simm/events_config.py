@@ -42,10 +42,9 @@ class KVEventsSettings:
     """``zmq`` publishes; ``null`` (SGLang's default too) publishes nothing."""
 
     endpoint: str = DEFAULT_ENDPOINT
-    """The PUB socket's address, SGLang's convention: a wildcard host
-    (``tcp://*:PORT``, ``0.0.0.0``, ``::``) or ``ipc://``/``inproc://``
-    binds, a concrete host connects (unless ``bind`` says otherwise). DP
-    rank r publishes on PORT + r, as SGLang's own stream does."""
+    """The PUB socket's address: a wildcard host or ``ipc://``/``inproc://``
+    binds, a concrete host connects (unless ``bind`` says otherwise), as
+    SGLang's; DP rank r publishes on PORT + r."""
 
     bind: bool | None = None
     """Bind (true) or connect (false) the PUB socket; unset: by the endpoint."""
@@ -69,19 +68,17 @@ class KVEventsSettings:
     """The topic frame of every message (SGLang's first frame)."""
 
     format: str = "default"
-    """SGLang's ``format`` (``default`` or ``dynamo``). Both give the same
-    hashes here: the pages the plugin can name by SGLang's event hash are
-    those without a namespace, where the two formats agree."""
+    """SGLang's ``format`` (``default`` or ``dynamo``): both give the same
+    hashes here (docs/kv-events.md)."""
 
     medium: str = "auto"
-    """The ``medium`` of every event: ``auto`` (EXTERNAL for a SiMM
-    cluster and a local store in memory, DISK for a local store on a disk),
-    ``EXTERNAL`` or ``DISK``."""
+    """The ``medium`` of every event: ``EXTERNAL``, ``DISK`` or ``auto``
+    (``events_publisher.medium_of``)."""
 
     remember_pages: int = 65_536
     """Pages announced as stored that this server remembers, so that a
     lookup or read that misses one announces its removal. Past it, the
-    oldest is announced removed and forgotten (about 200 bytes a page)."""
+    oldest is announced removed and forgotten."""
 
     @property
     def enabled(self) -> bool:
@@ -175,12 +172,8 @@ def _endpoint(value: Any) -> str:
     return text
 
 
-def _optional_endpoint(value: Any) -> str | None:
-    return None if value is None else _endpoint(value)
-
-
-def _optional_bool(value: Any) -> bool | None:
-    return None if value is None else parse_bool(value)
+def _optional(parse):
+    return lambda value: None if value is None else parse(value)
 
 
 def _topic(value: Any) -> str:
@@ -192,8 +185,8 @@ def _topic(value: Any) -> str:
 _PARSERS = {
     "publisher": _choice(_PUBLISHERS),
     "endpoint": _endpoint,
-    "bind": _optional_bool,
-    "replay_endpoint": _optional_endpoint,
+    "bind": _optional(parse_bool),
+    "replay_endpoint": _optional(_endpoint),
     "buffer_steps": _count(1, 1_000_000),
     "hwm": _count(1, 10_000_000),
     "max_queue_size": _count(1, 10_000_000),

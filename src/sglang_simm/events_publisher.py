@@ -1,21 +1,9 @@
-"""A server's L3 event stream, built: which rank publishes, on which port,
-under which medium, through SGLang's own publisher.
-
-* **One publisher per server**, as SGLang's own stream: the scheduler of
-  pipeline stage 0, attention-TP rank 0 and attention-CP rank 0 of each
-  DP rank publishes (SGLang's ``is_kv_publisher_rank``), on the endpoint's
-  port plus its DP index (``select_kv_publisher_dp_rank``: the attention-DP
-  rank under DP attention, else the DP replica's). Its pages count as
-  stored once its own share is (MHA: rank 0's heads; MLA: the one writer,
-  rank 0, holds the whole page).
-* **SGLang's transport**: ``EventPublisherFactory.create`` with the
-  settings' SGLang keys, so topic, sequence numbers, replay, high-water
-  mark and the bind-or-connect rule are SGLang's own code.
-* **The medium**: ``EXTERNAL`` for a SiMM cluster (SGLang's "shared /
-  remote pool"); for the local store, where its directory lives:
-  ``EXTERNAL`` on a memory filesystem (the default, /dev/shm: a pool shared
-  by every server of the host, not this worker's pinned host tier, which
-  SGLang announces as ``CPU_PINNED``), ``DISK`` on any other.
+"""A server's L3 event stream, built: which rank publishes (one per server,
+as SGLang's own stream), on which port, under which medium, through SGLang's
+own publisher (``EventPublisherFactory``, so topic, sequence numbers,
+replay and high-water mark are SGLang's code). The rules and why:
+docs/kv-events.md, "The medium", "One publisher per server" and "The
+transport: SGLang's own".
 """
 
 from __future__ import annotations
@@ -52,7 +40,9 @@ def events_for(storage_config: Any, config: Any) -> NoEvents:
     slot = publisher_slot(storage_config)
     if slot is None:
         return NO_EVENTS
-    medium = _storage_medium(medium_of(settings, config))
+    from sglang.srt.disaggregation.kv_events import StorageMedium
+
+    medium = StorageMedium(medium_of(settings, config))
     publisher, endpoint = open_publisher(settings, slot)
     events = L3Events(publisher, medium=medium, max_queue_pages=settings.max_queue_size,
                       remember_pages=settings.remember_pages)
@@ -90,12 +80,6 @@ def medium_of(settings: KVEventsSettings, config: Any) -> str:
     from sglang_simm.local_store.admin import medium_of as store_medium
 
     return "DISK" if store_medium(local_store_place(config)[0]) == "disk" else "EXTERNAL"
-
-
-def _storage_medium(value: str) -> Any:
-    from sglang.srt.disaggregation.kv_events import StorageMedium
-
-    return StorageMedium(value)
 
 
 def open_publisher(settings: KVEventsSettings, slot: int) -> tuple[Any, str]:

@@ -1,28 +1,12 @@
 """The backend's counters in SGLang's own ``/metrics`` (``--enable-metrics``).
 
-SGLang runs Prometheus's client in multiprocess mode: every scheduler
-process writes its metrics to files under ``PROMETHEUS_MULTIPROC_DIR`` and
-the HTTP server's ``/metrics`` reads them all. A metric made in the
-scheduler, where this backend lives, therefore reaches the server's
-endpoint with SGLang's own series.
-
-Two halves, so that a data-path call pays nothing for it:
-
-* on the call, ``BackendCounters`` (``metrics.py``) counts as it always did,
-  and, only where an exporter is attached, adds the call's latency to a
-  ``LatencyTally`` (one bisect and one list increment, under the lock it
-  already holds);
-* ``L3Exporter.flush`` turns what changed since its last flush into
-  Prometheus increments. It runs on SGLang's scheduler thread, from
-  ``get_stats()``, which SGLang calls on every pass of its loop when its
-  metrics are on (and only then).
-
-Off (SGLang's default) nothing here is built and ``prometheus_client`` is
-never imported: ``exporter_for`` answers None.
-
-The circuit breaker feeds ``breaker_state`` and ``breaker_transitions_total``
-through one call, ``BackendCounters.record_breaker(state)``, which the
-backend's ``get_stats()`` makes on every pass of SGLang's scheduler.
+A data-path call pays nothing for it: ``BackendCounters`` (``metrics.py``)
+counts as always and, only where an exporter is attached, adds the call's
+latency to a ``LatencyTally``; ``L3Exporter.flush``, run from ``get_stats()``
+on SGLang's scheduler thread, turns what grew since its last flush into
+Prometheus increments. Off (SGLang's default), ``exporter_for`` answers
+None and ``prometheus_client`` is never imported. The series, and why they
+reach the server's endpoint: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -38,8 +22,7 @@ PREFIX = "sglang_simm:"
 #: labels of every series, as SGLang's scheduler metrics name them
 LABELS = ("model_name", "tp_rank", "pp_rank", "dp_rank")
 
-#: call latency buckets, seconds: a batch on the local store takes tens of
-#: microseconds, on a cluster hundreds; a timeout takes the client's second(s)
+#: call latency buckets, seconds: from a local store's batch to a client timeout
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 )

@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_simm.errors import code_name
-from sglang_simm.exporter import LATENCY_BUCKETS, LatencyTally
+from sglang_simm.exporter import LatencyTally
 
 
 def storage_metrics_class() -> type | None:
@@ -36,14 +35,12 @@ def storage_metrics_class() -> type | None:
 
 
 #: Operations kept for SGLang's StorageMetrics between two ``get_stats()``
-#: calls. SGLang drains them every scheduler step when its metrics are on;
-#: past this many the oldest are dropped, so memory stays bounded even when
-#: nobody drains (a few KiB per list).
+#: calls; past this many the oldest are dropped, so memory stays bounded
+#: even when nobody drains.
 PENDING_LIMIT = 1024
 
 #: The exporter is flushed at most this often (seconds): SGLang calls
-#: ``get_stats()`` on every pass of its scheduler loop, scrapes come every
-#: few seconds.
+#: ``get_stats()`` on every pass of its scheduler loop.
 EXPORT_INTERVAL_S = 0.5
 
 
@@ -78,9 +75,6 @@ class BackendCounters:
         #: ``exporter.L3Exporter`` (SGLang's /metrics), flushed by ``drain_storage_metrics``; None: off
         self.exporter = exporter
         self._latency = LatencyTally() if exporter is not None else None
-        # the tally's bucket lists, held here so a call reaches them in one step
-        self._get_buckets = self._latency.counts["get"] if self._latency is not None else None
-        self._set_buckets = self._latency.counts["set"] if self._latency is not None else None
         self._flushed_at = float("-inf")
         #: the backend's KV event stream (``events.L3Events``) when
         #: ``kv_events`` is on: its counters join the snapshot and /metrics
@@ -103,9 +97,8 @@ class BackendCounters:
             self.pages_read += hits
             self.pages_missed += misses
             self.bytes_read += nbytes
-            if self._get_buckets is not None and seconds > 0:
-                self._get_buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
-                self._latency.sums["get"] += seconds
+            if self._latency is not None and seconds > 0:
+                self._latency.observe("get", seconds)
             if hits and self.storage_metrics:
                 self._pending.prefetch_pgs.append(hits)
                 self._pending.prefetch_bandwidth.append(_gib_per_s(nbytes, seconds))
@@ -116,9 +109,8 @@ class BackendCounters:
             self.pages_skipped += skipped
             self.pages_write_failed += failed
             self.bytes_written += nbytes
-            if self._set_buckets is not None and seconds > 0:
-                self._set_buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
-                self._latency.sums["set"] += seconds
+            if self._latency is not None and seconds > 0:
+                self._latency.observe("set", seconds)
             if written and self.storage_metrics:
                 self._pending.backup_pgs.append(written)
                 self._pending.backup_bandwidth.append(_gib_per_s(nbytes, seconds))

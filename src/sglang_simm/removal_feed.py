@@ -1,22 +1,20 @@
 """What the local store removed, fed to this backend's KV events.
 
-Every server that shares a store must announce what leaves it, whoever
-made it leave: an eviction for another server's put, a ``store clear``.
-The local store keeps its recent removals (``Store.removed_since``); one
-thread per publishing backend asks for them every ``POLL_S`` and hands
-them to ``HiCacheSiMM.l3_removed`` / ``l3_cleared``. A key stored again by
-the time it is asked for is not reported (it is there), so a removal never
-follows the newer announcement of the same page. SiMM's client has no such
-call: on a cluster, removals are announced from misses only.
+One thread per publishing backend asks the local store for its recent
+removals (``Store.removed_since``) every ``POLL_S`` and hands them to
+``HiCacheSiMM.l3_removed`` / ``l3_cleared``, so that what another server
+or ``store clear`` made leave is announced too (docs/kv-events.md, "The
+store's removal channel"). SiMM's client has no such call.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
+
+from sglang_simm.metrics import RateLimitedLog
 
 logger = logging.getLogger("sglang_simm.events")
 
@@ -31,7 +29,7 @@ class RemovalFeed:
         self._removed_since, self._removed, self._cleared = removed_since, removed, cleared
         self.poll_s = poll_s
         self._stop = threading.Event()
-        self._last_warning = 0.0
+        self._warn = RateLimitedLog(logger, interval=60.0)
         self._thread = threading.Thread(target=self._run, name="sglang-simm-removals", daemon=True)
         self._thread.start()
 
@@ -47,10 +45,8 @@ class RemovalFeed:
                     if keys:
                         self._removed(keys)
                 except Exception as exc:  # the store's faults are counted on the data path
-                    if time.monotonic() - self._last_warning > 60:
-                        self._last_warning = time.monotonic()
-                        logger.warning("sglang-simm kv_events: asking the store what it removed failed (%s: %s)",
-                                       type(exc).__name__, exc)
+                    self._warn("removals", "sglang-simm kv_events: asking the store what it removed failed "
+                               "(%s: %s)", type(exc).__name__, exc)
                     break
                 if before is None or cursor == before or self._stop.is_set():
                     break

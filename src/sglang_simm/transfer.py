@@ -1,11 +1,10 @@
 """The client's answers read: one bool per page from a batch call's codes, counted.
 
 A data-path call hands the client the objects of one or more ``Batch``es
-(``binding.PoolBinding.lookup``/``batch``) and gets one code per object,
-in the batches' order. ``Answers`` reads those codes back into one bool
-per page asked for, per batch (a page is True only where every one of its
-objects is), and counts what happened (``metrics.BackendCounters``):
-pages, bytes and seconds, and every fault by its SiMM code, logged
+and gets one code per object, in the batches' order. ``Answers`` reads
+those codes back into one bool per page asked for, per batch (True only
+where every object of the page is), and counts pages, bytes, seconds and
+every fault by its SiMM code (``metrics.BackendCounters``), logged
 rate-limited. An answer of the wrong length raises (the calling method's
 ``Call`` turns it into a fault and misses).
 """
@@ -150,17 +149,15 @@ class Answers:
         return reached
 
     def _get_failed(self, keys: list[str], call: Call | None = None, binding: PoolBinding | None = None) -> None:
-        """Sort GetObjectFailed answers into misses and faults. The
-        synchronous client answers it for any server-side failure, an absent
-        key included (SiMM's only answer for a miss there, and the local
-        store's), so the objects are looked up: one that exists failed for
-        another reason (a fault, counted under its code); one that does not
-        was evicted since SGLang's exists query (a miss, not logged).
+        """Sort GetObjectFailed answers (SiMM's synchronous get answers it
+        for an absent key too) into misses and faults by looking the objects
+        up: one that exists failed (a fault, counted under its code), one
+        that does not was evicted (a miss, not logged; docs/keys-and-faults.md).
 
         The lookup is a client call of ``call``'s: made only where its
-        breaker allows (not after the get was a fault, not while open; the
-        answers then stay uncounted misses), and recorded by its time (its
-        answer is bools, so a hung store shows only as time)."""
+        breaker allows (else the answers stay uncounted misses), and
+        recorded by its time (its answer is bools, so a hung store shows
+        only as time)."""
         if call is not None and not call.allow():
             return
         try:
