@@ -40,10 +40,10 @@ def events_for(storage_config: Any, config: Any) -> NoEvents:
     slot = publisher_slot(storage_config)
     if slot is None:
         return NO_EVENTS
+    publisher, endpoint = open_publisher(settings, slot)  # first: it says what an SGLang without KV events lacks
     from sglang.srt.disaggregation.kv_events import StorageMedium
 
     medium = StorageMedium(medium_of(settings, config))
-    publisher, endpoint = open_publisher(settings, slot)
     events = L3Events(publisher, medium=medium, max_queue_pages=settings.max_queue_size,
                       remember_pages=settings.remember_pages)
     logger.info("sglang-simm kv_events: announcing L3 pages as medium %s on %s (topic %r%s), at most %d pages "
