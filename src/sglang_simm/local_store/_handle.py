@@ -294,7 +294,6 @@ class StoreHandle:
         self._maps: dict[str, SegmentMap] = {}
         self._conn_lock = threading.Lock()
         self._retry_at, self._retry_s = 0.0, RETRY_FIRST_S
-        self._spawned: list[Any] = []
         self.max_batch = DEFAULT_MAX_BATCH
         self._warned = False
 
@@ -341,8 +340,7 @@ class StoreHandle:
     def _starting(self) -> bool:
         """A store process is on its way: a launcher of this process runs, or
         some process holds the name's lock."""
-        return any(p.poll() is None for p in self._spawned) or self._launches().running() or \
-            lock_held(self.paths)
+        return self._launches().running() or lock_held(self.paths)
 
     def _launches(self) -> _Launches:
         with _LOCK:
@@ -422,7 +420,6 @@ class StoreHandle:
     def _spawn(self, backoff: bool = True) -> bool:
         """Start the store, unless a process holds the name's lock (it runs,
         starts, stops or is stalled); whether one was started."""
-        self._spawned = [p for p in self._spawned if p.poll() is None]
         launches = self._launches()
         with _LOCK:
             if launches.running() or lock_held(self.paths):
@@ -440,7 +437,6 @@ class StoreHandle:
             if backoff and now < launches.not_before:
                 return False
             launches.proc = self._launch()
-            self._spawned.append(launches.proc)
         return True
 
     def _launch(self) -> Any:
@@ -738,9 +734,6 @@ class StoreHandle:
 
     def __len__(self) -> int:
         return int(self.status()["objects"])
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self.lookup([key]) == [OK]
 
     def __repr__(self) -> str:
         try:

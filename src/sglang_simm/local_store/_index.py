@@ -676,13 +676,7 @@ class StoreIndex:
         """Processes with grants of closed connections, and how many."""
         return {p: sum(len(self._by_owner.get(o, ())) for o in owners) for p, owners in self._orphans.items()}
 
-    def grants_of(self, owner: Hashable) -> int:
-        return len(self._by_owner.get(owner, ()))
-
     # -- the rest ------------------------------------------------------------------
-
-    def __contains__(self, key: bytes) -> bool:
-        return self._keys.find([key])[0] >= 0
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         return [OK if s >= 0 else DS_KEY_NOT_FOUND for s in self._keys.find(keys).tolist()]

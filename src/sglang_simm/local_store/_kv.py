@@ -97,17 +97,13 @@ def _handle_for(name: str) -> StoreHandle:
                                timeout_s=settings.request_timeout_s, idle_exit_s=settings.idle_exit_s, spawn=host)
 
 
-def _checked_name(name: object) -> str:
-    if not isinstance(name, str):
-        raise TypeError(f"server name must be a str, got {name!r}")
-    return name or DEFAULT_SERVER_NAME
-
-
 def get_server(name: str) -> StoreHandle:
     """This process's handle on the local store ``name`` (started on first use
     with the current ``local_store_*`` flags); ``StoreUnreachable`` (a
     ``ConnectionError``) when it cannot be reached."""
-    return _handle_for(_checked_name(name))
+    if not isinstance(name, str):
+        raise TypeError(f"server name must be a str, got {name!r}")
+    return _handle_for(name or DEFAULT_SERVER_NAME)
 
 
 def reset_servers(*names: str) -> None:
@@ -120,11 +116,6 @@ def reset_servers(*names: str) -> None:
 def server_names() -> list[str]:
     """Names of the stores this process has a handle on, sorted."""
     return _handle.handle_names()
-
-
-def current_server_name() -> str:
-    """The store a new ``Store()`` joins: ``cm_primary_node_ip`` or "default"."""
-    return _flags.server_name() or DEFAULT_SERVER_NAME
 
 
 # -- memory regions ---------------------------------------------------------------
@@ -345,7 +336,7 @@ class Store:
 
     def __init__(self) -> None:
         try:
-            handle = _handle_for(current_server_name())
+            handle = _handle_for(_flags.server_name() or DEFAULT_SERVER_NAME)  # cm_primary_node_ip
         except (StoreUnreachable, OSError) as exc:
             raise RuntimeError(f"Init client messenger failed: {exc}") from exc
         with _clients_lock:

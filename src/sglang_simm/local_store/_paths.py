@@ -181,10 +181,11 @@ def files_bytes(paths: StorePaths) -> int:
     return total
 
 
-def flock_held(path: str) -> bool:
-    """True while another open file of ``path`` holds a ``flock`` on it."""
+def lock_held(paths: StorePaths) -> bool:
+    """True while a store process holds the name's lock (running, starting,
+    stopping or stalled): then nobody may start another."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(paths.lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
     try:
@@ -194,12 +195,6 @@ def flock_held(path: str) -> bool:
     finally:
         os.close(fd)
     return False
-
-
-def lock_held(paths: StorePaths) -> bool:
-    """True while a store process holds the name's lock (running, starting,
-    stopping or stalled): then nobody may start another."""
-    return flock_held(paths.lock)
 
 
 # -- processes: (pid, start time, boot) names one process, once ---------------------------
