@@ -86,12 +86,14 @@ def test_a_tiny_run_reads_every_object_back_whole_and_leaves_nothing():
             os.unlink(os.path.join(where, name))
         os.rmdir(where)
     assert result["bench"] == "disk" and result["wrong"] == 0 and result["missing"] == 0
-    assert len(result["dd"]) == 3 and all(d["write_gbps"] > 0 and d["read_gbps"] > 0 for d in result["dd"])
+    assert len(result["dd"]) == 6 and all(d["write_gbps"] > 0 and d["read_gbps"] > 0 for d in result["dd"])
     assert [s["object_bytes"] for s in result["sizes"]] == [1 << 20, 64 << 10]
     for s in result["sizes"]:
         assert s["objects"] * s["object_bytes"] == s["bytes"] > 0
         assert s["refused"] == 0 and s["evictions"] == 0
         assert s["write_gbps"] > 0 and s["read_gbps"] > 0 and s["write_over_dd"] > 0 and s["read_over_dd"] > 0
+        assert len(s["write"]["dd_gbps"]) == len(s["read"]["dd_gbps"]) == 2  # dd on either side of each phase
+        assert 0 < s["write"]["call_cpu_s"] and 0 < s["read"]["call_cpu_s"] and s["write"]["store_cpu_s"] >= 0
         assert s["rss_anon_peak"] > 0 and s["rss_anon_bytes_per_object"] is not None
         assert s["resident_after_drop"] <= s["bytes"] // 8  # cold: the drop took the page cache
     assert {g["what"] for g in result["goals"]} >= {"objects wrong", "cold read, 1 MiB objects, over dd's",

@@ -15,13 +15,18 @@ foreign object is counted wrong, never passed. The store is stopped with
 
 Beside it, in the same run and on the same filesystem: ``dd`` with
 ``O_DIRECT`` and 4 MiB blocks (``oflag=direct`` writing zeros, then
-``iflag=direct`` reading them back), before the first size and after each,
-its median the reference of every ratio.
+``iflag=direct`` reading them back) just before each size's writes,
+between its writes and its reads, and after its reads: each phase is
+compared with the mean of the dd runs on either side of it (a shared
+machine's disk and CPUs change speed within minutes).
 
 Figures per size: write GB/s to the disk (puts plus the final ``fsync``;
-and as far as the puts returning), cold read GB/s, each over ``dd``'s; the
-store process's private memory (``RssAnon``, sampled through the run) and
-its growth per object; objects wrong and missing. Wall-clock times over a
+and as far as the puts returning), cold read GB/s, each over ``dd``'s; how
+much of its calls' time the client thread was on a CPU (a copy through the
+page cache is the caller's system time: near 100% says the CPU, not the
+disk, set the pace) and the store process's CPU seconds; the store
+process's private memory (``RssAnon``, sampled through the run) and its
+growth per object; objects wrong and missing. Wall-clock times over a
 whole phase: the bench fills (or checks) the next batch on a thread of its
 own while the store's client copies the current one, so a figure is the
 store's, not the checker's, unless the checker is the slower. Nothing here
@@ -55,7 +60,7 @@ GIB = 1 << 30
 DEFAULT_GIB = 27.0
 DEFAULT_SIZES = (1 << 20, 64 << 10)
 DEFAULT_BATCH = 64
-DEFAULT_DD_GIB = 8.0
+DEFAULT_DD_GIB = 4.0
 DD_BLOCK = 4 << 20
 #: ``--quick``: a smoke run of the instrument, no figure worth reporting
 QUICK_GIB, QUICK_DD_GIB, QUICK_BATCH = 1 / 64, 1 / 64, 16
@@ -119,6 +124,16 @@ def rss_anon(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def process_cpu_s(pid: int) -> float:
+    """A process's user and system CPU seconds so far (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def mount_of(path: str) -> dict[str, str]:
@@ -229,12 +244,21 @@ def run_dd(path: str, nbytes: int) -> dict[str, Any]:
 
 @dataclass
 class Phase:
-    """One pass over every object: bytes moved, wall time, time inside the store's calls."""
+    """One pass over every object: bytes moved, wall time, time inside the
+    store's calls, the CPU time of the thread making them (its copies
+    through the page cache are system time) and of the store process, and
+    dd's figures just before and just after it."""
 
     bytes: int = 0
     wall_s: float = 0.0
     call_s: float = 0.0
+    call_cpu_s: float = 0.0
+    store_cpu_s: float = 0.0
     calls: int = 0
+    dd_gbps: list[float] = field(default_factory=list)
+
+    def dd(self) -> float | None:
+        return statistics.fmean(self.dd_gbps) if self.dd_gbps else None
 
     def gbps(self, extra_s: float = 0.0) -> float:
         return self.bytes / (self.wall_s + extra_s) / 1e9 if self.wall_s + extra_s > 0 else 0.0
@@ -261,14 +285,16 @@ class SizeResult:
     restarted: bool = False
     first_wrong: list[str] = field(default_factory=list)
 
-    def figures(self, dd: dict[str, float]) -> dict[str, Any]:
-        write = self.write.gbps(self.sync_s)
-        read = self.read.gbps()
+    def figures(self) -> dict[str, Any]:
+        """Rates, each over the mean of dd's just before and just after its phase."""
+        write, read = self.write.gbps(self.sync_s), self.read.gbps()
+        dd_write, dd_read = self.write.dd(), self.read.dd()
         growth = max(self.rss_anon_filled - self.rss_anon_start, 0)
         return {
             "write_gbps": write, "write_gbps_puts_returned": self.write.gbps(), "read_gbps": read,
-            "write_over_dd": write / dd["write_gbps"] if dd.get("write_gbps") else None,
-            "read_over_dd": read / dd["read_gbps"] if dd.get("read_gbps") else None,
+            "dd_write_gbps": dd_write, "dd_read_gbps": dd_read,
+            "write_over_dd": write / dd_write if dd_write else None,
+            "read_over_dd": read / dd_read if dd_read else None,
             "rss_anon_bytes_per_object": growth / self.objects if self.objects else None,
         }
 
@@ -323,9 +349,11 @@ def _pipelined(batches: list[np.ndarray], before: Callable[[int, np.ndarray], No
 
 
 def measure_size(root: str, name: str, size: int, total: int, batch: int, *, restart: bool, seed: int,
-                 progress: Callable[[str], None]) -> SizeResult:
+                 progress: Callable[[str], None], dd: Callable[[], dict[str, Any]] | None = None) -> SizeResult:
     """Fill a store of its own with ``total`` bytes of ``size``-byte objects, drop its page cache, read
-    every object back in random order checking every byte; the store is stopped and discarded after."""
+    every object back in random order checking every byte; the store is stopped and discarded after.
+    ``dd()`` runs dd (its figures) before the writes, between the writes and the reads, and after
+    the reads: each phase is compared with the dd runs on either side of it."""
     from sglang_simm.local_store.admin import StoreHandle, StorePaths
     from sglang_simm.simm_rules import OK
 
@@ -351,17 +379,21 @@ def measure_size(root: str, name: str, size: int, total: int, batch: int, *, res
 
         def put(slot: int, numbers: np.ndarray) -> None:
             items = [(keys[i], addresses[slot][j], size) for j, i in enumerate(numbers.tolist())]
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             codes = handle.put_from(items, True)
             res.write.call_s += time.perf_counter() - t
+            res.write.call_cpu_s += time.thread_time() - c
             res.write.calls += 1
             res.refused += sum(code != OK for code in codes)
             sampler.sample()
 
+        before = dd() if dd else None
         progress(f"{size // 1024} KiB objects: writing {n:,} ({res.bytes / GIB:.1f} GiB)")
         res.write.bytes = res.bytes
+        store_cpu = process_cpu_s(handle.pid)
         res.write.wall_s = _pipelined(_batches(np.arange(n), batch),
                                       lambda slot, numbers: pattern.fill(rows[slot], numbers), put, None)
+        res.write.store_cpu_s = process_cpu_s(handle.pid) - store_cpu
         paths = StorePaths(root, name)
         segments = list(paths.segments().values())
         res.sync_s = sync(segments)  # on the disk: what dd's O_DIRECT writes are
@@ -377,13 +409,18 @@ def measure_size(root: str, name: str, size: int, total: int, batch: int, *, res
             sampler = Sampler(handle.pid)
             res.restarted = True
         sync(paths.data_files(), drop=True)
+        between = dd() if dd else None
+        if before and between:
+            res.write.dd_gbps = [before["write_gbps"], between["write_gbps"]]
+        sync(paths.data_files(), drop=True)  # again: dd ran meanwhile
         res.resident_after_drop = sum(resident_bytes(p) for p in list(paths.segments().values()))
 
         def get(slot: int, numbers: np.ndarray) -> None:
             items = [(keys[i], addresses[slot][j], size) for j, i in enumerate(numbers.tolist())]
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             got = handle.get_into(items)
             res.read.call_s += time.perf_counter() - t
+            res.read.call_cpu_s += time.thread_time() - c
             res.read.calls += 1
             sizes[slot] = np.asarray(got, dtype=np.int64)
             sampler.sample()
@@ -400,11 +437,16 @@ def measure_size(root: str, name: str, size: int, total: int, batch: int, *, res
         order = np.random.default_rng(seed).permutation(n)
         progress(f"{size // 1024} KiB objects: reading {n:,} back in random order, cold")
         res.read.bytes = res.bytes
+        store_cpu = process_cpu_s(handle.pid)
         res.read.wall_s = _pipelined(_batches(order, batch), None, get, check)
+        res.read.store_cpu_s = process_cpu_s(handle.pid) - store_cpu
         sampler.sample(force=True)
         res.rss_anon_peak = max(peaks + [sampler.peak])
     finally:
         handle.stop(wait_s=120.0, discard=True)
+    after = dd() if dd else None
+    if between and after:
+        res.read.dd_gbps = [between["read_gbps"], after["read_gbps"]]
     return res
 
 
@@ -462,19 +504,20 @@ def run(directory: str, gib: float, sizes: list[int], *, batch: int, dd_gib: flo
     try:
         with private_store_dir("store-", parent=run_dir) as root:
             dd_file = os.path.join(run_dir, "dd.bin")
-            progress("dd: writing and reading with O_DIRECT")
-            result["dd"].append(run_dd(dd_file, dd_bytes))
-            for i, size in enumerate(sizes):
-                r = measure_size(root, f"disk{i}", size, total, batch, restart=restart, seed=seed + i,
-                                 progress=progress)
-                result["sizes"].append(r)
+
+            def dd() -> dict[str, Any]:
                 progress("dd: writing and reading with O_DIRECT")
                 result["dd"].append(run_dd(dd_file, dd_bytes))
+                return result["dd"][-1]
+
+            for i, size in enumerate(sizes):
+                result["sizes"].append(measure_size(root, f"disk{i}", size, total, batch, restart=restart,
+                                                    seed=seed + i, progress=progress, dd=dd))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     dd = {k: statistics.median(d[k] for d in result["dd"]) for k in ("write_gbps", "read_gbps")}
     result["dd_reference"] = dd
-    result["sizes"] = [{**asdict(r), "write": asdict(r.write), "read": asdict(r.read), **r.figures(dd)}
+    result["sizes"] = [{**asdict(r), "write": asdict(r.write), "read": asdict(r.read), **r.figures()}
                        for r in result["sizes"]]
     result["wrong"] = sum(s["wrong"] for s in result["sizes"])
     result["missing"] = sum(s["missing"] for s in result["sizes"])
@@ -509,31 +552,43 @@ def _label(size: int) -> str:
 
 
 def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    head = ["objects", "count", "GiB", "write GB/s", "x dd", "puts returned GB/s", "cold read GB/s", "x dd",
-            "store RssAnon peak", "RssAnon B/object", "wrong", "missing"]
+    head = ["objects", "count", "GiB", "write GB/s", "dd beside", "x dd", "cold read GB/s", "dd beside", "x dd",
+            "client thread on CPU w / r", "store CPU s w / r", "store RssAnon peak", "RssAnon B/object", "wrong",
+            "missing"]
     rows = []
     for s in result["sizes"]:
         per = s["rss_anon_bytes_per_object"]
+        on_cpu = " / ".join(f"{p['call_cpu_s'] / p['call_s']:.0%}" if p["call_s"] else "-"
+                            for p in (s["write"], s["read"]))
         rows.append([_label(s["object_bytes"]), f"{s['objects']:,}", f"{s['bytes'] / GIB:.2f}",
-                     f"{s['write_gbps']:.2f}", f"{s['write_over_dd']:.2f}", f"{s['write_gbps_puts_returned']:.2f}",
-                     f"{s['read_gbps']:.2f}", f"{s['read_over_dd']:.2f}", f"{s['rss_anon_peak'] / (1 << 20):.0f} MiB",
-                     f"{per:.0f}" if per is not None else "-", str(s["wrong"]), str(s["missing"])])
-    for i, d in enumerate(result["dd"]):
-        rows.append([f"dd O_DIRECT 4 MiB ({i + 1})", "-", f"{d['bytes'] / GIB:.2f}", f"{d['write_gbps']:.2f}", "-",
-                     "-", f"{d['read_gbps']:.2f}", "-", "-", "-", "-", "-"])
+                     f"{s['write_gbps']:.2f}", _f2(s["dd_write_gbps"]), _f2(s["write_over_dd"]),
+                     f"{s['read_gbps']:.2f}", _f2(s["dd_read_gbps"]), _f2(s["read_over_dd"]), on_cpu,
+                     f"{s['write']['store_cpu_s']:.1f} / {s['read']['store_cpu_s']:.1f}",
+                     f"{s['rss_anon_peak'] / (1 << 20):.0f} MiB", f"{per:.0f}" if per is not None else "-",
+                     str(s["wrong"]), str(s["missing"])])
     return head, rows
+
+
+def _f2(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def dd_line(result: dict[str, Any]) -> str:
+    return ("dd O_DIRECT, 4 MiB blocks, in run order (write / read GB/s): "
+            + ", ".join(f"{d['write_gbps']:.2f} / {d['read_gbps']:.2f}" for d in result["dd"]))
 
 
 def render(result: dict[str, Any], console: Any = None) -> None:
     s, m = result["settings"], result["machine"]
     lines = [f"The local store on a disk: {s['bytes_per_size'] / GIB:.1f} GiB of objects per size "
              f"(RAM {m['memory_bytes'] / GIB:.1f} GiB{'' if s['larger_than_ram'] else ': NOT larger than RAM'}), "
-             f"{m['disk']['device']} ({m['disk']['fs']}), batches of {s['batch']}; dd median write "
-             f"{result['dd_reference']['write_gbps']:.2f} GB/s, read {result['dd_reference']['read_gbps']:.2f} GB/s",
+             f"{m['disk']['device']} ({m['disk']['fs']}), batches of {s['batch']}; each phase over the mean of "
+             "dd's just before and just after it",
              f"commit {result['commit']}, {result['date']}, {m['cpu']}, {m['cores']} cores; load "
              f"{'/'.join(f'{x:.1f}' for x in result['load']['before'])} before, "
              f"{'/'.join(f'{x:.1f}' for x in result['load']['after'])} after; {result['seconds']:.0f} s"]
     head, rows = table_rows(result)
+    lines_after = [dd_line(result)]
     goal_lines = [f"{'met   ' if g['met'] else 'MISSED'} {g['what']}: {_goal_value(g)} (goal {g['goal']})"
                   for g in result["goals"]]
     try:
@@ -544,7 +599,7 @@ def render(result: dict[str, Any], console: Any = None) -> None:
         print(" | ".join(head))
         for row in rows:
             print(" | ".join(row))
-        print("\n".join(goal_lines))
+        print("\n".join(lines_after + goal_lines))
         return
     console = console or Console(width=max(Console().width, 160))
     for line in lines:
@@ -555,7 +610,7 @@ def render(result: dict[str, Any], console: Any = None) -> None:
     for row in rows:
         t.add_row(*row)
     console.print(t)
-    for line in goal_lines:
+    for line in lines_after + goal_lines:
         console.print(line, highlight=False)
 
 
