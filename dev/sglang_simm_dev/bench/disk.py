@@ -22,9 +22,10 @@ machine's disk and CPUs change speed within minutes).
 
 Figures per size: write GB/s to the disk (puts plus the final ``fsync``;
 and as far as the puts returning), cold read GB/s, each over ``dd``'s; how
-much of its calls' time the client thread was on a CPU (a copy through the
-page cache is the caller's system time: near 100% says the CPU, not the
-disk, set the pace) and the store process's CPU seconds; the store
+much of its calls' time the client thread was on a CPU and how much it
+waited for one (``schedstat``; a copy through the page cache is the
+caller's system time: the two near 100% say the CPU, not the disk, set
+the pace) and the store process's CPU seconds; the store
 process's private memory (``RssAnon``, sampled through the run) and its
 growth per object; objects wrong and missing. Wall-clock times over a
 whole phase: the bench fills (or checks) the next batch on a thread of its
@@ -44,6 +45,7 @@ import mmap
 import os
 import platform
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -136,6 +138,16 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_sched() -> tuple[float, float]:
+    """This thread's seconds on a CPU and waiting on a run queue (``schedstat``)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on, waiting = f.read().split()[:2]
+        return int(on) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0
+
+
 def mount_of(path: str) -> dict[str, str]:
     """The mount ``path`` lies on: its point, device and filesystem type."""
     path, best = os.path.realpath(path), {"point": "/", "device": "?", "fs": "?"}
@@ -226,8 +238,11 @@ def run_dd(path: str, nbytes: int) -> dict[str, Any]:
     try:
         for op, args in (("write", ["if=/dev/zero", f"of={path}", "oflag=direct", f"count={count}"]),
                          ("read", [f"if={path}", "of=/dev/null", "iflag=direct"])):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             done = subprocess.run(["dd", f"bs={DD_BLOCK}", *args], capture_output=True, text=True, env=env,
                                   timeout=3600)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            out[f"{op}_cpu_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
             if done.returncode != 0:
                 raise RuntimeError(f"dd ({op}) exited with {done.returncode}: {done.stderr.strip()[-300:]}")
             moved, seconds = parse_dd(done.stderr)
@@ -253,6 +268,8 @@ class Phase:
     wall_s: float = 0.0
     call_s: float = 0.0
     call_cpu_s: float = 0.0
+    #: of the calls' time, how long the calling thread waited for a CPU (runnable, not running)
+    call_runqueue_s: float = 0.0
     store_cpu_s: float = 0.0
     calls: int = 0
     dd_gbps: list[float] = field(default_factory=list)
@@ -379,10 +396,12 @@ def measure_size(root: str, name: str, size: int, total: int, batch: int, *, res
 
         def put(slot: int, numbers: np.ndarray) -> None:
             items = [(keys[i], addresses[slot][j], size) for j, i in enumerate(numbers.tolist())]
-            t, c = time.perf_counter(), time.thread_time()
+            t, (c, q) = time.perf_counter(), thread_sched()
             codes = handle.put_from(items, True)
             res.write.call_s += time.perf_counter() - t
-            res.write.call_cpu_s += time.thread_time() - c
+            c2, q2 = thread_sched()
+            res.write.call_cpu_s += c2 - c
+            res.write.call_runqueue_s += q2 - q
             res.write.calls += 1
             res.refused += sum(code != OK for code in codes)
             sampler.sample()
@@ -417,10 +436,12 @@ def measure_size(root: str, name: str, size: int, total: int, batch: int, *, res
 
         def get(slot: int, numbers: np.ndarray) -> None:
             items = [(keys[i], addresses[slot][j], size) for j, i in enumerate(numbers.tolist())]
-            t, c = time.perf_counter(), time.thread_time()
+            t, (c, q) = time.perf_counter(), thread_sched()
             got = handle.get_into(items)
             res.read.call_s += time.perf_counter() - t
-            res.read.call_cpu_s += time.thread_time() - c
+            c2, q2 = thread_sched()
+            res.read.call_cpu_s += c2 - c
+            res.read.call_runqueue_s += q2 - q
             res.read.calls += 1
             sizes[slot] = np.asarray(got, dtype=np.int64)
             sampler.sample()
@@ -553,13 +574,13 @@ def _label(size: int) -> str:
 
 def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     head = ["objects", "count", "GiB", "write GB/s", "dd beside", "x dd", "cold read GB/s", "dd beside", "x dd",
-            "client thread on CPU w / r", "store CPU s w / r", "store RssAnon peak", "RssAnon B/object", "wrong",
+            "client thread on + waiting for a CPU, w / r", "store CPU s w / r", "store RssAnon peak", "RssAnon B/object", "wrong",
             "missing"]
     rows = []
     for s in result["sizes"]:
         per = s["rss_anon_bytes_per_object"]
-        on_cpu = " / ".join(f"{p['call_cpu_s'] / p['call_s']:.0%}" if p["call_s"] else "-"
-                            for p in (s["write"], s["read"]))
+        on_cpu = " / ".join(f"{p['call_cpu_s'] / p['call_s']:.0%} + {p['call_runqueue_s'] / p['call_s']:.0%}"
+                            if p["call_s"] else "-" for p in (s["write"], s["read"]))
         rows.append([_label(s["object_bytes"]), f"{s['objects']:,}", f"{s['bytes'] / GIB:.2f}",
                      f"{s['write_gbps']:.2f}", _f2(s["dd_write_gbps"]), _f2(s["write_over_dd"]),
                      f"{s['read_gbps']:.2f}", _f2(s["dd_read_gbps"]), _f2(s["read_over_dd"]), on_cpu,
@@ -578,6 +599,21 @@ def dd_line(result: dict[str, Any]) -> str:
             + ", ".join(f"{d['write_gbps']:.2f} / {d['read_gbps']:.2f}" for d in result["dd"]))
 
 
+def cpu_line(result: dict[str, Any]) -> str:
+    """CPU seconds per GiB moved: the store's client thread against dd."""
+    parts = []
+    for s in result["sizes"]:
+        gib = s["bytes"] / GIB
+        parts.append(f"{_label(s['object_bytes'])} objects, client thread {s['write']['call_cpu_s'] / gib:.2f} / "
+                     f"{s['read']['call_cpu_s'] / gib:.2f}")
+    dd = [d for d in result["dd"] if "write_cpu_s" in d]
+    if dd:
+        gib = dd[0]["bytes"] / GIB
+        parts.append(f"dd {statistics.median(d['write_cpu_s'] for d in dd) / gib:.2f} / "
+                     f"{statistics.median(d['read_cpu_s'] for d in dd) / gib:.2f}")
+    return "CPU seconds per GiB, write / read: " + "; ".join(parts)
+
+
 def render(result: dict[str, Any], console: Any = None) -> None:
     s, m = result["settings"], result["machine"]
     lines = [f"The local store on a disk: {s['bytes_per_size'] / GIB:.1f} GiB of objects per size "
@@ -588,7 +624,7 @@ def render(result: dict[str, Any], console: Any = None) -> None:
              f"{'/'.join(f'{x:.1f}' for x in result['load']['before'])} before, "
              f"{'/'.join(f'{x:.1f}' for x in result['load']['after'])} after; {result['seconds']:.0f} s"]
     head, rows = table_rows(result)
-    lines_after = [dd_line(result)]
+    lines_after = [dd_line(result), cpu_line(result)]
     goal_lines = [f"{'met   ' if g['met'] else 'MISSED'} {g['what']}: {_goal_value(g)} (goal {g['goal']})"
                   for g in result["goals"]]
     try:
