@@ -165,8 +165,9 @@ def machine(path: str) -> dict[str, Any]:
     cpu = platform.processor() or "?"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "platform": platform.platform(), "python": platform.python_version(), "disk": mount_of(path)}
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": ram, "platform": platform.platform(),
+            "python": platform.python_version(), "disk": mount_of(path)}
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -574,8 +575,8 @@ def _label(size: int) -> str:
 
 def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     head = ["objects", "count", "GiB", "write GB/s", "dd beside", "x dd", "cold read GB/s", "dd beside", "x dd",
-            "client thread on + waiting for a CPU, w / r", "store CPU s w / r", "store RssAnon peak", "RssAnon B/object", "wrong",
-            "missing"]
+            "client thread on + waiting for a CPU, w / r", "store CPU s w / r", "store RssAnon peak",
+            "RssAnon B/object", "wrong", "missing"]
     rows = []
     for s in result["sizes"]:
         per = s["rss_anon_bytes_per_object"]
