@@ -61,9 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="L3 backends side by side in real CPU SGLang servers: ours, file, Mooncake, host tier "
                             "only, no HiCache (minutes; see docs/benchmarks.md)")
     server = bench.add_argument_group("with --server")
-    server.add_argument("--backends", help="comma list of ours,ours-events,ours-events-stalled,file,mooncake,"
-                        "mooncake-standalone,host,none (default: ours,file,mooncake,host,none; --quick: ours,file; "
-                        "ours-events*: ours with kv_events on, its stream read or stalled)")
+    server.add_argument("--backends", help="comma list of ours,ours-events,ours-events-stalled,file,ours-disk,"
+                        "mooncake,mooncake-standalone,host,none (default: ours,file,mooncake,host,none; --quick: "
+                        "ours,file; ours-events*: ours with kv_events on, its stream read or stalled; ours-disk: "
+                        "ours with its store on a disk, and file's folder on that disk too)")
+    server.add_argument("--disk-dir", metavar="DIR",
+                        help="with ours-disk: a directory on the disk for its store and file's folder "
+                             "(default: the temp directory)")
     server.add_argument("--preset", help="model (llama-tiny, llama-demo; default llama-demo, --quick llama-tiny)")
     server.add_argument("--python", help="the Python the servers run (default: this one)")
     server.add_argument("--no-restart", action="store_true", help="skip the restart on the same L3")

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from sglang_simm_dev.bench.server_backends import (
     BACKENDS,
     DEFAULT_BACKENDS,
+    DISK_BACKENDS,
     EVENT_BACKENDS,
     L3_BACKENDS,
     MOONCAKE_BACKENDS,
@@ -83,6 +84,9 @@ class ServerPlan:
     model_dir: str | None = None
     seed: int = 0
     workloads: tuple[str, ...] = WORKLOADS
+    #: where ``DISK_BACKENDS`` keep their store (and ``file`` its folder
+    #: beside it when both run): a directory on a disk; None: the temp directory
+    disk_dir: str | None = None
 
 
 #: SGLang reads L3 only for a miss of at least 256 tokens (its default
@@ -102,7 +106,7 @@ SMALL_WORKLOAD = Workload(long_tokens=1536, filler_tokens=2048, filler_chunk=102
 
 def plan_from_args(args: Any) -> ServerPlan:
     """``--backends``, ``--repeat``, ``--quick``, ``--preset``, ``--python``, ``--no-restart``,
-    ``--small``, ``--host-ratio``, ``--workloads``."""
+    ``--small``, ``--host-ratio``, ``--workloads``, ``--disk-dir``."""
     quick = bool(getattr(args, "quick", False))
     names = getattr(args, "backends", None)
     backends = [b.strip() for b in names.split(",") if b.strip()] if names else (
@@ -124,7 +128,7 @@ def plan_from_args(args: Any) -> ServerPlan:
     workloads = tuple(x for x in WORKLOADS if x in workloads)
     plan = ServerPlan(backends=backends, repeat=repeat, preset=preset, python=getattr(args, "python", None) or "",
                       restart=not getattr(args, "no_restart", False) and "restart" in workloads,
-                      workloads=workloads)
+                      workloads=workloads, disk_dir=getattr(args, "disk_dir", None))
     if quick:
         plan = replace(plan, workload=QUICK_WORKLOAD, device_tokens=1024)
     elif getattr(args, "small", False):
@@ -250,6 +254,59 @@ def goals(per_op: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+#: the disk's goals: ours-disk's L3-hit TTFT at or below file's (hot, and
+#: cold after a restart), the decoders' p99 within this of no HiCache's
+DISK_TTFT_RATIO = 1.0
+
+
+def disk_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """``ours-disk`` against ``file`` (both on the disk): the long prompt's
+    TTFT from L3 after a flush (hot: the files in the page cache), per
+    repetition and median; the restart's prompts (cold: page cache dropped
+    between stop and start), median over the prompts; and the decoders'
+    p99 over no HiCache's, pooled and per repetition. Pure."""
+    from sglang_simm_dev.bench.server_itl import ITL_GOAL_RATIO, pooled
+
+    out: list[dict[str, Any]] = []
+    for disk in (n for n in result["settings"]["backends"] if n in DISK_BACKENDS):
+        hot = {n: [rep["requests"][-1]["ttft_s"] for rep in result["long_prompt"].get(n) or []]
+               for n in (disk, "file")}
+        if hot[disk] and hot["file"]:
+            mine, theirs = statistics.median(hot[disk]), statistics.median(hot["file"])
+            out.append({"what": "L3-hit TTFT, hot (long prompt after a flush)", "backend": disk, "against": "file",
+                        "value": mine, "other": theirs, "ratio": mine / theirs, "each": hot[disk],
+                        "other_each": hot["file"], "met": mine <= theirs * DISK_TTFT_RATIO})
+        cold = {n: (result["restart"].get(n) or {}).get("ttft_s") or [] for n in (disk, "file")}
+        if cold[disk] and cold["file"]:
+            mine, theirs = statistics.median(cold[disk]), statistics.median(cold["file"])
+            out.append({"what": "L3-hit TTFT, cold (after a restart, page cache dropped)", "backend": disk,
+                        "against": "file", "value": mine, "other": theirs, "ratio": mine / theirs,
+                        "each": cold[disk], "other_each": cold["file"], "met": mine <= theirs * DISK_TTFT_RATIO})
+        itl = result.get("itl") or {}
+        ref = result.get("itl_vs")
+        if itl.get(disk) and ref and itl.get(ref):
+            ratio = (result.get("itl_ratios", {}).get(disk) or {}).get("p99")
+            each = []
+            for mine, theirs in zip(itl[disk], itl[ref]):
+                a, b = (pooled([r]).get("under") or {} for r in (mine, theirs))
+                each.append(a["p99"] / b["p99"] if a.get("p99") and b.get("p99") else None)
+            out.append({"what": f"decoders' ITL p99 over {ref}'s", "backend": disk, "against": ref, "value": ratio,
+                        "each": each, "met": ratio is not None and ratio <= ITL_GOAL_RATIO})
+    return out
+
+
+def _l3_dirs(env: Environment, names: list[str]) -> dict[str, dict[str, str]]:
+    """Where each L3 backend's files live, and on what medium."""
+    from sglang_simm.local_store.admin import medium_of
+
+    out = {}
+    for name in names:
+        where = env.l3_dir(name)
+        if where:
+            out[name] = {"dir": where, "medium": medium_of(where)}
+    return out
+
+
 def _launch(env: Environment, shape: Shape, names: list[str], root: str, tap: str) -> dict[str, SGLangServer]:
     servers: dict[str, SGLangServer] = {}
     for name in names:
@@ -275,9 +332,12 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
     model = write_model(_model_dir(plan), plan.preset, seed=plan.seed)
     shape = Shape(model_path=model, page_size=plan.page_size, device_tokens=plan.device_tokens,
                   hicache_ratio=plan.hicache_ratio, python=python)
+    on_disk = any(b in DISK_BACKENDS for b in plan.backends)
     env = Environment.create(python, want_mooncake=any(b in MOONCAKE_BACKENDS for b in plan.backends),
                              want_standalone="mooncake-standalone" in plan.backends, workdir=workdir,
-                             segment_bytes=shape.l3_bytes)
+                             segment_bytes=shape.l3_bytes,
+                             disk_dir=(plan.disk_dir or tempfile.gettempdir()) if on_disk else None,
+                             file_on_disk=on_disk)
     names = [b for b in plan.backends if env.available(b)]
     tap = write_tap(os.path.join(workdir, "tap-site"))
     result: dict[str, Any] = {
@@ -286,7 +346,8 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
                      "kv_bytes_per_token": preset.kv_bytes_per_token(), "page_size": plan.page_size,
                      "device_tokens": plan.device_tokens, "hicache_ratio": plan.hicache_ratio,
                      "host_memory_reserve_bytes": HOST_RESERVE_BYTES,
-                     "workload": asdict(plan.workload), "workloads": list(plan.workloads)},
+                     "workload": asdict(plan.workload), "workloads": list(plan.workloads),
+                     "l3_dirs": _l3_dirs(env, names)},
         "mooncake": {"available": env.mooncake.available, "why": env.mooncake.why,
                      "standalone_why": env.standalone_why},
         "long_prompt": {n: [] for n in names}, "multi_turn": {n: [] for n in names}, "itl": {n: [] for n in names},
@@ -342,6 +403,10 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
                 before[name] = store_for_restart(servers[name], backups[name], prompts, w)
             for server in servers.values():
                 server.stop()
+            dropped = {}
+            for name in l3:  # the restarted servers read their L3 cold
+                progress(f"restart: dropping {name}'s L3 files from the page cache")
+                dropped[name] = env.drop_l3_cache(name)
             progress(f"restart: starting {', '.join(l3)} again on the same L3")
             servers = _launch(env, shape, l3, os.path.join(workdir, "restarted"), tap)
             for name in l3:
@@ -350,7 +415,9 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
                 except ServerError as exc:
                     result["failed"][f"{name} (restarted)"] = _failure(exc)
                     continue
-                result["restart"][name] = after_restart(servers[name], prompts, before[name], w)
+                result["restart"][name] = {**after_restart(servers[name], backups[name], prompts, before[name], w,
+                                                           plan.seed * 1000 + 998, vocab),
+                                           "page_cache": dropped[name]}
         for name in names:
             ops = read_ops(os.path.join(env.tap_dir, name))
             if ops:
@@ -376,6 +443,7 @@ def run(plan: ServerPlan, progress: Callable[[str], None] = lambda s: None) -> d
     result["itl_vs"] = next((n for n in ("none", "host") if n in itl), None)
     result["itl_ratios"] = against(itl, result["itl_vs"]) if result["itl_vs"] else {}
     result["goals"] = goals(result["per_op"])
+    result["disk_goals"] = disk_goals(result)
     result["checks"] = checks(result)
     result["load"] = {"before": load_before, "after": os.getloadavg()}
     result["seconds"] = time.monotonic() - started

@@ -7,8 +7,12 @@ the server (a local store, a folder, a Mooncake master).
   own, with its L3 event stream on (``kv_events``): read by a subscriber
   that keeps up, or by one that connected and stopped reading, past a
   high-water mark of ``STALLED_HWM`` batches (``server_events``);
+* ``ours-disk``: the same on a store directory on a disk (``--disk-dir``,
+  default the temp directory), its objects read and written through the
+  page cache;
 * ``file``: SGLang's ``file`` backend in a folder on /dev/shm (memory, like
-  the others);
+  ``ours``), or on the same disk as ``ours-disk``'s store when ``ours-disk``
+  runs beside it (so the two compare on one medium);
 * ``mooncake``: SGLang's Mooncake Store over TCP, its segment inside the
   server, with a ``mooncake_master`` the bench starts on 127.0.0.1;
 * ``mooncake-standalone``: the same, its segment in a ``mooncake_client``
@@ -25,6 +29,7 @@ line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -37,10 +42,12 @@ from sglang_simm_dev.sglang_server import ServerConfig, free_port
 
 #: ours with its L3 event stream on: a subscriber reading, one stalled
 EVENT_BACKENDS = ("ours-events", "ours-events-stalled")
+#: ours on a store directory on a disk
+DISK_BACKENDS = ("ours-disk",)
 #: this plugin's servers, each on a local store of its own
-OURS_BACKENDS = ("ours", *EVENT_BACKENDS)
+OURS_BACKENDS = ("ours", *EVENT_BACKENDS, *DISK_BACKENDS)
 #: every backend the bench knows, in its order
-BACKENDS = (*OURS_BACKENDS, "file", "mooncake", "mooncake-standalone", "host", "none")
+BACKENDS = ("ours", *EVENT_BACKENDS, "file", *DISK_BACKENDS, "mooncake", "mooncake-standalone", "host", "none")
 #: what runs when ``--backends`` is not given (one Mooncake server)
 DEFAULT_BACKENDS = ("ours", "file", "mooncake", "host", "none")
 #: the Mooncake servers: both need its master
@@ -218,15 +225,33 @@ class Environment:
     held: dict[str, Any] = field(default_factory=dict)
     #: the L3 event endpoint of each ``EVENT_BACKENDS`` server (``tcp://*:PORT``)
     event_endpoints: dict[str, str] = field(default_factory=dict)
+    #: this run's folder on a disk (``DISK_BACKENDS``' store directory, and
+    #: ``file``'s folder beside it when they run together); "" when none
+    disk_root: str = ""
 
     @classmethod
     def create(cls, python: str, *, want_mooncake: bool, workdir: str, want_standalone: bool = False,
-               segment_bytes: int = 2 << 30) -> Environment:
+               segment_bytes: int = 2 << 30, disk_dir: str | None = None, file_on_disk: bool = False
+               ) -> Environment:
+        """``disk_dir``: where to make the folder on a disk (needed by
+        ``DISK_BACKENDS``; ValueError when it is no disk); ``file_on_disk``:
+        ``file``'s folder there too, else on /dev/shm."""
+        from sglang_simm.local_store.admin import medium_of
+
         tag = f"bench-{os.getpid()}"
+        disk_root = ""
+        if disk_dir is not None:
+            if not os.path.isdir(disk_dir) or medium_of(disk_dir) != "disk":
+                raise ValueError(f"--disk-dir must be a directory on a disk, got {disk_dir!r} "
+                                 f"({'not a directory' if not os.path.isdir(disk_dir) else 'memory'})")
+            disk_root = tempfile.mkdtemp(prefix=f"sglang-simm-{tag}-disk-", dir=disk_dir)
+            os.makedirs(os.path.join(disk_root, "store"), mode=0o700)
         mooncake = mooncake_status(python) if want_mooncake else MooncakeStatus(False, why="not asked for")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        file_dir = tempfile.mkdtemp(prefix=f"sglang-simm-{tag}-file-", dir=shm)
-        env = cls(tag=tag, root=workdir, tap_dir=os.path.join(workdir, "tap"), mooncake=mooncake, file_dir=file_dir)
+        file_dir = tempfile.mkdtemp(prefix=f"sglang-simm-{tag}-file-",
+                                    dir=disk_root if disk_root and file_on_disk else shm)
+        env = cls(tag=tag, root=workdir, tap_dir=os.path.join(workdir, "tap"), mooncake=mooncake, file_dir=file_dir,
+                  disk_root=disk_root)
         if mooncake.available:
             try:
                 env.master = MooncakeMaster(mooncake.master, os.path.join(workdir, "mooncake_master.log")).start()
@@ -260,6 +285,43 @@ class Environment:
         server finds another's pages."""
         return f"{self.tag}-{backend}"
 
+    def store_dir_of(self, backend: str) -> str | None:
+        """The store directory of one of ``OURS_BACKENDS``: the disk's for
+        ``DISK_BACKENDS``, else None (the default, /dev/shm)."""
+        if backend not in DISK_BACKENDS:
+            return None
+        if not self.disk_root:
+            raise RuntimeError(f"{backend} needs a folder on a disk: Environment.create(disk_dir=...)")
+        return os.path.join(self.disk_root, "store")
+
+    def l3_dir(self, backend: str) -> str | None:
+        """The folder holding ``backend``'s L3 files (ours': its store
+        directory; ``file``'s folder), or None (Mooncake, no L3)."""
+        if backend in OURS_BACKENDS:
+            from sglang_simm.local_store.admin import store_dir
+
+            return self.store_dir_of(backend) or store_dir(None)
+        return self.file_dir if backend == "file" else None
+
+    def drop_l3_cache(self, backend: str) -> dict[str, Any]:
+        """Write ``backend``'s L3 files out and drop them from the page cache
+        (``POSIX_FADV_DONTNEED``: what ``drop_caches`` does, file by file), so
+        the next reads of them are cold; on memory (tmpfs) there is nothing
+        to drop. What was there, and what the page cache held before and after."""
+        from sglang_simm.local_store.admin import medium_of
+
+        root = self.l3_dir(backend)
+        if root is None:
+            return {"dir": None, "medium": None, "dropped": False}
+        medium = medium_of(root)
+        files = _l3_files(root, self.store_of(backend) if backend in OURS_BACKENDS else None)
+        out = {"dir": root, "medium": medium, "dropped": medium == "disk", "files": len(files),
+               "bytes": sum(_size(f) for f in files), "resident_before": _resident(files)}
+        if medium == "disk":
+            drop_page_cache(files)
+        out["resident_after"] = _resident(files)
+        return out
+
     def hold_store(self, shape: Shape, *, idle_exit_s: float | None = None, backend: str = "ours") -> None:
         """Start the local store of ``backend`` (one of ``OURS_BACKENDS``)
         here and keep a connection to it until ``close()``. A store a server
@@ -274,7 +336,8 @@ class Environment:
         store = self.store_of(backend)
         if store in self.held:
             return
-        handle = StoreHandle(store, capacity=shape.l3_bytes, timeout_s=REQUEST_TIMEOUT_MS / 1000,
+        handle = StoreHandle(store, root=self.store_dir_of(backend), capacity=shape.l3_bytes,
+                             timeout_s=REQUEST_TIMEOUT_MS / 1000,
                             idle_exit_s=DEFAULT_IDLE_EXIT_S if idle_exit_s is None else idle_exit_s)
         handle.open()
         self.held[store] = handle
@@ -289,6 +352,8 @@ class Environment:
                 self.stores.append(store)
             extra: dict[str, Any] = {"manager_address": f"local://{store}", "request_timeout_ms": REQUEST_TIMEOUT_MS,
                                      "local_store_capacity_bytes": shape.l3_bytes}
+            if backend in DISK_BACKENDS:
+                extra["local_store_dir"] = self.store_dir_of(backend)
             if backend in EVENT_BACKENDS:
                 endpoint = self.event_endpoints.setdefault(backend, f"tcp://*:{free_port()}")
                 extra["kv_events"] = {"publisher": "zmq", "endpoint": endpoint, "topic": "l3",
@@ -327,9 +392,48 @@ class Environment:
             self.master = None
         from sglang_simm.local_store.admin import StoreHandle, StoreUnreachable
 
+        roots = {self.store_of(b): self.store_dir_of(b) for b in DISK_BACKENDS if self.disk_root}
         for store in self.stores:
             try:
-                (self.held.pop(store, None) or StoreHandle(store, capacity=1, spawn=False, data=False)).stop(discard=True)
+                (self.held.pop(store, None) or StoreHandle(store, root=roots.get(store), capacity=1, spawn=False,
+                                                           data=False)).stop(discard=True)
             except (StoreUnreachable, OSError):
                 pass
         shutil.rmtree(self.file_dir, ignore_errors=True)
+        if self.disk_root:
+            shutil.rmtree(self.disk_root, ignore_errors=True)
+
+
+def _l3_files(root: str, store: str | None) -> list[str]:
+    """The regular files of an L3 folder: a store's segments and index
+    (``store``), or every file below ``root``."""
+    if store is not None:
+        from sglang_simm.local_store.admin import StorePaths
+
+        return [p for p in StorePaths(root, store).data_files() if os.path.isfile(p)]
+    return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names
+            if os.path.isfile(os.path.join(d, f)) and not os.path.islink(os.path.join(d, f))]
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_blocks * 512
+    except OSError:
+        return 0
+
+
+def _resident(files: list[str]) -> int:
+    from sglang_simm_dev.bench.disk import resident_bytes
+
+    total = 0
+    for path in files:
+        with contextlib.suppress(OSError):
+            total += resident_bytes(path)
+    return total
+
+
+def drop_page_cache(files: list[str]) -> None:
+    """Each file's dirty pages written out, then its pages dropped from the page cache."""
+    from sglang_simm_dev.bench.disk import sync
+
+    sync(files, drop=True)

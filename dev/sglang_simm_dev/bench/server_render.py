@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from sglang_simm_dev.bench.server_backends import EVENT_BACKENDS, L3_BACKENDS, MOONCAKE_INSTALL
@@ -11,7 +12,7 @@ from sglang_simm_dev.bench.server_tap import SIZE_CLASSES, size_class
 
 #: how each backend is named in tables
 TITLES = {"ours": "ours (local store)", "ours-events": "ours, kv_events on, subscriber reading",
-          "ours-events-stalled": "ours, kv_events on, subscriber stalled",
+          "ours-events-stalled": "ours, kv_events on, subscriber stalled", "ours-disk": "ours (local store on a disk)",
           "file": "file (/dev/shm)", "mooncake": "Mooncake (TCP)",
           "mooncake-standalone": "Mooncake (standalone client)", "host": "host tier only", "none": "no HiCache"}
 
@@ -37,9 +38,18 @@ def _gbs(d: dict[str, float] | None) -> str:
     return f"{d['p10']:.2f} / {d['median']:.2f} / {d['p90']:.2f} ({d['n']})"
 
 
+def titles(result: dict[str, Any]) -> dict[str, str]:
+    """``TITLES``, with ``file`` named by where this run kept its folder."""
+    out = dict(TITLES)
+    if (result["settings"].get("l3_dirs", {}).get("file") or {}).get("medium") == "disk":
+        out["file"] = "file (disk)"
+    return out
+
+
 def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """Every table as (title, header, rows): one source for rich and Markdown."""
     s, summ = result["settings"], result["summary"]
+    TITLES = titles(result)  # noqa: N806 (the module's, with this run's media)
     names = s["backends"]
     out = []
     rows = []
@@ -96,16 +106,60 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                     [[TITLES.get(n, n), d["subscriber"], str(d["pages_announced"]), str(d["pages_dropped"]),
                       str(d["batches"]), str(d.get("pages_received", "-"))] for n, d in result["kv_events"].items()]))
     if result["restart"]:
-        out.append(("Restart on the same L3 (backups waited for with the scheduler idle, before the stop)",
-                    ["backend", "L3 hits", "same answers", "pages in L3 after (s)"],
-                    [[TITLES.get(n, n), f"{d['l3_hits']}/{d['prompts']}", f"{d['same_answers']}/{d['prompts']}",
-                      _seconds(d.get("backup_s"))] for n, d in result["restart"].items()]))
+        out.append(("Restart on the same L3 (backups waited for with the scheduler idle, before the stop; L3 files "
+                    "on a disk dropped from the page cache between stop and start): TTFT ms median (min-max) of the "
+                    "prompts",
+                    ["backend", "L3 hits", "L3 tokens", "TTFT", "same answers", "pages in L3 after (s)",
+                     "page cache dropped (MiB before / after)"],
+                    [[TITLES.get(n, n), f"{d['l3_hits']}/{d['prompts']}",
+                      f"{sum(d['l3_tokens'])}/{sum(d['expected_l3_tokens'])}" if "l3_tokens" in d else "-",
+                      _ms(_spread_of(d.get("ttft_s"))), f"{d['same_answers']}/{d['prompts']}",
+                      _seconds(d.get("backup_s")), _dropped(d.get("page_cache"))]
+                     for n, d in result["restart"].items()]))
+    if result.get("disk_goals"):
+        out.append(disk_table(result))
     return out
+
+
+def disk_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """ours on a disk against ``file`` on the same disk, and its decoders against no HiCache's."""
+    names = titles(result)
+    rows = []
+    for g in result["disk_goals"]:
+        if "ITL" in g["what"]:
+            value, other = _x(g["value"]), "1.00"
+            each = ", ".join(_x(v) for v in g["each"])
+            goal = f"<= {ITL_GOAL_RATIO:.2f}x"
+        else:
+            value, other = f"{g['value'] * 1e3:.0f}", f"{g['other'] * 1e3:.0f}"
+            each = (", ".join(f"{v * 1e3:.0f}" for v in g["each"]) + " vs "
+                    + ", ".join(f"{v * 1e3:.0f}" for v in g["other_each"]))
+            goal = "<= the other's"
+        rows.append([g["what"], names.get(g["backend"], g["backend"]), names.get(g["against"], g["against"]), value,
+                     other, each, goal, "met" if g["met"] else "missed"])
+    return ("The local store on a disk against SGLang's file backend on the same disk (TTFT ms: medians; each: "
+            "every repetition's, or every prompt's after the restart), and its decoders' p99 over no HiCache's",
+            ["figure", "backend", "against", "value", "other's", "each", "goal", ""], rows)
+
+
+def _spread_of(values: list[float] | None) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _dropped(d: dict[str, Any] | None) -> str:
+    if not d or d.get("medium") is None:
+        return "-"
+    if not d.get("dropped"):
+        return f"no ({d['medium']})"
+    return f"{d['resident_before'] / 2**20:.0f} / {d['resident_after'] / 2**20:.0f}"
 
 
 def itl_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
     """The decoders' inter-token latency under L3 traffic, per backend."""
     s, w = result["settings"], result["settings"]["workload"]
+    TITLES = titles(result)  # noqa: N806
     ref = result.get("itl_vs")
     rows = []
     for n in s["backends"]:
@@ -143,6 +197,7 @@ def _seconds(s: float | None) -> str:
 
 def notes(result: dict[str, Any]) -> list[str]:
     m, s = result["machine"], result["settings"]
+    TITLES = titles(result)  # noqa: N806
     v = m.get("versions", {})
     lines = [
         f"machine: {m['cpu']}, {m['cores']} cores, {(m.get('memory_bytes') or 0) / 2**30:.0f} GiB; {m['platform']}",
@@ -154,6 +209,8 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"load average (1/5/15 min): before {_load(result['load']['before'])}, after {_load(result['load']['after'])}; "
         f"whole run {result['seconds']:.0f} s; servers healthy after "
         + ", ".join(f"{n} {t:.0f} s" for n, t in result["server_start_s"].items()),
+        *([("L3 files: " + "; ".join(f"{n} in {d['dir']} ({d['medium']})" for n, d in s["l3_dirs"].items()))]
+          if s.get("l3_dirs") else []),
         f"answers: long prompts checked against their first answer (ids and logprobs); multi-turn answers against "
         f"{result['answers_vs']}'s: " + ", ".join(f"{n} {d['same']}/{d['of']}" for n, d in result["multi_turn_answers"].items()),
     ]
