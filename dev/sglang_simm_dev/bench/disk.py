@@ -379,7 +379,9 @@ def measure_size(root: str, name: str, size: int, total: int, batch: int, *, res
     n = max(1, total // size)
     capacity = n * size + max(n * size // 16, 64 << 20)
     res = SizeResult(object_bytes=size, objects=n, bytes=n * size, capacity_bytes=capacity)
-    rows = [np.empty((batch, pattern.words), dtype=np.uint64) for _ in range(2)]
+    # page-aligned, as SGLang's pinned host pool on a GPU server is
+    rows = [np.frombuffer(mmap.mmap(-1, batch * size), dtype=np.uint64).reshape(batch, pattern.words)
+            for _ in range(2)]
     scratch = np.empty((batch, pattern.words), dtype=np.uint64)
     addresses = [[row.ctypes.data + i * size for i in range(batch)] for row in rows]
     keys = [key_of(size, i) for i in range(n)]

@@ -29,6 +29,24 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: ahead of it faults in only its own pages.
 POPULATE_CHUNK = 2 << 20
 _madvise = released_libc("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_syscall = released_libc("syscall", ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_uint)
+_CACHESTAT = 451  # Linux 6.5+, every architecture
+#: On a disk, I/O aligned this well goes past the page cache.
+DIRECT_ALIGN = 4096
+_IOV_MAX = 1024
+
+
+def _cached(fd: int, off: int, size: int) -> bool:
+    """Whether the page cache holds all of ``[off, off + size)`` of ``fd``
+    (``cachestat``: it reads nothing ahead); False where the kernel cannot say."""
+    if _syscall is None:
+        return False
+    span, stat = (ctypes.c_uint64 * 2)(off, size), (ctypes.c_uint64 * 5)()
+    if _syscall(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
+        return False
+    return stat[0] * PAGE >= size
+
 
 #: Mappings a forked child inherited the Python objects of but not the memory
 #: (``MADV_DONTFORK``): kept alive for good, since unmapping them would unmap
@@ -51,6 +69,7 @@ class SegmentMap:
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.base = ctypes.addressof(self._anchor)
         self.fd = fd  # closed with the mapping
+        self._direct_fd: int | None = -1  # -1: not opened yet
         self._lock = threading.Lock()
         self.users, self.retired = 0, False
         self._populated, self._behind = 0, False
@@ -70,22 +89,55 @@ class SegmentMap:
                 self._fault(lo, hi, hold=hi - lo <= HELD_COPY_MAX)
             copy_many([(self.base + off, src, size) for off, src, size in copies])
             return
-        for off, src, size in copies:
-            view = memory(src, size)
-            while view:
-                n = os.pwrite(self.fd, view, off)
-                view, off = view[n:], off + n
+        for off, parts, total, fd in self._plan([(src, off, size) for off, src, size in copies], cold=True):
+            if os.pwritev(fd, [memory(a, n) for a, n in parts], off) != total:
+                for a, n in parts:  # short: the run again, one object at a time
+                    view = memory(a, n)
+                    while view:
+                        k = os.pwrite(self.fd, view, off)
+                        view, off = view[k:], off + k
 
     def read(self, copies: list[tuple[int, int, int]]) -> None:
         """``(dst, offset, size)``: out of the segment; OSError fails them."""
         if self.memory:
             copy_many([(dst, self.base + off, size) for dst, off, size in copies])
             return
-        for _, off, size in copies:  # read ahead the whole batch, then read
-            os.posix_fadvise(self.fd, off, size, os.POSIX_FADV_WILLNEED)
-        for dst, off, size in copies:
-            if os.preadv(self.fd, [memory(dst, size)], off) != size:
+        plan = self._plan(copies, cold=False)
+        for off, _, total, fd in plan:
+            if fd == self.fd:
+                os.posix_fadvise(fd, off, total, os.POSIX_FADV_WILLNEED)
+        for off, parts, total, fd in plan:
+            if os.preadv(fd, [memory(a, n) for a, n in parts], off) != total:
                 raise OSError(f"segment {self.gen}: a short read at {off}")
+
+    def _plan(self, copies: list[tuple[int, int, int]], *, cold: bool) -> list[tuple[int, list, int, int]]:
+        """``(address, offset, size)`` copies on a disk as ``(offset, [(address,
+        size)], bytes, fd)`` runs: objects that follow each other in the file
+        are one I/O. A run aligned for it goes past the page cache (``O_DIRECT``:
+        DMA, no copy, no page cache to fill and reclaim), unless it is a read
+        the page cache holds (``cold`` False), which is copied from there."""
+        runs: list[list] = []
+        for addr, off, size in sorted(copies, key=lambda c: c[1]):
+            if runs and runs[-1][0] + runs[-1][2] == off and len(runs[-1][1]) < _IOV_MAX:
+                runs[-1][1].append((addr, size))
+                runs[-1][2] += size
+            else:
+                runs.append([off, [(addr, size)], size])
+        direct = self._direct()
+        return [(off, parts, total,
+                 direct if direct is not None and not any((a | n) % DIRECT_ALIGN for a, n in parts)
+                 and not off % DIRECT_ALIGN and (cold or not _cached(self.fd, off, total)) else self.fd)
+                for off, parts, total in runs]
+
+    def _direct(self) -> int | None:
+        """The segment opened again for I/O past the page cache (a file
+        description of its own), or None where its filesystem cannot."""
+        if self._direct_fd == -1:
+            try:
+                self._direct_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError:
+                self._direct_fd = None
+        return self._direct_fd
 
     # -- faulting in behind the puts (memory) -----------------------------------------
 
@@ -169,11 +221,14 @@ class SegmentMap:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self._direct_fd not in (None, -1):
+            os.close(self._direct_fd)
+        self._direct_fd = None
 
     def inherited(self) -> None:
         """In a forked child: this map's memory did not come along."""
         _INHERITED.append(self)
-        self._anchor, self.retired, self.fd = None, True, -1
+        self._anchor, self.retired, self.fd, self._direct_fd = None, True, -1, None
 
 
 class Busy:
