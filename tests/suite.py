@@ -124,6 +124,27 @@ def host_store_dir():
         yield root
 
 
+@pytest.fixture(scope="session")
+def disk_store_dir(host_store_dir):
+    """A store directory on a disk (``$SGLANG_SIMM_DISK_TEST_DIR``, else the
+    temp directory); skipped, saying why, where that is memory."""
+    import shutil
+    import tempfile
+
+    from sglang_simm.local_store._paths import stop_store_processes
+    from sglang_simm.local_store._segments import medium_of
+
+    base = os.environ.get("SGLANG_SIMM_DISK_TEST_DIR") or tempfile.gettempdir()
+    if medium_of(base) != "disk":
+        pytest.skip(f"{base} is memory, not a disk: set SGLANG_SIMM_DISK_TEST_DIR to a folder on one")
+    root = tempfile.mkdtemp(prefix="sglang-simm-disk-tests-", dir=base)
+    try:
+        yield root
+    finally:
+        stop_store_processes(root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _client_flags_restored():
     """The local store client's flags are process-global, as SiMM's are: a flag

@@ -73,6 +73,7 @@ def _load_real_kv():
     params=[
         pytest.param("inprocess", marks=pytest.mark.local_store),
         pytest.param("host", marks=[pytest.mark.local_store, pytest.mark.host]),
+        pytest.param("disk", marks=[pytest.mark.local_store, pytest.mark.host]),
         pytest.param("real", marks=pytest.mark.real),
     ]
 )
@@ -90,9 +91,9 @@ def kv(request):
     # this process set (a backend's attach sets the capacity flag, for one).
     for name in _STORE_FLAGS:
         assert local_store.set_flag(name, FLAGS[name].default)
-    if request.param == "host":
+    if request.param in ("host", "disk"):
         local_store.set_flag("local_store_scope", "host")
-        local_store.set_flag("local_store_dir", request.getfixturevalue("host_store_dir"))
+        local_store.set_flag("local_store_dir", request.getfixturevalue(f"{request.param}_store_dir"))
     # A fresh, uniquely named server per test.
     local_store.set_flag("cm_primary_node_ip", f"contract-{uuid.uuid4().hex[:12]}")
     try:

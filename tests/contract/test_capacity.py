@@ -11,6 +11,7 @@ capacity.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
@@ -190,9 +191,15 @@ def test_capacity_flag_applies_when_a_server_is_created(kv, local_store_only):
     assert kv.get_server("capacity-flag-test-2").capacity_bytes == 999_999
 
 
-def test_default_capacity_is_4gib_capped_at_a_quarter_of_ram(kv, server):
-    from sglang_simm.local_store._segments import physical_memory_bytes
+def test_default_capacity_is_4gib_capped_at_a_quarter_of_ram_or_half_a_disks_free_space(kv, server):
+    from sglang_simm.local_store._segments import medium_of, physical_memory_bytes
 
+    root = getattr(server, "root", None)
+    if root and medium_of(root) == "disk":
+        free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+        # half of what was free when it started; the store's own files since are small
+        assert free // 2 - (256 << 20) <= server.capacity_bytes <= free // 2 + (256 << 20)
+        return
     ram = physical_memory_bytes()
     expected = min(4 << 30, ram // 4) if ram else 4 << 30
     assert kv.default_capacity_bytes() == expected

@@ -3,7 +3,6 @@ and client processes started there and stopped (by pid) after the test."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -16,11 +15,9 @@ from typing import Any
 
 import pytest
 
-from polling import until
+from checked_objects import Objects
 from raw_peer import StoreProc, env
-from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
 from sglang_simm.local_store._paths import stop_store_processes
-from store_child import check, fill
 
 CHILD = os.path.join(os.path.dirname(__file__), "store_child.py")
 
@@ -109,55 +106,15 @@ def child():
         c.finish()
 
 
-class Objects:
-    """This process as a client: self-checking objects put and read through a
-    ``StoreHandle`` (the store's own client side)."""
-
-    def __init__(self, root: str, name: str, size: int) -> None:
-        self.handle = StoreHandle(name, root=root, capacity=1 << 20, spawn=False, timeout_s=5.0)
-        self.size = size
-
-    def _call(self, fn, *args):
-        """``fn(*args)``, again while the store cannot be reached (it is
-        restarting: the first call after a crash fails, the next reconnects)."""
-        def attempt():
-            try:
-                return [fn(*args)]
-            except StoreUnreachable:
-                return None
-        return until(attempt, what=f"the store to answer {fn.__name__}")[0]
-
-    def put(self, keys: list[str], version: int = 1) -> list[int]:
-        bufs = [ctypes.create_string_buffer(self.size) for _ in keys]
-        for key, buf in zip(keys, bufs):
-            fill(buf, key, version)
-        return self._call(self.handle.put_from, [(k, ctypes.addressof(b), self.size) for k, b in zip(keys, bufs)],
-                          True)
-
-    def read(self, keys: list[str]) -> tuple[list[int], list[str]]:
-        """Per key its size or code, and what was wrong with the bytes of a hit."""
-        out = [ctypes.create_string_buffer(self.size) for _ in keys]
-        got = self._call(self.handle.get_into, [(k, ctypes.addressof(b), self.size) for k, b in zip(keys, out)])
-        return got, [why for key, buf, n in zip(keys, out, got) if n == self.size
-                     and (why := check(buf, key, self.size))]
-
-    def close(self) -> None:
-        self.handle.close()
-
-
 @pytest.fixture
 def objects(root):
     """``objects(name, size)`` -> an ``Objects`` client of the store ``name`` in ``root``."""
     made: list[Objects] = []
 
-    def make(name: str = "s", size: int = 64 << 10) -> Objects:
-        made.append(Objects(root, name, size))
+    def make(name: str = "s", size: int = 64 << 10, *, aligned: bool = False) -> Objects:
+        made.append(Objects(root, name, size, aligned=aligned))
         return made[-1]
 
     yield make
     for o in made:
         o.close()
-
-
-def wait_status(proc: StoreProc, predicate, what: str, timeout: float = 30.0) -> dict[str, Any]:
-    return until(lambda: s if predicate(s := proc.status()) else None, what=what, timeout=timeout)

@@ -197,3 +197,7 @@ class Peer:
 
     def abort(self, grant: int) -> None:
         self.send(frame(Op.ABORT, pack_i64(grant)))
+
+
+def wait_status(proc: StoreProc, predicate, what: str, timeout: float = 30.0) -> dict[str, Any]:
+    return until(lambda: s if predicate(s := proc.status()) else None, what=what, timeout=timeout)

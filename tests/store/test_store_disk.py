@@ -13,9 +13,9 @@ import tempfile
 import numpy as np
 import pytest
 
-from conftest import Objects, wait_status
+from checked_objects import Objects
 from polling import until
-from raw_peer import StoreProc
+from raw_peer import StoreProc, wait_status
 from sglang_simm.local_store._paths import StorePaths
 from sglang_simm.local_store._segments import medium_of
 from sglang_simm.local_store._table import ENTRY, HEADER_BYTES
@@ -26,29 +26,31 @@ pytestmark = pytest.mark.host
 SIZE = 256 << 10
 
 
-@pytest.fixture
-def disk():
+@pytest.fixture(params=["page-aligned", "unaligned"])
+def disk(request):
+    """A store directory on a disk, and whether this test's client buffers
+    are page-aligned (I/O past the page cache) or not (through it)."""
     base = os.environ.get("SGLANG_SIMM_DISK_TEST_DIR") or tempfile.gettempdir()
     if medium_of(base) != "disk":
         pytest.skip(f"{base} is no disk")
     root = tempfile.mkdtemp(prefix="sglang-simm-disk-", dir=base)
     os.chmod(root, 0o700)
     made: list = []
-    yield root, made
+    yield root, made, request.param == "page-aligned"
     for thing in made:
         thing.close() if isinstance(thing, Objects) else thing.stop()
     shutil.rmtree(root, ignore_errors=True)
 
 
 def start(disk, **kw) -> StoreProc:
-    root, made = disk
+    root, made, _ = disk
     made.append(StoreProc(root, "s", **kw))
     return made[-1]
 
 
 def client(disk) -> Objects:
-    root, made = disk
-    made.append(Objects(root, "s", SIZE))
+    root, made, aligned = disk
+    made.append(Objects(root, "s", SIZE, aligned=aligned))
     return made[-1]
 
 
@@ -189,11 +191,12 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_is_a_refused_put_never_a_crash(small_disk):
+@pytest.mark.parametrize("aligned", [True, False], ids=["page-aligned", "unaligned"])
+def test_a_full_disk_is_a_refused_put_never_a_crash(small_disk, aligned):
     root, made = small_disk
     proc = StoreProc(root, "s", capacity=256 << 20, extra=("--force",))
     made.append(proc)
-    me = Objects(root, "s", 1 << 20)
+    me = Objects(root, "s", 1 << 20, aligned=aligned)
     made.append(me)
     codes = [me.put([f"k{i}"])[0] for i in range(80)]
     assert OUT_OF_MEMORY in codes and codes[0] == OK, codes  # 48 MiB cannot hold 80

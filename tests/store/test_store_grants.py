@@ -10,9 +10,8 @@ import signal
 
 import pytest
 
-from conftest import wait_status
 from polling import until
-from raw_peer import Peer
+from raw_peer import Peer, wait_status
 from sglang_simm.simm_rules import DS_CACHE_POOL_ALLOC_FAILED, INVALID_ARGUMENT, OK, TARGET_UNAVAILABLE
 
 pytestmark = pytest.mark.host

@@ -12,9 +12,8 @@ import socket
 
 import pytest
 
-from conftest import wait_status
 from polling import until
-from raw_peer import Peer, StoreProc
+from raw_peer import Peer, StoreProc, wait_status
 from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
 from sglang_simm.local_store._protocol import HEADER, PROTOCOL_VERSION, Op, encode_keys, frame, pack_ints, pack_json
 from sglang_simm.simm_rules import (
@@ -71,7 +70,7 @@ def test_out_of_fds_on_accept_refuses_and_keeps_serving(store):
         try:
             with Peer(proc.paths, timeout=2) as p:
                 return p.lookup(["x"]) == [DS_KEY_NOT_FOUND]
-        except OSError:
+        except (OSError, AssertionError):  # refused again while the backlog's connections drain
             return False
 
     until(serves, what="the store to serve again")

@@ -13,9 +13,8 @@ import uuid
 import numpy as np
 import pytest
 
-from conftest import wait_status
 from polling import until
-from raw_peer import Peer, StoreProc
+from raw_peer import Peer, StoreProc, wait_status
 from sglang_simm.local_store._metrics import render_metrics
 from sglang_simm.local_store._paths import StorePaths, check_name, files_bytes
 from sglang_simm.local_store._table import ENTRY, HEADER_BYTES
