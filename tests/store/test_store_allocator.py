@@ -31,7 +31,7 @@ def check_invariants(a: ExtentAllocator, allocated: dict[int, int], start: int =
 def test_a_fresh_segment_is_one_free_extent():
     a = ExtentAllocator(10_000)
     assert a.size == 10_000 - 10_000 % ALIGN
-    assert a.free_bytes == a.size and a.free_extents() == [(0, a.size)] and a.high_water() == 0
+    assert a.free_bytes == a.size and a.free_extents() == [(0, a.size)]
 
 
 def test_nothing_is_handed_out_below_the_data_start():
@@ -52,7 +52,7 @@ def test_allocations_are_aligned_and_packed_low():
     a = ExtentAllocator(1 << 20)
     offsets = [a.alloc(n) for n in (1, 100, 64, 65)]
     assert offsets == [0, 64, 192, 256]
-    assert a.high_water() == 256 + 128
+    assert a.free_extents() == [(256 + 128, a.size)]
 
 
 def test_best_fit_prefers_the_smallest_hole_then_the_lowest():
@@ -124,17 +124,15 @@ def test_truncate_below_an_extent_still_held_drops_the_free_extents_under_it_too
     assert x == 0
 
 
-def test_free_extents_are_sorted_and_the_high_water_is_where_the_free_tail_starts():
-    """What a clear gives back (every free extent) and where the segment's
-    file is backed up to."""
+def test_free_extents_are_sorted_and_merged():
+    """What a clear gives back: every free extent, neighbours as one."""
     a = ExtentAllocator(1 << 16)
     first, second, third = a.alloc(4096), a.alloc(4096), a.alloc(4096)
     a.free(first, 4096)
     a.free(second, 4096)
     assert a.free_extents() == [(0, 8192), (third + 4096, 1 << 16)]
-    assert a.high_water() == third + 4096
-    a.alloc(a.free_bytes - 8192)  # the whole tail: no free tail, the high water is the end
-    assert a.high_water() == a.size
+    a.alloc(a.free_bytes - 8192)  # the whole tail
+    assert a.free_extents() == [(0, 8192)]
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -108,8 +108,3 @@ class ExtentAllocator:
     def free_extents(self) -> list[tuple[int, int]]:
         """``(start, end)`` of every free extent, sorted."""
         return sorted((s, s + n) for s, n in self._start_len.items())
-
-    def high_water(self) -> int:
-        """The end of the highest allocated byte: the free tail starts there."""
-        tail = self._end_start.get(self.size)
-        return self.size if tail is None else tail

@@ -48,6 +48,15 @@ def _cached(fd: int, off: int, size: int) -> bool:
     return stat[0] * PAGE >= size
 
 
+def _reopened_direct(fd: int) -> int | None:
+    """A segment's file opened again for I/O past the page cache (a file
+    description of its own), or None where its filesystem cannot."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
 #: Mappings a forked child inherited the Python objects of but not the memory
 #: (``MADV_DONTFORK``): kept alive for good, since unmapping them would unmap
 #: whatever the child maps at those addresses since.
@@ -69,7 +78,7 @@ class SegmentMap:
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.base = ctypes.addressof(self._anchor)
         self.fd = fd  # closed with the mapping
-        self._direct_fd: int | None = -1  # -1: not opened yet
+        self._direct = None if memory_medium else _reopened_direct(fd)
         self._lock = threading.Lock()
         self.users, self.retired = 0, False
         self._populated, self._behind = 0, False
@@ -123,21 +132,11 @@ class SegmentMap:
                 runs[-1][2] += size
             else:
                 runs.append([off, [(addr, size)], size])
-        direct = self._direct()
+        direct = self._direct
         return [(off, parts, total,
                  direct if direct is not None and not any((a | n) % DIRECT_ALIGN for a, n in parts)
                  and not off % DIRECT_ALIGN and (cold or not _cached(self.fd, off, total)) else self.fd)
                 for off, parts, total in runs]
-
-    def _direct(self) -> int | None:
-        """The segment opened again for I/O past the page cache (a file
-        description of its own), or None where its filesystem cannot."""
-        if self._direct_fd == -1:
-            try:
-                self._direct_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
-            except OSError:
-                self._direct_fd = None
-        return self._direct_fd
 
     # -- faulting in behind the puts (memory) -----------------------------------------
 
@@ -221,14 +220,14 @@ class SegmentMap:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if self._direct_fd not in (None, -1):
-            os.close(self._direct_fd)
-        self._direct_fd = None
+        if self._direct is not None:
+            os.close(self._direct)
+            self._direct = None
 
     def inherited(self) -> None:
         """In a forked child: this map's memory did not come along."""
         _INHERITED.append(self)
-        self._anchor, self.retired, self.fd, self._direct_fd = None, True, -1, None
+        self._anchor, self.retired, self.fd, self._direct = None, True, -1, None
 
 
 class Busy:
