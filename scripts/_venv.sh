@@ -150,6 +150,7 @@ PYEOF
     log "$venv: installing this repo ($target)"
     if [ "${target%.whl}" != "$target" ]; then
         pip_q "$py" install --no-deps "$target"  # a built wheel: no build step per venv
+        wheel_deps "$py" "$target"
         printf '%s\n' "$(cat dist/.tree-hash)" >"$venv/.wheel-hash"
         pip_q "$py" install --no-deps -e "$ROOT/dev"
     else
@@ -216,12 +217,21 @@ ensure_wheel() {
     fi
 }
 
+# wheel_deps PY WHEEL: the wheel's own dependencies that PY's venv lacks (a
+# venv built before the wheel declared them); its torch stays as it is.
+wheel_deps() {
+    local torch
+    torch="$("$1" -W ignore -c 'import torch; print(torch.__version__)')"
+    pip_q "$1" install "$2" "torch==$torch"
+}
+
 # install_wheel VENV: the wheel from ensure_wheel, unless VENV has it already.
 install_wheel() {
     local venv="$1" hash
     hash="$(cat dist/.tree-hash)"
     [ "$(cat "$venv/.wheel-hash" 2>/dev/null || true)" = "$hash" ] && return 0
     pip_q "$ROOT/$venv/bin/python" install --no-deps --force-reinstall "$ROOT/$WHEEL"
+    wheel_deps "$ROOT/$venv/bin/python" "$ROOT/$WHEEL"
     compile_tree "$ROOT/$venv/bin/python" "$("$ROOT/$venv/bin/python" -c 'import sglang_simm, os; print(os.path.dirname(sglang_simm.__file__))')"
     printf '%s\n' "$hash" >"$venv/.wheel-hash"
 }

@@ -79,7 +79,7 @@ def handle_differences(root: str, *, faults: bool = False, returns: bool = False
     it): with ``faults``, after installing it."""
     script = (
         "import json, sys\n"
-        f"sys.path[:0] = [{HERE!r}, {DEV!r}]\n"
+        f"sys.path[:0] = [{HERE!r}, {os.path.dirname(HERE)!r}, {DEV!r}]\n"
         "from test_server_contract import differences\n"
         "from sglang_simm.local_store._handle import StoreHandle\n"
         + ("from sglang_simm_dev.faults import configure_faults\nconfigure_faults('contract', down=True)\n"
