@@ -5,6 +5,8 @@ disk is a refused put. Store directories on the disk the tests run on
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 import subprocess
@@ -224,3 +226,27 @@ def test_a_client_of_a_disk_store_maps_only_the_client_table(disk):
         spans = [line.split()[0] for line in f if path in line]
     sizes = [int(hi, 16) - int(lo, 16) for lo, hi in (s.split("-") for s in spans)]
     assert spans and max(sizes) <= 1 << 20  # the header and the client table, not the objects
+
+
+def test_a_filesystem_that_refuses_direct_io_is_read_and_written_through_the_page_cache(disk, monkeypatch):
+    """Some filesystems open with O_DIRECT and then refuse its I/O (EINVAL):
+    every object still goes in and comes back whole."""
+    refused = []
+
+    def refusing(call):
+        def io(fd, views, off):
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                refused.append(fd)
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return call(fd, views, off)
+        return io
+
+    monkeypatch.setattr(os, "pwritev", refusing(os.pwritev))
+    monkeypatch.setattr(os, "preadv", refusing(os.preadv))
+    proc = start(disk, capacity=64 << 20)
+    me = client(disk)
+    assert me.put(keys("k", 20)) == [OK] * 20
+    drop_page_cache(proc.paths)
+    got, wrong = me.read(keys("k", 20))
+    assert got == [SIZE] * 20 and wrong == []
+    assert bool(refused) == disk[2]  # page-aligned buffers tried O_DIRECT first

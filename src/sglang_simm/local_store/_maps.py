@@ -15,6 +15,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -79,6 +80,7 @@ class SegmentMap:
         self.base = ctypes.addressof(self._anchor)
         self.fd = fd  # closed with the mapping
         self._direct = None if memory_medium else _reopened_direct(fd)
+        self._direct_ok = self._direct is not None
         self._lock = threading.Lock()
         self.users, self.retired = 0, False
         self._populated, self._behind = 0, False
@@ -99,7 +101,7 @@ class SegmentMap:
             copy_many([(self.base + off, src, size) for off, src, size in copies])
             return
         for off, parts, total, fd in self._plan([(src, off, size) for off, src, size in copies], cold=True):
-            if os.pwritev(fd, [memory(a, n) for a, n in parts], off) != total:
+            if self._io(os.pwritev, fd, [memory(a, n) for a, n in parts], off) != total:
                 for a, n in parts:  # short: the run again, one object at a time
                     view = memory(a, n)
                     while view:
@@ -116,7 +118,7 @@ class SegmentMap:
             if fd == self.fd:
                 os.posix_fadvise(fd, off, total, os.POSIX_FADV_WILLNEED)
         for off, parts, total, fd in plan:
-            if os.preadv(fd, [memory(a, n) for a, n in parts], off) != total:
+            if self._io(os.preadv, fd, [memory(a, n) for a, n in parts], off) != total:
                 raise OSError(f"segment {self.gen}: a short read at {off}")
 
     def _plan(self, copies: list[tuple[int, int, int]], *, cold: bool) -> list[tuple[int, list, int, int]]:
@@ -134,9 +136,22 @@ class SegmentMap:
                 runs.append([off, [(addr, size)], size])
         direct = self._direct
         return [(off, parts, total,
-                 direct if direct is not None and not any((a | n) % DIRECT_ALIGN for a, n in parts)
+                 direct if self._direct_ok and not any((a | n) % DIRECT_ALIGN for a, n in parts)
                  and not off % DIRECT_ALIGN and (cold or not _cached(self.fd, off, total)) else self.fd)
                 for off, parts, total in runs]
+
+    def _io(self, call, fd: int, views: list, off: int) -> int:
+        """One run's ``os.pwritev``/``os.preadv``. A filesystem that takes
+        ``O_DIRECT`` at open but refuses its I/O (EINVAL) gets the page cache
+        from then on; the descriptor stays open until the map's end, since
+        another thread's copy may be using it."""
+        try:
+            return call(fd, views, off)
+        except OSError as e:
+            if fd == self.fd or e.errno != errno.EINVAL:
+                raise
+            self._direct_ok = False
+            return call(self.fd, views, off)
 
     # -- faulting in behind the puts (memory) -----------------------------------------
 
@@ -222,12 +237,12 @@ class SegmentMap:
             self.fd = -1
         if self._direct is not None:
             os.close(self._direct)
-            self._direct = None
+            self._direct, self._direct_ok = None, False
 
     def inherited(self) -> None:
         """In a forked child: this map's memory did not come along."""
         _INHERITED.append(self)
-        self._anchor, self.retired, self.fd, self._direct = None, True, -1, None
+        self._anchor, self.retired, self.fd, self._direct, self._direct_ok = None, True, -1, None, False
 
 
 class Busy:
