@@ -31,13 +31,12 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from sglang_simm.local_store import _segments
 from sglang_simm.local_store._allocator import aligned
 from sglang_simm.local_store._index import StoreIndex
 from sglang_simm.local_store._limits import StoreLimits
-from sglang_simm.local_store._segments import BUSY, OwnSegment, Segment, segment_bytes
+from sglang_simm.local_store._segments import OwnSegment, Segment, segment_bytes
 from sglang_simm.local_store._table import IndexTable
 from sglang_simm.simm_rules import OK
 

@@ -17,7 +17,6 @@ from sglang_simm.simm_rules import (
     INVALID_ARGUMENT,
     OK,
     OUT_OF_MEMORY,
-    TARGET_UNAVAILABLE,
 )
 
 pytestmark = []  # pure: no store process

@@ -5,7 +5,6 @@ against store processes of the test's own (docs/local-store-design.md,
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import uuid

@@ -4,7 +4,6 @@ test's own, with raw peers, planted files and forks."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess

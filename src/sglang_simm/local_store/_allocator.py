@@ -100,7 +100,7 @@ class ExtentAllocator:
         if end >= self.size:
             return
         for start in [s for s, n in self._start_len.items() if s + n > end]:
-            length = self._remove(start)
+            self._remove(start)
             if start < end:
                 self._add(start, end - start)
         self.size = end
