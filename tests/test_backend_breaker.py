@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from pages import fill_random, hashes, page, raw, slots, tiny
-from sglang_simm.breaker import CLOSED, OPEN
+from sglang_simm.breaker import CLOSED, HALF_OPEN, OPEN
 from sglang_simm.local_store import get_server
 from sglang_simm_dev.faults import configure_faults
 from polling import until
@@ -374,7 +374,8 @@ def test_clear_and_close_are_not_gated(local, store_name):
     faults(down=False)
     backend.clear()  # an operator's action: goes to the store while the breaker is open
     assert len(get_server(store_name)) == 0
-    assert backend.breaker.state == OPEN
+    # not a probe, nor a success that closes it (its probe may fall due meanwhile)
+    assert backend.breaker.state in (OPEN, HALF_OPEN)
     backend.close()
     assert backend.client.closed
 
