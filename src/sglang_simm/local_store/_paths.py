@@ -308,7 +308,7 @@ def stop_store_processes(root: str, wait_s: float = STOP_WAIT_S) -> list[int]:
             if pid and pid != os.getpid() and pid_alive(pid) and lock_held(paths):
                 pids.append(pid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
+        for pid in [p for p in pids if pid_alive(p)]:  # a pid gone since may be another process's by now
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
