@@ -154,11 +154,13 @@ def test_a_demo_ended_by_sigterm_stops_the_store_it_started(host_store_dir):
             os.kill(store_pid, signal.SIGKILL)
 
 
-def test_a_stopped_server_leaves_no_load_report_file_in_dev_shm(tmp_path):
+@pytest.mark.parametrize("crash", [False, True], ids=["stopped", "crashed first"])
+def test_a_stopped_server_leaves_no_load_report_file_in_dev_shm(tmp_path, crash):
     """SGLang's schedulers map a load-report file in /dev/shm and leave it
     there when they end by a signal (SGLang sweeps them only in its own CI):
-    ``stop`` removes what the server's processes had mapped. A child of the
-    launched process maps one here, as a scheduler does."""
+    ``stop`` removes what the server's processes had mapped, also after a
+    ``crash`` (every process killed at once). A child of the launched
+    process maps one here, as a scheduler does."""
     import uuid
 
     from sglang_simm_dev.sglang_server import SGLANG_SHM_PREFIX, ServerConfig, SGLangServer
@@ -181,6 +183,9 @@ def test_a_stopped_server_leaves_no_load_report_file_in_dev_shm(tmp_path):
     try:
         assert server.proc.stdout.readline().strip() == "ready"
         assert os.path.exists(path)
+        if crash:
+            server.crash()
+            assert os.path.exists(path)  # a crash leaves it, as SGLang's do
         server.stop(timeout=5, grace=5)
         assert not os.path.exists(path) and os.path.exists(other)
     finally:

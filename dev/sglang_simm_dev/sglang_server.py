@@ -20,6 +20,7 @@ by the backend's local store (``l3_counts``), never from the server's log.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -360,6 +361,7 @@ class SGLangServer:
         self._l3: l3_counts.StoreCounter | None = None
         #: the server's ``TMPDIR`` while it runs (``make_server_tmpdir``)
         self.tmpdir: str | None = None
+        self._shm: set[str] = set()  # /dev/shm files of a crashed server's processes, for stop()
 
     # -- life cycle -----------------------------------------------------------
 
@@ -462,7 +464,8 @@ class SGLangServer:
         pgid = proc.pid  # start_new_session: the group is named by the leader's pid
         # SGLang's processes leave their load-report files in /dev/shm when
         # they end by a signal (SGLang sweeps them only in its own CI)
-        shm_files = _mapped_files([proc.pid, *_descendants(proc.pid)], SGLANG_SHM_PREFIX)
+        shm_files = self._shm | _mapped_files([proc.pid, *_descendants(proc.pid)], SGLANG_SHM_PREFIX)
+        self._shm = set()
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -488,6 +491,17 @@ class SGLangServer:
         counter, self._l3 = self._l3, None
         if counter is not None:
             counter.close()
+
+    def crash(self) -> None:
+        """Every process of the server killed at once (SIGKILL to its group),
+        as a crash or a CI timeout does; ``stop`` still cleans up after it."""
+        proc = self.proc
+        if proc is None:
+            return
+        self._shm |= _mapped_files([proc.pid, *_descendants(proc.pid)], SGLANG_SHM_PREFIX)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
     def __enter__(self) -> SGLangServer:
         return self.start() if self.proc is None else self

@@ -68,7 +68,7 @@ def restart(config: ServerConfig, paths: StorePaths, tmp_path, how: str) -> None
             handle = open_running(disk, name)
             assert handle.stop(), "the store did not stop"
         else:
-            os.killpg(first.proc.pid, signal.SIGKILL)
+            first.crash()
             os.kill(store_pid, signal.SIGKILL)
     finally:
         first.stop()
