@@ -8,6 +8,7 @@ import mmap
 
 from polling import until
 from sglang_simm.local_store._handle import StoreHandle, StoreUnreachable
+from sglang_simm.local_store._segments import page_up
 from store_child import check, fill
 
 
@@ -26,8 +27,8 @@ class Objects:
         if not self.aligned:
             return [(ctypes.c_char * self.size).from_buffer(ctypes.create_string_buffer(self.size + 8), 8)
                     for _ in range(n)]
-        self._maps.append(mm := mmap.mmap(-1, n * -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE))
-        step = -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE
+        step = page_up(self.size)
+        self._maps.append(mm := mmap.mmap(-1, n * step))
         return [(ctypes.c_char * self.size).from_buffer(mm, i * step) for i in range(n)]
 
     def _call(self, fn, *args):
