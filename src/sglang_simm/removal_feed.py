@@ -36,7 +36,7 @@ class RemovalFeed:
     def _run(self) -> None:
         cursor = None  # the first answer: from now, before this backend has announced anything
         while True:
-            while True:  # a full answer: ask again at once
+            while True:  # the cursor moved: ask again at once, until an answer brings nothing new
                 try:
                     before = cursor
                     cursor, lost, keys, prefixes = self._removed_since(cursor)
